@@ -1,0 +1,82 @@
+"""Model and build settings shared by the export side (torch) and the runtime side (numpy only)."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .errors import ModelError
+
+DTYPES = ("f32", "f16", "bf16")
+DEVICES = ("cpu", "vulkan", "cuda")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    intermediate: int
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    max_positions: int = 2048
+
+    @classmethod
+    def from_hf(cls, d: dict[str, Any]) -> "ModelConfig":
+        """From a Hugging Face LlamaConfig-style dict (as engine.checkpoint.read_config returns)."""
+        heads = int(d["num_attention_heads"])
+        cfg = cls(
+            vocab_size=int(d["vocab_size"]),
+            dim=int(d["hidden_size"]),
+            n_layers=int(d["num_hidden_layers"]),
+            n_heads=heads,
+            n_kv_heads=int(d.get("num_key_value_heads") or heads),
+            head_dim=int(d.get("head_dim") or int(d["hidden_size"]) // heads),
+            intermediate=int(d["intermediate_size"]),
+            rope_theta=float(d.get("rope_theta") or 10000.0),
+            rope_scaling=d.get("rope_scaling") or None,
+            norm_eps=float(d.get("rms_norm_eps") or 1e-5),
+            tie_embeddings=bool(d.get("tie_word_embeddings", False)),
+            max_positions=int(d.get("max_position_embeddings") or 2048),
+        )
+        if cfg.n_heads % cfg.n_kv_heads:
+            raise ModelError(f"{cfg.n_heads} attention heads are not a multiple of {cfg.n_kv_heads} KV heads")
+        return cfg
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class BuildSettings:
+    """Everything that changes the compiled module besides the weights."""
+
+    sinks: int = 4
+    window: int = 1020
+    dtype: str = "f16"
+    device: str = "cpu"
+    max_chunk: int = 512
+
+    def __post_init__(self) -> None:
+        if self.sinks < 0 or self.window < 1:
+            raise ValueError(f"need sinks >= 0 and window >= 1 (got sinks={self.sinks}, window={self.window})")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)} (got {self.dtype!r})")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {', '.join(DEVICES)} (got {self.device!r})")
+
+    @property
+    def capacity(self) -> int:
+        return self.sinks + self.window
+
+    @property
+    def chunk(self) -> int:
+        """Longest prefill call: a chunk never wraps the window ring onto itself."""
+        return min(self.max_chunk, self.window)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

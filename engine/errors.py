@@ -1,0 +1,17 @@
+"""Errors the engine raises on purpose: each carries a message meant for the user."""
+
+
+class EddyError(Exception):
+    """Base class: the message is shown to the user as is."""
+
+
+class ModelError(EddyError):
+    """The model cannot be used: unsupported, missing or corrupt files."""
+
+
+class ArtefactError(EddyError):
+    """A compiled artefact is missing, stale or damaged."""
+
+
+class PromptTooLongError(EddyError):
+    """A single turn does not fit the cache window."""

@@ -1,0 +1,183 @@
+"""A compact Llama whose KV cache is a StreamingLLM window, written to be exported by iree-turbine.
+
+One file in the spirit of gpt-fast's model.py. Export-side only (needs torch).
+
+The cache is one buffer [layers, 2, sinks + window, kv_heads, head_dim]. The host decides which slot each
+new token goes to (sinks first, then a ring over the window) and tells the module, per call:
+  * `slots`      the slot each new token is written to;
+  * `rope`       [4, n, head_dim/2]: cos/sin at each token's absolute position, and cos/sin at its position
+                 minus the tokens evicted so far (used only against the sink keys);
+  * `slot_pos`   the absolute position held by every slot after this write (a huge value when empty);
+  * `token_pos`  each new token's absolute position.
+Keys are stored rotated by their absolute position, so window keys never need re-rotation: their distance to
+a query is the same in the conversation as in the cache. Only the sinks sit closer to the query in the cache
+than in the conversation, and the second query rotation gives them exactly their in-cache distance. The
+result is StreamingLLM's rule (each token attended at its position within the cache) with no copy of the
+cache and no re-rotation on eviction.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import BuildSettings, ModelConfig
+
+TORCH_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+EMPTY_SLOT = 2**62  # slot_pos of an empty slot: later than any token, so masked for every query
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    # 16-bit weights are widened inside the graph: IREE fuses the widening into the matmul, so decode reads
+    # half the bytes while activations and accumulation stay float32.
+    return F.linear(x, w.float())
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding in the Hugging Face (rotate-half) layout. x [n, heads, D], cos/sin [n, D/2]."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, sinks: int, layer: int) -> None:
+        super().__init__()
+        self.cfg, self.sinks, self.layer = cfg, sinks, layer
+        self.wq = nn.Parameter(torch.empty(cfg.n_heads * cfg.head_dim, cfg.dim))
+        self.wk = nn.Parameter(torch.empty(cfg.n_kv_heads * cfg.head_dim, cfg.dim))
+        self.wv = nn.Parameter(torch.empty(cfg.n_kv_heads * cfg.head_dim, cfg.dim))
+        self.wo = nn.Parameter(torch.empty(cfg.dim, cfg.n_heads * cfg.head_dim))
+
+    def forward(self, x: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, rope: torch.Tensor,
+                mask: torch.Tensor, single: bool) -> torch.Tensor:
+        cfg, n = self.cfg, x.shape[0]
+        kvh, rep, d = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
+        # Grouped-query attention through views and broadcasting: a reshape mixing the dynamic length with
+        # head counts breaks torch.export's shape constraints.
+        q = linear(x, self.wq).view(n, cfg.n_heads, d)
+        k = rotate(linear(x, self.wk).view(n, kvh, d), rope[0], rope[1])
+        v = linear(x, self.wv).view(n, kvh, d)
+        layer = torch.full((1,), self.layer, dtype=torch.int64)
+        cache.index_put_((layer, torch.zeros_like(layer), slots), k.to(cache.dtype))
+        cache.index_put_((layer, torch.ones_like(layer), slots), v.to(cache.dtype))
+        keys, values = cache[self.layer, 0].float(), cache[self.layer, 1].float()  # [C, kvh, d]
+        scale = d ** -0.5
+        q_abs = rotate(q, rope[0], rope[1]).view(n, kvh, rep, d)
+        if single:
+            # One query: multiply-and-sum keeps the cache in place (a matmul would repack it every step).
+            scores = (q_abs.view(kvh, rep, 1, d) * keys.permute(1, 0, 2).unsqueeze(1)).sum(-1) * scale
+            if self.sinks:
+                q_sink = rotate(q, rope[2], rope[3]).view(kvh, rep, 1, d)
+                sink_scores = (q_sink * keys[: self.sinks].permute(1, 0, 2).unsqueeze(1)).sum(-1) * scale
+                scores = torch.cat([sink_scores, scores[..., self.sinks:]], dim=-1)
+            probs = torch.softmax(scores + mask.view(1, 1, -1), dim=-1)  # [kvh, rep, C]
+            out = (probs.unsqueeze(-1) * values.permute(1, 0, 2).unsqueeze(1)).sum(-2)  # [kvh, rep, d]
+            return linear(out.reshape(1, cfg.n_heads * d), self.wo)
+        qh = q_abs.permute(1, 2, 0, 3)  # [kvh, rep, n, d]
+        scores = torch.matmul(qh, keys.permute(1, 2, 0).unsqueeze(1)) * scale  # [kvh, rep, n, C]
+        if self.sinks:
+            q_sink = rotate(q, rope[2], rope[3]).view(n, kvh, rep, d).permute(1, 2, 0, 3)
+            sink_scores = torch.matmul(q_sink, keys[: self.sinks].permute(1, 2, 0).unsqueeze(1)) * scale
+            scores = torch.cat([sink_scores, scores[..., self.sinks:]], dim=-1)
+        probs = torch.softmax(scores + mask, dim=-1)
+        out = torch.matmul(probs, values.permute(1, 0, 2).unsqueeze(1))  # [kvh, rep, n, d]
+        return linear(out.permute(2, 0, 1, 3).reshape(n, cfg.n_heads * d), self.wo)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.w_gate = nn.Parameter(torch.empty(cfg.intermediate, cfg.dim))
+        self.w_up = nn.Parameter(torch.empty(cfg.intermediate, cfg.dim))
+        self.w_down = nn.Parameter(torch.empty(cfg.dim, cfg.intermediate))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(F.silu(linear(x, self.w_gate)) * linear(x, self.w_up), self.w_down)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, sinks: int, layer: int) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg, sinks, layer)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(self, x, cache, slots, rope, mask, single):
+        x = x + self.attention(self.attention_norm(x), cache, slots, rope, mask, single)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class StreamingLlama(nn.Module):
+    def __init__(self, cfg: ModelConfig, settings: BuildSettings) -> None:
+        super().__init__()
+        self.cfg, self.settings = cfg, settings
+        self.tok_embeddings = nn.Parameter(torch.empty(cfg.vocab_size, cfg.dim))
+        self.layers = nn.ModuleList(Block(cfg, settings.sinks, i) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = None if cfg.tie_embeddings else nn.Parameter(torch.empty(cfg.vocab_size, cfg.dim))
+        # One cache global for all layers: with many per-layer globals a zero-splat initialiser gave wrong
+        # logits in IREE. float32, since 16-bit buffers do not initialise reliably in turbine.
+        self.register_buffer(
+            "cache",
+            torch.zeros(cfg.n_layers, 2, settings.capacity, cfg.n_kv_heads, cfg.head_dim),
+            persistent=False,
+        )
+
+    def hidden(self, tokens, slots, rope, slot_pos, token_pos, single: bool) -> torch.Tensor:
+        x = F.embedding(tokens, self.tok_embeddings).float()
+        neg = torch.full((), float("-inf"))
+        mask = torch.where(slot_pos.unsqueeze(0) <= token_pos.unsqueeze(1), torch.zeros(()), neg)  # [n, C]
+        for block in self.layers:
+            x = block(x, self.cache, slots, rope, mask, single)
+        return self.norm(x)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.tok_embeddings if self.output is None else self.output)
+
+    def prefill(self, tokens, slots, rope, slot_pos, token_pos) -> torch.Tensor:
+        """Appends n tokens to the cache; returns the logits after the last one [1, vocab]."""
+        return self.head(self.hidden(tokens, slots, rope, slot_pos, token_pos, single=False)[-1:])
+
+    def decode(self, tokens, slots, rope, slot_pos, token_pos) -> torch.Tensor:
+        """prefill for exactly one token, with single-query attention."""
+        return self.head(self.hidden(tokens, slots, rope, slot_pos, token_pos, single=True))
+
+    def score(self, tokens, targets, slots, rope, slot_pos, token_pos) -> torch.Tensor:
+        """Appends n tokens; returns log p(targets[i] | tokens[..i]) for each [n] (for perplexity)."""
+        logp = torch.log_softmax(self.head(self.hidden(tokens, slots, rope, slot_pos, token_pos, False)), -1)
+        return torch.gather(logp, 1, targets.unsqueeze(1)).squeeze(1)
+
+    def reset(self) -> torch.Tensor:
+        self.cache.zero_()
+        return self.cache[0, 0, 0, 0, :1] + 0.0
+
+    def load_hf(self, state: dict[str, torch.Tensor]) -> None:
+        """Copies a Hugging Face Llama state dict in, casting matrices to the build's weight dtype."""
+        wdt = TORCH_DTYPES[self.settings.dtype]
+        with torch.no_grad():
+            self.tok_embeddings = nn.Parameter(state["model.embed_tokens.weight"].to(wdt))
+            if self.output is not None:
+                self.output = nn.Parameter(state["lm_head.weight"].to(wdt))
+            self.norm.weight.copy_(state["model.norm.weight"])
+            for i, block in enumerate(self.layers):
+                p = f"model.layers.{i}."
+                a, f = block.attention, block.feed_forward
+                for name, key in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj")):
+                    setattr(a, name, nn.Parameter(state[f"{p}self_attn.{key}.weight"].to(wdt)))
+                for name, key in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")):
+                    setattr(f, name, nn.Parameter(state[f"{p}mlp.{key}.weight"].to(wdt)))
+                block.attention_norm.weight.copy_(state[f"{p}input_layernorm.weight"])
+                block.ffn_norm.weight.copy_(state[f"{p}post_attention_layernorm.weight"])

@@ -1,0 +1,143 @@
+"""Runs a compiled StreamingLLM module with iree.runtime. No torch on this path.
+
+`CompiledModule` is the thin IREE wrapper; `StreamingEngine` keeps the host side of the cache: which token
+sits in which slot (the token-level mirror), where the next tokens go, and the statistics the UI shows.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import iree.runtime as rt
+
+from . import rope
+from .config import BuildSettings, ModelConfig
+from .errors import ArtefactError
+
+EMPTY_SLOT = 2**62  # must equal engine.model.EMPTY_SLOT: later than every token, so always masked
+DRIVERS = {"cpu": "local-task", "vulkan": "vulkan", "cuda": "cuda"}
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    sinks: int
+    window: int
+    capacity: int
+    used: int
+    evicted: int
+    position: int
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+class CompiledModule:
+    """The .vmfb and its .irpa loaded into one IREE context; the KV cache lives in the module's globals."""
+
+    def __init__(self, folder: Path, device: str = "cpu") -> None:
+        vmfb, irpa = folder / "module.vmfb", folder / "weights.irpa"
+        for f in (vmfb, irpa):
+            if not f.is_file():
+                raise ArtefactError(f"compiled artefact missing: {f}")
+        try:
+            self.instance = rt.VmInstance()
+            self.device = rt.get_device(DRIVERS[device])
+            index = rt.ParameterIndex()
+            index.load(str(irpa))
+            params = rt.create_io_parameters_module(self.instance, index.create_provider(scope="model"))
+            hal = rt.create_hal_module(self.instance, self.device)
+            main = rt.VmModule.mmap(self.instance, str(vmfb))
+            self.context = rt.SystemContext(vm_modules=[hal, params, main], config=rt.Config(device=self.device))
+            functions = self.context.modules.module
+            self._prefill, self._decode = functions["prefill"], functions["decode"]
+            self._score, self._reset = functions["score"], functions["reset"]
+        except (RuntimeError, ValueError, KeyError) as e:
+            raise ArtefactError(f"cannot load the compiled module in {folder}: {e}") from e
+
+    def prefill(self, *args: np.ndarray) -> np.ndarray:
+        return self._prefill(*args).to_host()
+
+    def decode(self, *args: np.ndarray) -> np.ndarray:
+        return self._decode(*args).to_host()
+
+    def score(self, *args: np.ndarray) -> np.ndarray:
+        return self._score(*args).to_host()
+
+    def reset(self) -> None:
+        self._reset()
+
+
+class StreamingEngine:
+    """A conversation's cache: sinks kept forever, then a ring over the window."""
+
+    def __init__(self, module: CompiledModule, cfg: ModelConfig, settings: BuildSettings) -> None:
+        self.module, self.cfg, self.settings = module, cfg, settings
+        self.freq = rope.inv_freq(cfg)
+        self.reset()
+
+    def reset(self) -> None:
+        s = self.settings
+        self.module.reset()
+        self.position = 0  # tokens fed so far in this conversation
+        self.slot_pos = np.full(s.capacity, EMPTY_SLOT, dtype=np.int64)
+        self.slot_token = np.full(s.capacity, -1, dtype=np.int64)
+
+    @property
+    def stats(self) -> CacheStats:
+        s = self.settings
+        return CacheStats(s.sinks, s.window, s.capacity, min(self.position, s.capacity), self.evicted, self.position)
+
+    @property
+    def evicted(self) -> int:
+        return max(0, self.position - self.settings.capacity)
+
+    def mirror(self) -> list[int]:
+        """The tokens the cache holds, in conversation order."""
+        used = self.slot_pos != EMPTY_SLOT
+        order = np.argsort(self.slot_pos[used], kind="stable")
+        return self.slot_token[used][order].tolist()
+
+    def slot_of(self, positions: np.ndarray) -> np.ndarray:
+        s = self.settings
+        return np.where(positions < s.sinks, positions, s.sinks + (positions - s.sinks) % s.window)
+
+    def _inputs(self, ids: np.ndarray) -> tuple[np.ndarray, ...]:
+        n = len(ids)
+        positions = np.arange(self.position, self.position + n, dtype=np.int64)
+        slots = self.slot_of(positions)
+        self.slot_pos[slots] = positions
+        self.slot_token[slots] = ids
+        self.position += n
+        # Sinks sit `evicted` positions closer to every query in the cache than in the conversation.
+        cos, sin = rope.tables(self.freq, positions)
+        cos_s, sin_s = rope.tables(self.freq, positions - self.evicted)
+        return ids, slots, np.stack([cos, sin, cos_s, sin_s]), self.slot_pos.copy(), positions
+
+    def _chunks(self, ids: Sequence[int]) -> list[np.ndarray]:
+        arr = np.asarray(ids, dtype=np.int64)
+        if arr.size == 0:
+            raise ValueError("a prefill evaluates at least one token")
+        step = self.settings.chunk
+        return [arr[i : i + step] for i in range(0, len(arr), step)]
+
+    def prefill(self, ids: Sequence[int]) -> np.ndarray:
+        """Appends tokens (chunked within the compiled bound); returns the logits after the last [vocab]."""
+        logits = None
+        for chunk in self._chunks(ids):
+            logits = self.module.prefill(*self._inputs(chunk))
+        return logits[0]
+
+    def decode(self, token: int) -> np.ndarray:
+        return self.module.decode(*self._inputs(np.array([token], dtype=np.int64)))[0]
+
+    def score(self, ids: Sequence[int], targets: Sequence[int]) -> np.ndarray:
+        """Appends tokens; returns log p(targets[i]) after each [n]."""
+        tg = np.asarray(targets, dtype=np.int64)
+        out, done = [], 0
+        for chunk in self._chunks(ids):
+            out.append(self.module.score(chunk, tg[done : done + len(chunk)], *self._inputs(chunk)[1:]))
+            done += len(chunk)
+        return np.concatenate(out)

@@ -1,0 +1,330 @@
+"""Tokenizer and chat template for the runtime: `tokenizers` + a sandboxed Jinja template, no torch/transformers.
+
+A model folder holds `tokenizer.json` (Hugging Face `tokenizers` format) and `chat.json`:
+    {"chat_template": str, "bos_token": str|null, "eos_token": str|null,
+     "stop_tokens": [str, ...], "add_bos_token": bool}
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.utils
+from jinja2.exceptions import SecurityError, TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as _HFTokenizer
+
+from .errors import ModelError
+
+TOKENIZER_FILE = "tokenizer.json"
+CHAT_FILE = "chat.json"
+
+# Private-use characters for sentinels; a pair is picked that occurs in no content, so splitting is unambiguous.
+_SENTINEL_CHARS = [chr(c) for c in range(0xE000, 0xE020)]
+# Stand-in content for an assistant turn when measuring the text that closes it.
+_PROBE_CONTENT = "Eddy"
+
+
+class _Sandbox(ImmutableSandboxedEnvironment):
+    # Jinja's default is to return a silent Undefined for a blocked attribute, which can render as "" and hide
+    # an attack; a chat template has no business touching internals, so refuse loudly.
+    def unsafe_undefined(self, obj: Any, attribute: str) -> jinja2.Undefined:
+        raise SecurityError(f"access to attribute {attribute!r} of {type(obj).__name__!r} object is unsafe")
+
+
+class _Namespace(jinja2.utils.Namespace):
+    # Same hardening as transformers: underscore names on a namespace are a known route to internals.
+    def __init__(*args: Any, **kwargs: Any) -> None:
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _Namespace._check_name(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _Namespace._check_name(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check_name(name: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise SecurityError(f"namespace attribute {name!r} is not allowed")
+
+
+def _raise_exception(message: str) -> None:
+    raise TemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: Any = None, sort_keys: bool = False) -> str:
+    # Jinja's own tojson HTML-escapes; templates are written against the transformers variant.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _compile_template(source: str, where: Path) -> jinja2.Template:
+    # Settings mirror transformers' apply_chat_template so prompts match what the model was trained on.
+    env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    env.globals["namespace"] = _Namespace
+    env.globals["dict"] = lambda *a, **kw: dict(*a, **kw)
+    try:
+        return env.from_string(source)
+    except TemplateError as exc:
+        raise ModelError(f"{where}: chat_template does not compile: {exc}") from exc
+
+
+def _load_chat_config(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ModelError(f"{path}: file is missing")
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelError(f"{path}: cannot be read: {exc}") from exc
+    if not isinstance(cfg, dict):
+        raise ModelError(f"{path}: expected a JSON object")
+
+    def check(key: str, ok: bool, expected: str) -> None:
+        if not ok:
+            raise ModelError(f"{path}: {key!r} must be {expected}, got {cfg.get(key)!r}")
+
+    check("chat_template", isinstance(cfg.get("chat_template"), str), "a string")
+    for key in ("bos_token", "eos_token"):
+        check(key, cfg.get(key) is None or isinstance(cfg[key], str), "a string or null")
+    stops = cfg.get("stop_tokens", [])
+    check("stop_tokens", isinstance(stops, list) and all(isinstance(s, str) for s in stops), "a list of strings")
+    check("add_bos_token", isinstance(cfg.get("add_bos_token", False), bool), "true or false")
+    return cfg
+
+
+def _merge(pieces: list[tuple[str, bool]]) -> list[tuple[str, bool]]:
+    # Canonical form (no empties, neighbours of the same kind joined) so piece lists can be compared for equality.
+    out: list[tuple[str, bool]] = []
+    for text, is_user in pieces:
+        if not text:
+            continue
+        if out and out[-1][1] == is_user:
+            out[-1] = (out[-1][0] + text, is_user)
+        else:
+            out.append((text, is_user))
+    return out
+
+
+def _split_at(pieces: list[tuple[str, bool]], pos: int) -> tuple[list[tuple[str, bool]], list[tuple[str, bool]]]:
+    head: list[tuple[str, bool]] = []
+    tail: list[tuple[str, bool]] = []
+    for text, is_user in pieces:
+        cut = min(max(pos, 0), len(text))
+        head.append((text[:cut], is_user))
+        tail.append((text[cut:], is_user))
+        pos -= len(text)
+    return _merge(head), _merge(tail)
+
+
+class Tokenizer:
+    """Text <-> ids, and chat rendering that never lets user-typed text become control tokens."""
+
+    def __init__(self, tok: _HFTokenizer, cfg: dict[str, Any], where: Path) -> None:
+        self._tok = tok
+        # encode_text needs special tokens treated as text; a separate instance keeps that thread-safe.
+        self._plain = _HFTokenizer.from_str(tok.to_str())
+        self._plain.encode_special_tokens = True
+        self._template = _compile_template(cfg["chat_template"], where)
+        self._bos_token: str | None = cfg.get("bos_token")
+        self._eos_token: str | None = cfg.get("eos_token")
+        self._add_bos: bool = cfg.get("add_bos_token", False)
+
+        self.vocab_size: int = tok.get_vocab_size(with_added_tokens=True)
+        self.bos_id: int | None = tok.token_to_id(self._bos_token) if self._bos_token else None
+        if self._add_bos and self.bos_id is None:
+            raise ModelError(f"{where}: add_bos_token is set but bos_token {self._bos_token!r} is not in the vocabulary")
+        stops = [*cfg.get("stop_tokens", []), *([self._eos_token] if self._eos_token else [])]
+        ids = (tok.token_to_id(s) for s in stops)
+        self.stop_ids: frozenset[int] = frozenset(i for i in ids if i is not None)
+        if not self.stop_ids:
+            # Generation could then only end at the length limit, which is never what the model intends.
+            raise ModelError(f"{where}: none of the stop tokens {stops} is in the vocabulary")
+
+    @classmethod
+    def from_dir(cls, folder: Path) -> "Tokenizer":
+        folder = Path(folder)
+        tok_path = folder / TOKENIZER_FILE
+        if not tok_path.is_file():
+            raise ModelError(f"{tok_path}: file is missing")
+        try:
+            tok = _HFTokenizer.from_file(str(tok_path))
+        except Exception as exc:  # the Rust side raises plain Exception for any parse problem
+            raise ModelError(f"{tok_path}: corrupt or unsupported tokenizer file: {exc}") from exc
+        chat_path = folder / CHAT_FILE
+        return cls(tok, _load_chat_config(chat_path), chat_path)
+
+    # --- encoding -------------------------------------------------------------------------------------------
+
+    def encode_text(self, text: str) -> list[int]:
+        return self._plain.encode(text, add_special_tokens=False).ids
+
+    def encode_template(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=False)
+
+    def detokenizer(self) -> "StreamDecoder":
+        return StreamDecoder(self)
+
+    # --- chat -----------------------------------------------------------------------------------------------
+
+    def render(self, messages: list[dict], add_generation_prompt: bool) -> list[tuple[str, bool]]:
+        """Rendered prompt as (text, is_user_content) pieces; message contents are the True pieces."""
+        return _merge([(text, idx is not None) for text, idx in self._render(messages, add_generation_prompt)])
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+        ids = self._encode_pieces(self.render(messages, add_generation_prompt))
+        if self._add_bos and self.bos_id is not None and ids[:1] != [self.bos_id]:
+            ids.insert(0, self.bos_id)
+        return ids
+
+    def chat_delta(self, history: list[dict], new_messages: list[dict],
+                   add_generation_prompt: bool = True) -> list[int] | None:
+        """Ids to append after a cache holding `history` (rendered without generation prompt), or None when the
+        template renders the longer conversation with a different beginning and the cache must be rebuilt."""
+        if not history:
+            return self.encode_chat(new_messages, add_generation_prompt)
+        base = self.render(history, False)
+        full = self.render([*history, *new_messages], add_generation_prompt)
+        head, tail = _split_at(full, sum(len(t) for t, _ in base))
+        # Equal pieces (not just equal strings) guarantee equal ids, since pieces are encoded independently.
+        if head != base:
+            return None
+        return self._encode_pieces(tail)
+
+    def turn_suffix(self, history: list[dict]) -> str:
+        """Template text that closes an assistant turn (ChatML: "<|im_end|>\\n"), or "" if it cannot be told."""
+        probe = [*history, {"role": "assistant", "content": _PROBE_CONTENT}]
+        try:
+            pieces = self._render(probe, False)
+        except ModelError:
+            return ""
+        last = len(probe) - 1
+        positions = [i for i, (_, idx) in enumerate(pieces) if idx == last]
+        if not positions:
+            return ""
+        suffix = ""
+        for text, idx in pieces[positions[-1] + 1:]:
+            if idx is not None:
+                break
+            suffix += text
+        return suffix
+
+    # --- internals ------------------------------------------------------------------------------------------
+
+    def _encode_pieces(self, pieces: list[tuple[str, bool]]) -> list[int]:
+        ids: list[int] = []
+        for text, is_user in pieces:
+            ids += self.encode_text(text) if is_user else self.encode_template(text)
+        return ids
+
+    def _run_template(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         bos_token=self._bos_token or "", eos_token=self._eos_token or "")
+        except SecurityError as exc:
+            raise ModelError(f"chat template is unsafe: {exc}") from exc
+        except Exception as exc:  # a template may fail in any way (raise_exception, bad types, ...)
+            raise ModelError(f"chat template failed: {exc}") from exc
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool) -> list[tuple[str, int | None]]:
+        # Pieces tagged with the index of the message whose content they are (None: template text). Contents
+        # are swapped for sentinels so the template's own text can be told apart from anything a user typed.
+        contents = [m.get("content") if isinstance(m, dict) else None for m in messages]
+        texts = [c for c in contents if isinstance(c, str)]
+        used = set(self._template_source_chars()).union(*texts)
+        free = [c for c in _SENTINEL_CHARS if c not in used]
+        if len(free) < 2:
+            raise ModelError("chat template failed: message content uses every sentinel character")
+        open_, close = free[0], free[1]
+        swapped = [
+            {**m, "content": f"{open_}{i}{close}"} if isinstance(contents[i], str) else m
+            for i, m in enumerate(messages)
+        ]
+        rendered = self._run_template(swapped, add_generation_prompt)
+        parts = re.split(f"{open_}(\\d+){close}", rendered)
+        indices = [int(p) for p in parts[1::2]]
+        templ = parts[0::2]
+
+        real = self._run_template(messages, add_generation_prompt)
+        # Templates may transform content (commonly `| trim`); use whichever reading reproduces the real render.
+        # If none does, keep the raw contents: the prompt may differ slightly but user text still stays text.
+        chosen = [contents[i] for i in indices]
+        for candidate in (chosen, [c.strip() for c in chosen]):
+            joined = "".join(t + c for t, c in zip(templ, candidate)) + templ[-1]
+            if joined == real:
+                chosen = candidate
+                break
+
+        pieces: list[tuple[str, int | None]] = [(templ[0], None)]
+        for idx, content, text in zip(indices, chosen, templ[1:]):
+            pieces += [(content, idx), (text, None)]
+        return pieces
+
+    def _template_source_chars(self) -> str:
+        return self._template_source
+
+    @property
+    def _template_source(self) -> str:
+        # Only consulted for sentinel picking; compiled templates don't keep their source, so cache it once.
+        return getattr(self, "_source_cache", "")
+
+
+class StreamDecoder:
+    """Incremental detokenisation: push token ids one at a time, get text deltas that never contain broken UTF-8
+    (a partial multi-byte character is held back, U+FFFD never emitted for an incomplete sequence), and whose
+    concatenation equals tokenizer.decode(all ids) exactly (including special tokens as text, e.g. '<|im_end|>')."""
+
+    # The window is trimmed back to _KEEP tokens of left context once it exceeds _MAX, so a push costs O(1).
+    _KEEP = 6
+    _MAX = 24
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._decode = tokenizer.decode
+        self._ids: list[int] = []
+        self._emitted = 0  # characters of decode(self._ids) already handed out
+
+    def push(self, token_id: int) -> str:
+        self._ids.append(token_id)
+        text = self._decode(self._ids)
+        # Only trailing U+FFFD can still change (an unfinished byte sequence; with byte-fallback vocabularies a
+        # whole run of them), so hold those back and hand out everything before.
+        stable = len(text.rstrip("\ufffd"))
+        out = text[self._emitted:stable]
+        self._emitted = max(self._emitted, stable)
+        if len(self._ids) > self._MAX:
+            self._trim(text)
+        return out
+
+    def flush(self) -> str:
+        out = self._decode(self._ids)[self._emitted:]
+        self._ids, self._emitted = [], 0
+        return out
+
+    def _trim(self, text: str) -> None:
+        # Dropping leading ids is safe where the shorter window decodes to an exact suffix of the current text
+        # (not mid-character, decoder in step) that still covers everything not yet handed out.
+        pending = len(text) - self._emitted
+        for start in range(len(self._ids) - self._KEEP, 0, -1):
+            rest = self._decode(self._ids[start:])
+            if len(rest) >= pending and text.endswith(rest):
+                self._ids = self._ids[start:]
+                self._emitted = len(rest) - pending
+                return
