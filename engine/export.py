@@ -1,6 +1,9 @@
 """Checkpoint → StreamingLlama → iree-turbine export → IREE compile → .vmfb + .irpa (needs torch)."""
 from __future__ import annotations
 
+import re
+import subprocess
+import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
@@ -10,12 +13,17 @@ import torch
 import iree.turbine.aot as aot
 
 from .config import BuildSettings, ModelConfig
+from .errors import ArtefactError, EddyError
 from .model import StreamingLlama
 
 if TYPE_CHECKING:
     from .checkpoint import ModelSource
 
 Progress = Callable[[str, float], None]
+
+
+class BuildCancelled(EddyError):
+    """The user cancelled a build; nothing was cached."""
 
 COMPILE_FLAGS = {
     "cpu": [
@@ -41,11 +49,12 @@ def build_model(cfg: ModelConfig, settings: BuildSettings, state: dict[str, torc
 
 
 def example_args(cfg: ModelConfig, settings: BuildSettings, n: int) -> tuple[torch.Tensor, ...]:
-    """(tokens, slots, rope, slot_pos, token_pos) for n new tokens."""
+    """(tokens, slots, rope, shift, slot_pos, token_pos) for n new tokens."""
     return (
         torch.zeros(n, dtype=torch.int64),
         torch.arange(n, dtype=torch.int64),
-        torch.zeros(4, n, cfg.head_dim // 2),
+        torch.zeros(2, n, cfg.head_dim // 2),
+        torch.zeros(2, cfg.head_dim // 2),
         torch.zeros(settings.capacity, dtype=torch.int64),
         torch.zeros(n, dtype=torch.int64),
     )
@@ -55,17 +64,17 @@ def export_module(model: StreamingLlama) -> "aot.ExportOutput":
     cfg, settings = model.cfg, model.settings
     # Bounds are not checked at run time (a longer call silently computes garbage); the runtime chunks.
     n = torch.export.Dim("n", min=1, max=settings.chunk)
-    dyn = {"tokens": {0: n}, "slots": {0: n}, "rope": {1: n}, "slot_pos": None, "token_pos": {0: n}}
+    dyn = {"tokens": {0: n}, "slots": {0: n}, "rope": {1: n}, "shift": None, "slot_pos": None, "token_pos": {0: n}}
     fxb = aot.FxProgramsBuilder(model)
     example = example_args(cfg, settings, 2)
 
     @fxb.export_program(name="prefill", args=example, dynamic_shapes=dyn, strict=False)
-    def prefill(m, tokens, slots, rope, slot_pos, token_pos):
-        return m.prefill(tokens, slots, rope, slot_pos, token_pos)
+    def prefill(m, tokens, slots, rope, shift, slot_pos, token_pos):
+        return m.prefill(tokens, slots, rope, shift, slot_pos, token_pos)
 
     @fxb.export_program(name="decode", args=example_args(cfg, settings, 1), strict=False)
-    def decode(m, tokens, slots, rope, slot_pos, token_pos):
-        return m.decode(tokens, slots, rope, slot_pos, token_pos)
+    def decode(m, tokens, slots, rope, shift, slot_pos, token_pos):
+        return m.decode(tokens, slots, rope, shift, slot_pos, token_pos)
 
     @fxb.export_program(
         name="score",
@@ -73,8 +82,8 @@ def export_module(model: StreamingLlama) -> "aot.ExportOutput":
         dynamic_shapes={"targets": {0: n}, **dyn},
         strict=False,
     )
-    def score(m, tokens, targets, slots, rope, slot_pos, token_pos):
-        return m.score(tokens, targets, slots, rope, slot_pos, token_pos)
+    def score(m, tokens, targets, slots, rope, shift, slot_pos, token_pos):
+        return m.score(tokens, targets, slots, rope, shift, slot_pos, token_pos)
 
     @fxb.export_program(name="reset", args=(), strict=False)
     def reset(m):
@@ -83,30 +92,73 @@ def export_module(model: StreamingLlama) -> "aot.ExportOutput":
     return aot.export(fxb)
 
 
+def zero_init_cache(mlir: str) -> str:
+    """Replaces the cache global's inlined initial value (a dense blob as big as the cache) by a zero splat.
+
+    turbine inlines non-persistent buffers into the MLIR: tens of MB of zeros that make export, the file and
+    compilation slow. The blobs live in the trailing `{-# dialect_resources #-}` section, which holds nothing
+    else here (the weights are external parameters).
+    """
+    body = mlir.split("\n{-#", 1)[0]
+    return re.sub(r"dense_resource<__auto\.constant[^>]*> : (tensor<[^>]*>)", r"dense<0.000000e+00> : \1", body)
+
+
+def compile_mlir(mlir_path: Path, vmfb_path: Path, device: str, progress: Progress,
+                 should_cancel: Callable[[], bool], expected_s: float) -> None:
+    """Runs iree-compile in a subprocess: it can be cancelled, and a crash cannot take the app down."""
+    from iree.compiler.tools.binaries import find_tool
+
+    cmd = [find_tool("iree-compile"), str(mlir_path), "-o", str(vmfb_path), *COMPILE_FLAGS[device]]
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        start = time.perf_counter()
+        while proc.poll() is None:
+            if should_cancel():
+                proc.kill()
+                proc.wait()
+                raise BuildCancelled("compilation cancelled")
+            elapsed = time.perf_counter() - start
+            progress("compiling", 0.6 + 0.39 * min(1.0, elapsed / expected_s))
+            time.sleep(0.1)
+        if proc.returncode:
+            log.seek(0)
+            tail = log.read().decode(errors="replace")[-4000:]
+            raise ArtefactError(f"iree-compile failed (exit {proc.returncode}):\n{tail}")
+
+
 def build(source: "ModelSource", cfg: ModelConfig, settings: BuildSettings, out_dir: Path,
-          progress: Progress | None = None) -> dict[str, float]:
+          progress: Progress | None = None, should_cancel: Callable[[], bool] | None = None) -> dict[str, float]:
     """Writes module.vmfb and weights.irpa into out_dir; returns seconds per stage."""
-    report = progress or (lambda stage, fraction: None)
-    times: dict[str, float] = {}
-    t = time.perf_counter()
-    report("loading weights", 0.0)
     from .checkpoint import load_state_dict
 
+    report = progress or (lambda stage, fraction: None)
+    cancelled = should_cancel or (lambda: False)
+    times: dict[str, float] = {}
+
+    def stage(name: str, fraction: float) -> float:
+        if cancelled():
+            raise BuildCancelled(f"cancelled before {name}")
+        report(name, fraction)
+        return time.perf_counter()
+
+    t = stage("loading weights", 0.0)
     model = build_model(cfg, settings, load_state_dict(source))
     times["load"] = time.perf_counter() - t
-    report("exporting", 0.15)
-    t = time.perf_counter()
+    t = stage("exporting", 0.1)
     aot.externalize_module_parameters(model)
     output = export_module(model)
+    mlir_path = out_dir / "module.mlir"
+    mlir_path.write_text(zero_init_cache(str(output.mlir_module)))
     times["export"] = time.perf_counter() - t
-    report("saving weights", 0.5)
-    t = time.perf_counter()
+    t = stage("saving weights", 0.5)
     aot.save_module_parameters(str(out_dir / "weights.irpa"), model)
+    del model, output
     times["save"] = time.perf_counter() - t
-    report("compiling", 0.55)
-    t = time.perf_counter()
-    output.session.set_flags(*COMPILE_FLAGS[settings.device])
-    output.compile(save_to=str(out_dir / "module.vmfb"))
+    t = stage("compiling", 0.6)
+    # Rough compile time: grows with layers; only drives the progress bar.
+    expected = 5.0 + 1.5 * cfg.n_layers
+    compile_mlir(mlir_path, out_dir / "module.vmfb", settings.device, report, cancelled, expected)
+    mlir_path.unlink()
     times["compile"] = time.perf_counter() - t
     report("done", 1.0)
     return times

@@ -5,13 +5,13 @@ One file in the spirit of gpt-fast's model.py. Export-side only (needs torch).
 The cache is one buffer [layers, 2, sinks + window, kv_heads, head_dim]. The host decides which slot each
 new token goes to (sinks first, then a ring over the window) and tells the module, per call:
   * `slots`      the slot each new token is written to;
-  * `rope`       [4, n, head_dim/2]: cos/sin at each token's absolute position, and cos/sin at its position
-                 minus the tokens evicted so far (used only against the sink keys);
+  * `rope`       [2, n, head_dim/2]: cos/sin at each new token's absolute position;
+  * `shift`      [2, head_dim/2]: cos/sin of the number of tokens evicted so far;
   * `slot_pos`   the absolute position held by every slot after this write (a huge value when empty);
   * `token_pos`  each new token's absolute position.
 Keys are stored rotated by their absolute position, so window keys never need re-rotation: their distance to
-a query is the same in the conversation as in the cache. Only the sinks sit closer to the query in the cache
-than in the conversation, and the second query rotation gives them exactly their in-cache distance. The
+a query is the same in the conversation as in the cache. Only the sinks sit closer to the queries in the cache
+than in the conversation, and rotating their keys forward by the evicted count gives their in-cache distance. The
 result is StreamingLLM's rule (each token attended at its position within the cache) with no copy of the
 cache and no re-rotation on eviction.
 """
@@ -55,42 +55,40 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, sinks: int, layer: int) -> None:
         super().__init__()
         self.cfg, self.sinks, self.layer = cfg, sinks, layer
-        self.wq = nn.Parameter(torch.empty(cfg.n_heads * cfg.head_dim, cfg.dim))
-        self.wk = nn.Parameter(torch.empty(cfg.n_kv_heads * cfg.head_dim, cfg.dim))
-        self.wv = nn.Parameter(torch.empty(cfg.n_kv_heads * cfg.head_dim, cfg.dim))
+        # q, k and v as one matrix: one matmul reads x once.
+        self.wqkv = nn.Parameter(torch.empty((cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, cfg.dim))
         self.wo = nn.Parameter(torch.empty(cfg.dim, cfg.n_heads * cfg.head_dim))
 
     def forward(self, x: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, rope: torch.Tensor,
-                mask: torch.Tensor, single: bool) -> torch.Tensor:
+                shift: torch.Tensor, mask: torch.Tensor, single: bool) -> torch.Tensor:
         cfg, n = self.cfg, x.shape[0]
         kvh, rep, d = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
         # Grouped-query attention through views and broadcasting: a reshape mixing the dynamic length with
         # head counts breaks torch.export's shape constraints.
-        q = linear(x, self.wq).view(n, cfg.n_heads, d)
-        k = rotate(linear(x, self.wk).view(n, kvh, d), rope[0], rope[1])
-        v = linear(x, self.wv).view(n, kvh, d)
+        qkv = linear(x, self.wqkv)
+        q = qkv[:, : cfg.n_heads * d].view(n, cfg.n_heads, d)
+        k = rotate(qkv[:, cfg.n_heads * d : (cfg.n_heads + kvh) * d].view(n, kvh, d), rope[0], rope[1])
+        v = qkv[:, (cfg.n_heads + kvh) * d :].view(n, kvh, d)
         layer = torch.full((1,), self.layer, dtype=torch.int64)
         cache.index_put_((layer, torch.zeros_like(layer), slots), k.to(cache.dtype))
         cache.index_put_((layer, torch.ones_like(layer), slots), v.to(cache.dtype))
         keys, values = cache[self.layer, 0].float(), cache[self.layer, 1].float()  # [C, kvh, d]
+        if self.sinks:
+            # Sinks sit `evicted` positions closer to the queries in the cache than in the conversation:
+            # rotating their keys forward by that much gives exactly their in-cache distance. Elementwise,
+            # so it fuses into the attention dispatch instead of costing a second matmul or a concat.
+            shifted = rotate(keys, shift[0:1], shift[1:2])
+            is_sink = torch.arange(keys.shape[0]) < self.sinks
+            keys = torch.where(is_sink.view(-1, 1, 1), shifted, keys)
         scale = d ** -0.5
-        q_abs = rotate(q, rope[0], rope[1]).view(n, kvh, rep, d)
+        q = rotate(q, rope[0], rope[1]).view(n, kvh, rep, d)
         if single:
             # One query: multiply-and-sum keeps the cache in place (a matmul would repack it every step).
-            scores = (q_abs.view(kvh, rep, 1, d) * keys.permute(1, 0, 2).unsqueeze(1)).sum(-1) * scale
-            if self.sinks:
-                q_sink = rotate(q, rope[2], rope[3]).view(kvh, rep, 1, d)
-                sink_scores = (q_sink * keys[: self.sinks].permute(1, 0, 2).unsqueeze(1)).sum(-1) * scale
-                scores = torch.cat([sink_scores, scores[..., self.sinks:]], dim=-1)
+            scores = (q.view(kvh, rep, 1, d) * keys.permute(1, 0, 2).unsqueeze(1)).sum(-1) * scale
             probs = torch.softmax(scores + mask.view(1, 1, -1), dim=-1)  # [kvh, rep, C]
             out = (probs.unsqueeze(-1) * values.permute(1, 0, 2).unsqueeze(1)).sum(-2)  # [kvh, rep, d]
             return linear(out.reshape(1, cfg.n_heads * d), self.wo)
-        qh = q_abs.permute(1, 2, 0, 3)  # [kvh, rep, n, d]
-        scores = torch.matmul(qh, keys.permute(1, 2, 0).unsqueeze(1)) * scale  # [kvh, rep, n, C]
-        if self.sinks:
-            q_sink = rotate(q, rope[2], rope[3]).view(n, kvh, rep, d).permute(1, 2, 0, 3)
-            sink_scores = torch.matmul(q_sink, keys[: self.sinks].permute(1, 2, 0).unsqueeze(1)) * scale
-            scores = torch.cat([sink_scores, scores[..., self.sinks:]], dim=-1)
+        scores = torch.matmul(q.permute(1, 2, 0, 3), keys.permute(1, 2, 0).unsqueeze(1)) * scale  # [kvh, rep, n, C]
         probs = torch.softmax(scores + mask, dim=-1)
         out = torch.matmul(probs, values.permute(1, 0, 2).unsqueeze(1))  # [kvh, rep, n, d]
         return linear(out.permute(2, 0, 1, 3).reshape(n, cfg.n_heads * d), self.wo)
@@ -99,12 +97,14 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.w_gate = nn.Parameter(torch.empty(cfg.intermediate, cfg.dim))
-        self.w_up = nn.Parameter(torch.empty(cfg.intermediate, cfg.dim))
+        self.intermediate = cfg.intermediate
+        self.w_gate_up = nn.Parameter(torch.empty(2 * cfg.intermediate, cfg.dim))
         self.w_down = nn.Parameter(torch.empty(cfg.dim, cfg.intermediate))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(F.silu(linear(x, self.w_gate)) * linear(x, self.w_up), self.w_down)
+        gate_up = linear(x, self.w_gate_up)
+        gate, up = gate_up[:, : self.intermediate], gate_up[:, self.intermediate :]
+        return linear(F.silu(gate) * up, self.w_down)
 
 
 class Block(nn.Module):
@@ -115,8 +115,8 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
 
-    def forward(self, x, cache, slots, rope, mask, single):
-        x = x + self.attention(self.attention_norm(x), cache, slots, rope, mask, single)
+    def forward(self, x, cache, slots, rope, shift, mask, single):
+        x = x + self.attention(self.attention_norm(x), cache, slots, rope, shift, mask, single)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -136,28 +136,32 @@ class StreamingLlama(nn.Module):
             persistent=False,
         )
 
-    def hidden(self, tokens, slots, rope, slot_pos, token_pos, single: bool) -> torch.Tensor:
+    def hidden(self, tokens, slots, rope, shift, slot_pos, token_pos, single: bool) -> torch.Tensor:
         x = F.embedding(tokens, self.tok_embeddings).float()
         neg = torch.full((), float("-inf"))
         mask = torch.where(slot_pos.unsqueeze(0) <= token_pos.unsqueeze(1), torch.zeros(()), neg)  # [n, C]
         for block in self.layers:
-            x = block(x, self.cache, slots, rope, mask, single)
+            x = block(x, self.cache, slots, rope, shift, mask, single)
         return self.norm(x)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.tok_embeddings if self.output is None else self.output)
 
-    def prefill(self, tokens, slots, rope, slot_pos, token_pos) -> torch.Tensor:
+    def prefill(self, tokens, slots, rope, shift, slot_pos, token_pos) -> torch.Tensor:
         """Appends n tokens to the cache; returns the logits after the last one [1, vocab]."""
-        return self.head(self.hidden(tokens, slots, rope, slot_pos, token_pos, single=False)[-1:])
+        x = self.hidden(tokens, slots, rope, shift, slot_pos, token_pos, single=False)
+        # A gather by a data-dependent index rather than x[-1:]: IREE would otherwise narrow the last layer to
+        # one row and emit a reduction dispatch whose stack frame exceeds the CPU limit.
+        last = torch.argmax(token_pos).unsqueeze(0)
+        return self.head(x.index_select(0, last))
 
-    def decode(self, tokens, slots, rope, slot_pos, token_pos) -> torch.Tensor:
+    def decode(self, tokens, slots, rope, shift, slot_pos, token_pos) -> torch.Tensor:
         """prefill for exactly one token, with single-query attention."""
-        return self.head(self.hidden(tokens, slots, rope, slot_pos, token_pos, single=True))
+        return self.head(self.hidden(tokens, slots, rope, shift, slot_pos, token_pos, single=True))
 
-    def score(self, tokens, targets, slots, rope, slot_pos, token_pos) -> torch.Tensor:
+    def score(self, tokens, targets, slots, rope, shift, slot_pos, token_pos) -> torch.Tensor:
         """Appends n tokens; returns log p(targets[i] | tokens[..i]) for each [n] (for perplexity)."""
-        logp = torch.log_softmax(self.head(self.hidden(tokens, slots, rope, slot_pos, token_pos, False)), -1)
+        logp = torch.log_softmax(self.head(self.hidden(tokens, slots, rope, shift, slot_pos, token_pos, False)), -1)
         return torch.gather(logp, 1, targets.unsqueeze(1)).squeeze(1)
 
     def reset(self) -> torch.Tensor:
@@ -175,9 +179,10 @@ class StreamingLlama(nn.Module):
             for i, block in enumerate(self.layers):
                 p = f"model.layers.{i}."
                 a, f = block.attention, block.feed_forward
-                for name, key in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj")):
-                    setattr(a, name, nn.Parameter(state[f"{p}self_attn.{key}.weight"].to(wdt)))
-                for name, key in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")):
-                    setattr(f, name, nn.Parameter(state[f"{p}mlp.{key}.weight"].to(wdt)))
+                attn = [state[f"{p}self_attn.{key}_proj.weight"] for key in "qkv"]
+                a.wqkv = nn.Parameter(torch.cat(attn).to(wdt))
+                a.wo = nn.Parameter(state[f"{p}self_attn.o_proj.weight"].to(wdt))
+                f.w_gate_up = nn.Parameter(torch.cat([state[f"{p}mlp.gate_proj.weight"], state[f"{p}mlp.up_proj.weight"]]).to(wdt))
+                f.w_down = nn.Parameter(state[f"{p}mlp.down_proj.weight"].to(wdt))
                 block.attention_norm.weight.copy_(state[f"{p}input_layernorm.weight"])
                 block.ffn_norm.weight.copy_(state[f"{p}post_attention_layernorm.weight"])

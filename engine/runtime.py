@@ -5,7 +5,6 @@ sits in which slot (the token-level mirror), where the next tokens go, and the s
 """
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
@@ -57,14 +56,16 @@ class CompiledModule:
         except (RuntimeError, ValueError, KeyError) as e:
             raise ArtefactError(f"cannot load the compiled module in {folder}: {e}") from e
 
+    # Results are copied out: to_host() is a view of a device buffer that IREE recycles once the result
+    # object is collected, so a kept view would silently change under a later call.
     def prefill(self, *args: np.ndarray) -> np.ndarray:
-        return self._prefill(*args).to_host()
+        return np.array(self._prefill(*args).to_host())
 
     def decode(self, *args: np.ndarray) -> np.ndarray:
-        return self._decode(*args).to_host()
+        return np.array(self._decode(*args).to_host())
 
     def score(self, *args: np.ndarray) -> np.ndarray:
-        return self._score(*args).to_host()
+        return np.array(self._score(*args).to_host())
 
     def reset(self) -> None:
         self._reset()
@@ -111,10 +112,10 @@ class StreamingEngine:
         self.slot_pos[slots] = positions
         self.slot_token[slots] = ids
         self.position += n
-        # Sinks sit `evicted` positions closer to every query in the cache than in the conversation.
         cos, sin = rope.tables(self.freq, positions)
-        cos_s, sin_s = rope.tables(self.freq, positions - self.evicted)
-        return ids, slots, np.stack([cos, sin, cos_s, sin_s]), self.slot_pos.copy(), positions
+        # Sinks sit `evicted` positions closer to every query in the cache than in the conversation.
+        shift = np.concatenate(rope.tables(self.freq, [self.evicted]))
+        return ids, slots, np.stack([cos, sin]), shift, self.slot_pos.copy(), positions
 
     def _chunks(self, ids: Sequence[int]) -> list[np.ndarray]:
         arr = np.asarray(ids, dtype=np.int64)
@@ -141,3 +142,12 @@ class StreamingEngine:
             out.append(self.module.score(chunk, tg[done : done + len(chunk)], *self._inputs(chunk)[1:]))
             done += len(chunk)
         return np.concatenate(out)
+
+
+def load_artefacts(folder: Path) -> tuple[CompiledModule, ModelConfig, BuildSettings]:
+    """Opens a built artefact folder (checked against its manifest)."""
+    from .artefacts import read_manifest
+
+    manifest = read_manifest(folder)
+    settings = BuildSettings(**manifest["settings"])
+    return CompiledModule(folder, settings.device), ModelConfig(**manifest["config"]), settings

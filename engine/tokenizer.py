@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -71,7 +72,15 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+def _jinja_is_patched() -> bool:
+    # Jinja before 3.1.6 has known sandbox escapes (str.format via |attr), and chat templates are untrusted code.
+    parts = re.findall(r"\d+", jinja2.__version__)[:3]
+    return tuple(int(p) for p in parts) >= (3, 1, 6)
+
+
 def _compile_template(source: str, where: Path) -> jinja2.Template:
+    if not _jinja_is_patched():
+        raise ModelError(f"jinja2 {jinja2.__version__} has known sandbox escapes; Eddy needs jinja2 >= 3.1.6")
     # Settings mirror transformers' apply_chat_template so prompts match what the model was trained on.
     env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
@@ -137,15 +146,17 @@ class Tokenizer:
 
     def __init__(self, tok: _HFTokenizer, cfg: dict[str, Any], where: Path) -> None:
         self._tok = tok
-        # encode_text needs special tokens treated as text; a separate instance keeps that thread-safe.
-        self._plain = _HFTokenizer.from_str(tok.to_str())
-        self._plain.encode_special_tokens = True
-        self._template = _compile_template(cfg["chat_template"], where)
+        # encode_text flips the shared encode_special_tokens flag; the lock keeps concurrent callers from seeing
+        # each other's setting (cheaper than a second parsed copy of the vocabulary).
+        self._lock = threading.Lock()
+        self._template_source: str = cfg["chat_template"]
+        self._template = _compile_template(self._template_source, where)
         self._bos_token: str | None = cfg.get("bos_token")
         self._eos_token: str | None = cfg.get("eos_token")
         self._add_bos: bool = cfg.get("add_bos_token", False)
 
         self.vocab_size: int = tok.get_vocab_size(with_added_tokens=True)
+        self._special_ids = frozenset(i for i, t in tok.get_added_tokens_decoder().items() if t.special)
         self.bos_id: int | None = tok.token_to_id(self._bos_token) if self._bos_token else None
         if self._add_bos and self.bos_id is None:
             raise ModelError(f"{where}: add_bos_token is set but bos_token {self._bos_token!r} is not in the vocabulary")
@@ -172,10 +183,10 @@ class Tokenizer:
     # --- encoding -------------------------------------------------------------------------------------------
 
     def encode_text(self, text: str) -> list[int]:
-        return self._plain.encode(text, add_special_tokens=False).ids
+        return self._encode(text, specials=False)
 
     def encode_template(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        return self._encode(text, specials=True)
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=False)
@@ -204,7 +215,9 @@ class Tokenizer:
         base = self.render(history, False)
         full = self.render([*history, *new_messages], add_generation_prompt)
         head, tail = _split_at(full, sum(len(t) for t, _ in base))
-        # Equal pieces (not just equal strings) guarantee equal ids, since pieces are encoded independently.
+        # Equal pieces (not just equal strings) mean the cache holds exactly encode(head). The tail is encoded on
+        # its own; when the seam is not at a special token a merge across it is lost, which the model tolerates
+        # far better than a full rebuild (ChatML's seam is always "\n" | "<|im_start|>", so it is exact there).
         if head != base:
             return None
         return self._encode_pieces(tail)
@@ -229,11 +242,34 @@ class Tokenizer:
 
     # --- internals ------------------------------------------------------------------------------------------
 
+    def _encode(self, text: str, specials: bool) -> list[int]:
+        with self._lock:
+            self._tok.encode_special_tokens = not specials
+            try:
+                return self._tok.encode(text, add_special_tokens=False).ids
+            finally:
+                self._tok.encode_special_tokens = False
+
     def _encode_pieces(self, pieces: list[tuple[str, bool]]) -> list[int]:
+        # Only special tokens found inside template text become control ids. The text between them is encoded
+        # as one run even where template text and content meet, so BPE merges across that seam exactly as
+        # transformers' apply_chat_template would (e.g. "\n" + "  text" -> "\n " + " text").
         ids: list[int] = []
+        run = ""
         for text, is_user in pieces:
-            ids += self.encode_text(text) if is_user else self.encode_template(text)
-        return ids
+            if is_user:
+                run += text
+                continue
+            with self._lock:
+                enc = self._tok.encode(text, add_special_tokens=False)
+            pos = 0
+            for tid, (start, end) in zip(enc.ids, enc.offsets):
+                if tid in self._special_ids:
+                    ids += self.encode_text(run + text[pos:start])
+                    ids.append(tid)
+                    run, pos = "", end
+            run += text[pos:]
+        return ids + self.encode_text(run)
 
     def _run_template(self, messages: list[dict], add_generation_prompt: bool) -> str:
         try:
@@ -247,12 +283,11 @@ class Tokenizer:
     def _render(self, messages: list[dict], add_generation_prompt: bool) -> list[tuple[str, int | None]]:
         # Pieces tagged with the index of the message whose content they are (None: template text). Contents
         # are swapped for sentinels so the template's own text can be told apart from anything a user typed.
-        contents = [m.get("content") if isinstance(m, dict) else None for m in messages]
-        texts = [c for c in contents if isinstance(c, str)]
-        used = set(self._template_source_chars()).union(*texts)
+        contents = [m.get("content") for m in messages]
+        used = set(self._template_source).union(*(v for m in messages for v in m.values() if isinstance(v, str)))
         free = [c for c in _SENTINEL_CHARS if c not in used]
         if len(free) < 2:
-            raise ModelError("chat template failed: message content uses every sentinel character")
+            raise ModelError("chat template failed: messages use every sentinel character")
         open_, close = free[0], free[1]
         swapped = [
             {**m, "content": f"{open_}{i}{close}"} if isinstance(contents[i], str) else m
@@ -262,6 +297,8 @@ class Tokenizer:
         parts = re.split(f"{open_}(\\d+){close}", rendered)
         indices = [int(p) for p in parts[1::2]]
         templ = parts[0::2]
+        if any(open_ in t or close in t for t in templ):
+            raise ModelError("chat template failed: it alters message content in a way that cannot be followed")
 
         real = self._run_template(messages, add_generation_prompt)
         # Templates may transform content (commonly `| trim`); use whichever reading reproduces the real render.
@@ -277,14 +314,6 @@ class Tokenizer:
         for idx, content, text in zip(indices, chosen, templ[1:]):
             pieces += [(content, idx), (text, None)]
         return pieces
-
-    def _template_source_chars(self) -> str:
-        return self._template_source
-
-    @property
-    def _template_source(self) -> str:
-        # Only consulted for sentinel picking; compiled templates don't keep their source, so cache it once.
-        return getattr(self, "_source_cache", "")
 
 
 class StreamDecoder:
@@ -322,7 +351,9 @@ class StreamDecoder:
         # Dropping leading ids is safe where the shorter window decodes to an exact suffix of the current text
         # (not mid-character, decoder in step) that still covers everything not yet handed out.
         pending = len(text) - self._emitted
-        for start in range(len(self._ids) - self._KEEP, 0, -1):
+        # A few candidates suffice: in ordinary text a clean boundary is never far away; else retry next push.
+        first = len(self._ids) - self._KEEP
+        for start in range(first, max(first - 8, 0), -1):
             rest = self._decode(self._ids[start:])
             if len(rest) >= pending and text.endswith(rest):
                 self._ids = self._ids[start:]

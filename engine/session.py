@@ -1,0 +1,132 @@
+"""A chat over a StreamingEngine: the template, the token-level turn bookkeeping and the generation loop.
+
+The cache already holds every earlier turn, so a new turn feeds only what the template adds after it:
+the tokens still owed from closing the last reply (e.g. ChatML's "\\n" after "<|im_end|>") and the new
+user message with the generation prompt. The history is never re-tokenised.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .errors import PromptTooLongError
+from .runtime import StreamingEngine
+from .sampling import Sampler, SamplingParams
+from .tokenizer import Tokenizer
+
+Event = dict
+EventSink = Callable[[Event], None]
+
+
+@dataclass
+class ChatSettings:
+    system_prompt: str | None = None
+    max_new_tokens: int = 512
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass
+class TurnResult:
+    text: str
+    tokens: int
+    prefill_tokens: int
+    prefill_ms: float
+    decode_ms: float
+    stop_reason: str  # "eos" | "length" | "stopped"
+
+
+class ChatSession:
+    def __init__(self, engine: StreamingEngine, tokenizer: Tokenizer, settings: ChatSettings | None = None) -> None:
+        self.engine, self.tokenizer = engine, tokenizer
+        self.settings = settings or ChatSettings()
+        self.messages: list[dict] = []
+        self._owed: list[int] = []  # template tokens that close the last turn, fed with the next one
+        self.stop_flag = threading.Event()
+
+    # --- conversation state --------------------------------------------------------------------------------
+
+    def reset(self, messages: list[dict] | None = None) -> None:
+        """Starts over (the cache is cleared); `messages` becomes the history to resume from."""
+        self.engine.reset()
+        self.messages = list(messages or [])
+        self._owed = []
+
+    def _opening(self) -> list[dict]:
+        return [{"role": "system", "content": self.settings.system_prompt}] if self.settings.system_prompt else []
+
+    def _turn_tokens(self, user_text: str) -> list[int]:
+        user = {"role": "user", "content": user_text}
+        if self.engine.position == 0:
+            # A fresh cache (or one rebuilt for a restored chat): render everything so far.
+            return self.tokenizer.encode_chat([*self.messages, user], add_generation_prompt=True)
+        delta = self.tokenizer.chat_delta(self.messages, [user], add_generation_prompt=True)
+        if delta is None:  # a template whose earlier turns change as the chat grows: rebuild from scratch
+            self.engine.reset()
+            self._owed = []
+            return self.tokenizer.encode_chat([*self.messages, user], add_generation_prompt=True)
+        return self._owed + delta
+
+    # --- one turn ------------------------------------------------------------------------------------------
+
+    def send(self, user_text: str, on_event: EventSink | None = None) -> TurnResult:
+        """Answers one user turn, streaming events; returns when the reply ends or the stop flag is set."""
+        emit = on_event or (lambda event: None)
+        self.stop_flag.clear()
+        if not self.messages:
+            self.messages = self._opening()
+        ids = self._turn_tokens(user_text)
+        room = self.engine.settings.window
+        if len(ids) > room:
+            raise PromptTooLongError(
+                f"this message is {len(ids)} tokens but the cache window holds {room}; "
+                f"shorten it or rebuild with a larger --window"
+            )
+        start = time.perf_counter()
+        logits = self.engine.prefill(ids)
+        prefill_ms = (time.perf_counter() - start) * 1e3
+        self.messages.append({"role": "user", "content": user_text})
+        self._owed = []
+        emit({"event": "prefill", "new_tokens": len(ids), "ms": round(prefill_ms, 2), "cache": self.engine.stats.to_dict()})
+
+        sampler = Sampler(self.settings.sampling)
+        recent: deque[int] = deque(maxlen=max(1, self.settings.sampling.repeat_last_n))
+        decoder = self.tokenizer.detokenizer()
+        pieces: list[str] = []
+        generated, reason = 0, "length"
+        start = time.perf_counter()
+        while generated < self.settings.max_new_tokens:
+            if self.stop_flag.is_set():
+                reason = "stopped"
+                break
+            token = sampler.sample(logits, recent)
+            if token in self.tokenizer.stop_ids:
+                reason = "eos"
+                break
+            generated += 1
+            recent.append(token)
+            text = decoder.push(token)
+            if text:
+                pieces.append(text)
+                emit({"event": "token", "text": text})
+            logits = self.engine.decode(token)
+        tail = decoder.flush()
+        if tail:
+            pieces.append(tail)
+            emit({"event": "token", "text": tail})
+        decode_ms = (time.perf_counter() - start) * 1e3
+        reply = "".join(pieces)
+        self.messages.append({"role": "assistant", "content": reply})
+        # The stop token itself was never fed; the template's closing text (which starts with it) is owed.
+        suffix = self.tokenizer.turn_suffix(self.messages[:-1])
+        self._owed = self.tokenizer.encode_template(suffix) if suffix else ([token] if reason == "eos" else [])
+        tok_s = generated / (decode_ms / 1e3) if decode_ms > 0 else 0.0
+        emit({"event": "done", "tokens": generated, "ms": round(decode_ms, 2), "tok_s": round(tok_s, 2),
+              "stop_reason": reason, "cache": self.engine.stats.to_dict()})
+        return TurnResult(reply, generated, len(ids), prefill_ms, decode_ms, reason)
+
+    def stop(self) -> None:
+        """Thread-safe: the generation loop sees it before its next token."""
+        self.stop_flag.set()

