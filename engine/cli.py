@@ -1,0 +1,168 @@
+"""The `eddy` command line: chat, compile, bench (the contract in DESIGN.md)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+from typing import Callable, Sequence
+
+from .config import BuildSettings
+from .errors import EddyError
+from .sampling import SamplingParams
+
+
+def _build_options(p: argparse.ArgumentParser) -> None:
+    d = BuildSettings()
+    p.add_argument("--model", default=None, help="smollm2-135m-instruct (default), tiny-random, a .gguf file or a Hugging Face folder")
+    p.add_argument("--sinks", type=int, default=d.sinks, help=f"attention-sink tokens kept forever (default {d.sinks})")
+    p.add_argument("--window", type=int, default=d.window, help=f"recent tokens kept (default {d.window})")
+    p.add_argument("--dtype", choices=["f32", "f16", "bf16"], default=d.dtype, help=f"weight type (default {d.dtype})")
+    p.add_argument("--device", choices=["cpu", "vulkan", "cuda"], default=d.device)
+
+
+def _settings(a: argparse.Namespace) -> BuildSettings:
+    return BuildSettings(sinks=a.sinks, window=a.window, dtype=a.dtype, device=a.device)
+
+
+def _progress_printer(quiet: bool) -> Callable[[str, float], None]:
+    last = {"stage": None}
+
+    def report(stage: str, fraction: float) -> None:
+        if quiet:
+            return
+        end = "\n" if stage == "done" else ""
+        sys.stderr.write(f"\r\033[Kbuilding: {stage} {fraction * 100:3.0f}%{end}")
+        sys.stderr.flush()
+        last["stage"] = stage
+
+    return report
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="eddy", description="Chat with local language models that never run out of context.")
+    sub = top.add_subparsers(dest="command", required=True)
+
+    chat = sub.add_parser("chat", help="chat in the terminal (each input line is a user turn)")
+    _build_options(chat)
+    chat.add_argument("--prompt", help="answer this one turn and exit")
+    chat.add_argument("--system", default=None, help="system prompt")
+    chat.add_argument("--max-new-tokens", type=int, default=512)
+    s = SamplingParams()
+    chat.add_argument("--temperature", type=float, default=s.temperature, help="0 = greedy (default)")
+    chat.add_argument("--top-k", type=int, default=s.top_k)
+    chat.add_argument("--top-p", type=float, default=s.top_p)
+    chat.add_argument("--repeat-penalty", type=float, default=s.repeat_penalty)
+    chat.add_argument("--seed", type=int, default=None)
+    chat.add_argument("--json", action="store_true", help="one JSON event per line on stdout")
+
+    comp = sub.add_parser("compile", help="build (or find) the compiled artefacts and print their folder")
+    _build_options(comp)
+
+    bench = sub.add_parser("bench", help="measure time to first token, prefill, decode, memory and start-up")
+    _build_options(bench)
+    bench.add_argument("--json", dest="json_file", default=None, help="also write the results to this file")
+    bench.add_argument("--runs", type=int, default=3, help="repetitions per measurement (medians are reported)")
+    return top
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    json_events = getattr(args, "json", False) is True
+    try:
+        if args.command == "chat":
+            return _chat(args)
+        if args.command == "compile":
+            from .artefacts import ensure_artefacts
+            from .checkpoint import resolve_model
+
+            print(ensure_artefacts(resolve_model(args.model), _settings(args), _progress_printer(False)))
+            return 0
+        if args.command == "bench":
+            from .bench import run_bench
+
+            run_bench(args.model, _settings(args), args.runs, args.json_file)
+            return 0
+    except (EddyError, ValueError, OSError) as e:
+        if json_events:
+            print(json.dumps({"event": "error", "message": str(e)}), flush=True)
+        print(f"eddy: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 2
+
+
+def _chat(args: argparse.Namespace) -> int:
+    from .loader import open_model
+    from .session import ChatSettings
+
+    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                              repeat_penalty=args.repeat_penalty, seed=args.seed)
+    model = open_model(args.model, _settings(args), _progress_printer(args.json))
+    session = model.chat(ChatSettings(system_prompt=args.system, max_new_tokens=args.max_new_tokens, sampling=sampling))
+
+    def on_event(event: dict) -> None:
+        if args.json:
+            print(json.dumps(event, ensure_ascii=False), flush=True)
+        elif event["event"] == "token":
+            sys.stdout.write(event["text"])
+            sys.stdout.flush()
+        elif event["event"] == "done":
+            sys.stdout.write("\n")
+            c = event["cache"]
+            sys.stderr.write(f"[{event['tokens']} tokens, {event['tok_s']:.1f} tok/s; cache {c['used']}/{c['capacity']}, "
+                             f"{c['evicted']} evicted]\n")
+
+    def turn(text: str) -> None:
+        # Generation runs on a worker thread so Ctrl-C only stops the reply (via the session's stop flag).
+        failure: list[BaseException] = []
+
+        def work() -> None:
+            try:
+                session.send(text, on_event)
+            except BaseException as e:  # re-raised on the main thread
+                failure.append(e)
+
+        worker = threading.Thread(target=work, daemon=True)
+        worker.start()
+        while worker.is_alive():
+            try:
+                worker.join(0.1)
+            except KeyboardInterrupt:
+                session.stop()
+        if failure:
+            raise failure[0]
+
+    if args.prompt is not None:
+        turn(args.prompt)
+        return 0
+    interactive = sys.stdin.isatty()
+    if interactive:
+        sys.stderr.write("Eddy — type a message, /reset for a new chat, /quit or Ctrl-D to leave.\n")
+    while True:
+        if interactive:
+            sys.stderr.write("\n> ")
+            sys.stderr.flush()
+        try:
+            line = sys.stdin.readline()
+        except KeyboardInterrupt:
+            return 0
+        if not line:
+            return 0
+        text = line.rstrip("\n")
+        if text.strip() == "/quit":
+            return 0
+        if text.strip() == "/reset":
+            session.reset()
+            continue
+        try:
+            turn(text)
+        except EddyError as e:  # one bad turn (say, too long) does not end the chat
+            if args.json:
+                print(json.dumps({"event": "error", "message": str(e)}), flush=True)
+            print(f"eddy: error: {e}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
