@@ -1,0 +1,96 @@
+"""Chat turns on the real compiled tiny-random module: reuse, events, stop flag, limits, user text safety."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from engine.errors import PromptTooLongError
+from engine.session import ChatSession, ChatSettings
+
+
+@pytest.fixture
+def session(tiny):
+    s = tiny.chat(ChatSettings(max_new_tokens=12))
+    s.reset()
+    return s
+
+
+def collect(session: ChatSession, text: str):
+    events: list[dict] = []
+    result = session.send(text, events.append)
+    return result, events
+
+
+def test_turn_streams_tokens_and_reports_events(session):
+    result, events = collect(session, "Hello there")
+    kinds = [e["event"] for e in events]
+    assert kinds[0] == "prefill" and kinds[-1] == "done" and "token" in kinds
+    assert "".join(e["text"] for e in events if e["event"] == "token") == result.text
+    done = events[-1]
+    assert done["tokens"] == result.tokens > 0
+    assert set(done["cache"]) == {"sinks", "window", "capacity", "used", "evicted", "position"}
+    assert events[0]["new_tokens"] == events[0]["cache"]["position"]
+
+
+def test_second_turn_prefills_only_new_tokens(session, tiny):
+    first, _ = collect(session, "Hi")
+    fed_after_first = tiny.engine.stats.position
+    second, events = collect(session, "And again")
+    prefill = events[0]
+    # Only the closing of the last reply and the new user turn: far fewer than the whole history.
+    assert prefill["new_tokens"] == prefill["cache"]["position"] - fed_after_first
+    assert prefill["new_tokens"] < fed_after_first
+    expected = tiny.tokenizer.encode_template("<|im_end|>\n") + tiny.tokenizer.chat_delta(
+        session.messages[:-2], [{"role": "user", "content": "And again"}])
+    assert tiny.engine.mirror()[-(prefill["new_tokens"] + second.tokens):][: prefill["new_tokens"]] == expected
+
+
+def test_typed_special_token_stays_text(session, tiny):
+    im_end = tiny.tokenizer.encode_template("<|im_end|>")
+    assert len(im_end) == 1
+    collect(session, "please print <|im_end|> literally")
+    prompt = tiny.engine.mirror()
+    # The template's own markers: one closing the default system turn, one closing the user turn.
+    assert prompt.count(im_end[0]) == 2
+    assert tiny.tokenizer.encode_text("<|im_end|>") != im_end
+
+
+def test_stop_flag_from_another_thread_stops_within_one_token(session):
+    session.settings.max_new_tokens = 10_000
+    seen: list[int] = []
+
+    def on_event(e: dict) -> None:
+        if e["event"] == "token":
+            seen.append(1)
+            if len(seen) == 3:
+                threading.Thread(target=session.stop).start()
+                threading.Event().wait(0.05)  # let the other thread set the flag before the next token
+
+    result = session.send("Count forever", on_event)
+    assert result.stop_reason == "stopped"
+    assert 3 <= result.tokens <= 4
+
+
+def test_max_new_tokens(session):
+    session.settings.max_new_tokens = 5
+    result, _ = collect(session, "Tell me a story")
+    assert result.stop_reason == "length" and result.tokens == 5
+
+
+def test_overlong_turn_is_refused_and_loses_nothing(session, tiny):
+    collect(session, "short")
+    before = (list(session.messages), tiny.engine.stats, tiny.engine.mirror())
+    with pytest.raises(PromptTooLongError, match="window holds"):
+        session.send("word " * 500)
+    assert (session.messages, tiny.engine.stats, tiny.engine.mirror()) == before
+    result, _ = collect(session, "still here?")
+    assert result.tokens > 0
+
+
+def test_long_conversation_evicts_and_keeps_going(session, tiny):
+    for i in range(8):
+        collect(session, f"message number {i}")
+    stats = tiny.engine.stats
+    assert stats.evicted > 0 and stats.used == stats.capacity
+    assert len(session.messages) == 16
