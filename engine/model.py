@@ -2,7 +2,8 @@
 
 One file in the spirit of gpt-fast's model.py. Export-side only (needs torch).
 
-The cache is one buffer [layers, 2, sinks + window, kv_heads, head_dim]. The host decides which slot each
+The cache is one buffer [layers, 2, kv_heads, slots, head_dim] with sinks + window slots (and, with sinks, a few
+rows more: see Attention.write_cache). The host decides which slot each
 new token goes to (sinks first, then a ring over the window) and tells the module, per call:
   * `slots`      the slot each new token is written to;
   * `rope`       [2, n, head_dim/2]: cos/sin at each new token's absolute position;
@@ -11,7 +12,7 @@ new token goes to (sinks first, then a ring over the window) and tells the modul
   * `token_pos`  each new token's absolute position.
 Keys are stored rotated by their absolute position, so window keys never need re-rotation: their distance to
 a query is the same in the conversation as in the cache. Only the sinks sit closer to the queries in the cache
-than in the conversation, and rotating their keys forward by the evicted count gives their in-cache distance. The
+than in the conversation: their keys are re-rotated forward by the evicted count, O(sinks) work per call. The
 result is StreamingLLM's rule (each token attended at its position within the cache) with no copy of the
 cache and no re-rotation on eviction.
 """
@@ -52,9 +53,9 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, sinks: int, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, settings: BuildSettings, layer: int) -> None:
         super().__init__()
-        self.cfg, self.sinks, self.layer = cfg, sinks, layer
+        self.cfg, self.sinks, self.layer, self.capacity = cfg, settings.sinks, layer, settings.capacity
         # q, k and v as one matrix: one matmul reads x once.
         self.wqkv = nn.Parameter(torch.empty((cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, cfg.dim))
         self.wo = nn.Parameter(torch.empty(cfg.dim, cfg.n_heads * cfg.head_dim))
@@ -69,29 +70,42 @@ class Attention(nn.Module):
         q = qkv[:, : cfg.n_heads * d].view(n, cfg.n_heads, d)
         k = rotate(qkv[:, cfg.n_heads * d : (cfg.n_heads + kvh) * d].view(n, kvh, d), rope[0], rope[1])
         v = qkv[:, (cfg.n_heads + kvh) * d :].view(n, kvh, d)
-        layer = torch.full((1,), self.layer, dtype=torch.int64)
-        cache.index_put_((layer, torch.zeros_like(layer), slots), k.to(cache.dtype))
-        cache.index_put_((layer, torch.ones_like(layer), slots), v.to(cache.dtype))
-        keys, values = cache[self.layer, 0].float(), cache[self.layer, 1].float()  # [C, kvh, d]
-        if self.sinks:
-            # Sinks sit `evicted` positions closer to the queries in the cache than in the conversation:
-            # rotating their keys forward by that much gives exactly their in-cache distance. Elementwise,
-            # so it fuses into the attention dispatch instead of costing a second matmul or a concat.
-            shifted = rotate(keys, shift[0:1], shift[1:2])
-            is_sink = torch.arange(keys.shape[0]) < self.sinks
-            keys = torch.where(is_sink.view(-1, 1, 1), shifted, keys)
+        keys, values = self.write_cache(cache, slots, k.to(cache.dtype), v.to(cache.dtype), shift)
         scale = d ** -0.5
         q = rotate(q, rope[0], rope[1]).view(n, kvh, rep, d)
         if single:
-            # One query: multiply-and-sum keeps the cache in place (a matmul would repack it every step).
-            scores = (q.view(kvh, rep, 1, d) * keys.permute(1, 0, 2).unsqueeze(1)).sum(-1) * scale
-            probs = torch.softmax(scores + mask.view(1, 1, -1), dim=-1)  # [kvh, rep, C]
-            out = (probs.unsqueeze(-1) * values.permute(1, 0, 2).unsqueeze(1)).sum(-2)  # [kvh, rep, d]
+            # One query: multiply-and-sum reads the cache in place (a matmul would repack it every step).
+            scores = (q.view(kvh, rep, 1, d) * keys.unsqueeze(1)).sum(-1) * scale  # [kvh, rep, C]
+            probs = torch.softmax(scores + mask.view(1, 1, -1), dim=-1)
+            out = (probs.unsqueeze(-1) * values.unsqueeze(1)).sum(-2)  # [kvh, rep, d]
             return linear(out.reshape(1, cfg.n_heads * d), self.wo)
-        scores = torch.matmul(q.permute(1, 2, 0, 3), keys.permute(1, 2, 0).unsqueeze(1)) * scale  # [kvh, rep, n, C]
+        scores = torch.matmul(q.permute(1, 2, 0, 3), keys.transpose(1, 2).unsqueeze(1)) * scale  # [kvh, rep, n, C]
         probs = torch.softmax(scores + mask, dim=-1)
-        out = torch.matmul(probs, values.permute(1, 0, 2).unsqueeze(1))  # [kvh, rep, n, d]
+        out = torch.matmul(probs, values.unsqueeze(1))  # [kvh, rep, n, d]
         return linear(out.permute(2, 0, 1, 3).reshape(n, cfg.n_heads * d), self.wo)
+
+    def write_cache(self, cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    shift: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stores the new keys/values at their slots; returns this layer's keys and values [kvh, C, d].
+
+        The cache is laid out [layers, 2, kv_heads, slots, head_dim] so attention reads it without a
+        transpose. With sinks, rows C..C+S-1 keep each sink key as first stored (rotated by its own
+        position) and row C+S takes the writes of every other token; slots 0..S-1 get those originals
+        rotated forward by the evicted count each call: the sinks' in-cache distance, at O(sinks) cost.
+        """
+        kvh, cap, sinks = self.cfg.n_kv_heads, self.capacity, self.sinks
+        layer = torch.full((1, 1), self.layer, dtype=torch.int64)
+        heads = torch.arange(kvh).view(kvh, 1)
+        kv = torch.zeros_like(layer)
+        cache.index_put_((layer, kv, heads, slots.view(1, -1)), k.transpose(0, 1))
+        cache.index_put_((layer, kv + 1, heads, slots.view(1, -1)), v.transpose(0, 1))
+        if sinks:
+            kept = torch.where(slots < sinks, slots + cap, torch.full_like(slots, cap + sinks))
+            cache.index_put_((layer, kv, heads, kept.view(1, -1)), k.transpose(0, 1))
+            originals = cache[self.layer, 0, :, cap : cap + sinks].float()  # [kvh, S, d]
+            shifted = rotate(originals.transpose(0, 1), shift[0:1], shift[1:2]).transpose(0, 1)
+            cache.index_put_((layer, kv, heads, torch.arange(sinks).view(1, -1)), shifted.to(cache.dtype))
+        return cache[self.layer, 0, :, :cap].float(), cache[self.layer, 1, :, :cap].float()
 
 
 class FeedForward(nn.Module):
@@ -108,10 +122,10 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, sinks: int, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, settings: BuildSettings, layer: int) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attention = Attention(cfg, sinks, layer)
+        self.attention = Attention(cfg, settings, layer)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
 
@@ -125,14 +139,14 @@ class StreamingLlama(nn.Module):
         super().__init__()
         self.cfg, self.settings = cfg, settings
         self.tok_embeddings = nn.Parameter(torch.empty(cfg.vocab_size, cfg.dim))
-        self.layers = nn.ModuleList(Block(cfg, settings.sinks, i) for i in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, settings, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = None if cfg.tie_embeddings else nn.Parameter(torch.empty(cfg.vocab_size, cfg.dim))
         # One cache global for all layers: with many per-layer globals a zero-splat initialiser gave wrong
         # logits in IREE. float32, since 16-bit buffers do not initialise reliably in turbine.
         self.register_buffer(
             "cache",
-            torch.zeros(cfg.n_layers, 2, settings.capacity, cfg.n_kv_heads, cfg.head_dim),
+            torch.zeros(cfg.n_layers, 2, cfg.n_kv_heads, settings.capacity + (settings.sinks + 1 if settings.sinks else 0), cfg.head_dim),
             persistent=False,
         )
 
