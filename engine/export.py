@@ -122,8 +122,9 @@ def compile_mlir(mlir_path: Path, vmfb_path: Path, device: str, progress: Progre
             time.sleep(0.1)
         if proc.returncode:
             log.seek(0)
-            tail = log.read().decode(errors="replace")[-4000:]
-            raise ArtefactError(f"iree-compile failed (exit {proc.returncode}):\n{tail}")
+            lines = log.read().decode(errors="replace").splitlines()
+            errors = [line[:400] for line in lines if "error:" in line][:5]
+            raise ArtefactError(f"iree-compile failed (exit {proc.returncode}):\n" + "\n".join(errors or lines[-20:]))
 
 
 def build(source: "ModelSource", cfg: ModelConfig, settings: BuildSettings, out_dir: Path,

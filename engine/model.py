@@ -2,8 +2,8 @@
 
 One file in the spirit of gpt-fast's model.py. Export-side only (needs torch).
 
-The cache is one buffer [layers, 2, kv_heads, slots, head_dim] with sinks + window slots (and, with sinks, a few
-rows more: see Attention.write_cache). The host decides which slot each
+The cache is one buffer [layers, 2, kv_heads, sinks + window, head_dim] (plus the sinks' original keys: see
+Attention.write_cache). The host decides which slot each
 new token goes to (sinks first, then a ring over the window) and tells the module, per call:
   * `slots`      the slot each new token is written to;
   * `rope`       [2, n, head_dim/2]: cos/sin at each new token's absolute position;
@@ -60,8 +60,8 @@ class Attention(nn.Module):
         self.wqkv = nn.Parameter(torch.empty((cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, cfg.dim))
         self.wo = nn.Parameter(torch.empty(cfg.dim, cfg.n_heads * cfg.head_dim))
 
-    def forward(self, x: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, rope: torch.Tensor,
-                shift: torch.Tensor, mask: torch.Tensor, single: bool) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: torch.Tensor, sink_keys: torch.Tensor | None, slots: torch.Tensor,
+                rope: torch.Tensor, shift: torch.Tensor, mask: torch.Tensor, single: bool) -> torch.Tensor:
         cfg, n = self.cfg, x.shape[0]
         kvh, rep, d = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
         # Grouped-query attention through views and broadcasting: a reshape mixing the dynamic length with
@@ -70,42 +70,44 @@ class Attention(nn.Module):
         q = qkv[:, : cfg.n_heads * d].view(n, cfg.n_heads, d)
         k = rotate(qkv[:, cfg.n_heads * d : (cfg.n_heads + kvh) * d].view(n, kvh, d), rope[0], rope[1])
         v = qkv[:, (cfg.n_heads + kvh) * d :].view(n, kvh, d)
-        keys, values = self.write_cache(cache, slots, k.to(cache.dtype), v.to(cache.dtype), shift)
+        keys, values = self.write_cache(cache, sink_keys, slots, k.to(cache.dtype), v.to(cache.dtype), shift)
         scale = d ** -0.5
         q = rotate(q, rope[0], rope[1]).view(n, kvh, rep, d)
         if single:
             # One query: multiply-and-sum reads the cache in place (a matmul would repack it every step).
             scores = (q.view(kvh, rep, 1, d) * keys.unsqueeze(1)).sum(-1) * scale  # [kvh, rep, C]
             probs = torch.softmax(scores + mask.view(1, 1, -1), dim=-1)
-            out = (probs.unsqueeze(-1) * values.unsqueeze(1)).sum(-2)  # [kvh, rep, d]
+            # As a matmul: a multiply-and-sum over the slot axis vectorises past the CPU stack limit.
+            out = torch.matmul(probs, values)  # [kvh, rep, d]
             return linear(out.reshape(1, cfg.n_heads * d), self.wo)
         scores = torch.matmul(q.permute(1, 2, 0, 3), keys.transpose(1, 2).unsqueeze(1)) * scale  # [kvh, rep, n, C]
         probs = torch.softmax(scores + mask, dim=-1)
         out = torch.matmul(probs, values.unsqueeze(1))  # [kvh, rep, n, d]
         return linear(out.permute(2, 0, 1, 3).reshape(n, cfg.n_heads * d), self.wo)
 
-    def write_cache(self, cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    shift: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def write_cache(self, cache: torch.Tensor, sink_keys: torch.Tensor | None, slots: torch.Tensor,
+                    k: torch.Tensor, v: torch.Tensor, shift: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Stores the new keys/values at their slots; returns this layer's keys and values [kvh, C, d].
 
         The cache is laid out [layers, 2, kv_heads, slots, head_dim] so attention reads it without a
-        transpose. With sinks, rows C..C+S-1 keep each sink key as first stored (rotated by its own
-        position) and row C+S takes the writes of every other token; slots 0..S-1 get those originals
-        rotated forward by the evicted count each call: the sinks' in-cache distance, at O(sinks) cost.
+        transpose. With sinks, `sink_keys` keeps each sink key as first stored (rotated by its own position;
+        its last row takes the writes of every other token), and slots 0..S-1 of the cache get those
+        originals rotated forward by the evicted count each call: the sinks' in-cache distance at O(sinks)
+        cost, with no drift from rotating a rotated key again and again.
         """
-        kvh, cap, sinks = self.cfg.n_kv_heads, self.capacity, self.sinks
+        kvh, sinks = self.cfg.n_kv_heads, self.sinks
         layer = torch.full((1, 1), self.layer, dtype=torch.int64)
         heads = torch.arange(kvh).view(kvh, 1)
         kv = torch.zeros_like(layer)
         cache.index_put_((layer, kv, heads, slots.view(1, -1)), k.transpose(0, 1))
         cache.index_put_((layer, kv + 1, heads, slots.view(1, -1)), v.transpose(0, 1))
-        if sinks:
-            kept = torch.where(slots < sinks, slots + cap, torch.full_like(slots, cap + sinks))
-            cache.index_put_((layer, kv, heads, kept.view(1, -1)), k.transpose(0, 1))
-            originals = cache[self.layer, 0, :, cap : cap + sinks].float()  # [kvh, S, d]
+        if sink_keys is not None:
+            kept = torch.where(slots < sinks, slots, torch.full_like(slots, sinks))
+            sink_keys.index_put_((layer, heads, kept.view(1, -1)), k.transpose(0, 1))
+            originals = sink_keys[self.layer, :, :sinks].float()  # [kvh, S, d]
             shifted = rotate(originals.transpose(0, 1), shift[0:1], shift[1:2]).transpose(0, 1)
             cache.index_put_((layer, kv, heads, torch.arange(sinks).view(1, -1)), shifted.to(cache.dtype))
-        return cache[self.layer, 0, :, :cap].float(), cache[self.layer, 1, :, :cap].float()
+        return cache[self.layer, 0].float(), cache[self.layer, 1].float()
 
 
 class FeedForward(nn.Module):
@@ -129,8 +131,8 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
 
-    def forward(self, x, cache, slots, rope, shift, mask, single):
-        x = x + self.attention(self.attention_norm(x), cache, slots, rope, shift, mask, single)
+    def forward(self, x, cache, sink_keys, slots, rope, shift, mask, single):
+        x = x + self.attention(self.attention_norm(x), cache, sink_keys, slots, rope, shift, mask, single)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -146,16 +148,18 @@ class StreamingLlama(nn.Module):
         # logits in IREE. float32, since 16-bit buffers do not initialise reliably in turbine.
         self.register_buffer(
             "cache",
-            torch.zeros(cfg.n_layers, 2, cfg.n_kv_heads, settings.capacity + (settings.sinks + 1 if settings.sinks else 0), cfg.head_dim),
+            torch.zeros(cfg.n_layers, 2, cfg.n_kv_heads, settings.capacity, cfg.head_dim),
             persistent=False,
         )
+        sinks = torch.zeros(cfg.n_layers, cfg.n_kv_heads, settings.sinks + 1, cfg.head_dim) if settings.sinks else None
+        self.register_buffer("sink_keys", sinks, persistent=False)
 
     def hidden(self, tokens, slots, rope, shift, slot_pos, token_pos, single: bool) -> torch.Tensor:
         x = F.embedding(tokens, self.tok_embeddings).float()
         neg = torch.full((), float("-inf"))
         mask = torch.where(slot_pos.unsqueeze(0) <= token_pos.unsqueeze(1), torch.zeros(()), neg)  # [n, C]
         for block in self.layers:
-            x = block(x, self.cache, slots, rope, shift, mask, single)
+            x = block(x, self.cache, self.sink_keys, slots, rope, shift, mask, single)
         return self.norm(x)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
@@ -180,6 +184,8 @@ class StreamingLlama(nn.Module):
 
     def reset(self) -> torch.Tensor:
         self.cache.zero_()
+        if self.sink_keys is not None:
+            self.sink_keys.zero_()
         return self.cache[0, 0, 0, 0, :1] + 0.0
 
     def load_hf(self, state: dict[str, torch.Tensor]) -> None:
