@@ -6,7 +6,7 @@ from typing import Any
 
 from .errors import ModelError
 
-DTYPES = ("f32", "f16", "bf16")
+DTYPES = ("f32", "f16", "bf16", "q8")
 DEVICES = ("cpu", "vulkan", "cuda")
 
 

@@ -38,10 +38,36 @@ class RMSNorm(nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
-def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    # 16-bit weights are widened inside the graph: IREE fuses the widening into the matmul, so decode reads
-    # half the bytes while activations and accumulation stay float32.
-    return F.linear(x, w.float())
+class Linear(nn.Module):
+    """A weight matrix [out, in] stored in the build's type: f32, f16, bf16, or q8 (int8 with a per-row scale).
+
+    Stored weights are widened inside the graph: IREE fuses the widening into the matrix-vector products, so
+    decode reads 2 (16-bit) or 1 (q8) bytes per weight while activations and accumulation stay float32.
+    """
+
+    def __init__(self, out_features: int, in_features: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.scale: nn.Parameter | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight.float())
+        return y if self.scale is None else y * self.scale
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows as float32 (the embedding lookup of a tied matrix)."""
+        r = F.embedding(ids, self.weight).float()
+        return r if self.scale is None else r * F.embedding(ids, self.scale.unsqueeze(1))
+
+    def load(self, w: torch.Tensor, dtype: str) -> None:
+        if dtype == "q8":
+            scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
+            q = torch.round(w / scale.unsqueeze(1)).clamp(-127, 127).to(torch.int8)
+            self.weight = nn.Parameter(q, requires_grad=False)
+            self.scale = nn.Parameter(scale.float(), requires_grad=False)
+        else:
+            self.weight = nn.Parameter(w.to(TORCH_DTYPES[dtype]), requires_grad=False)
+            self.scale = None
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -57,8 +83,8 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg, self.sinks, self.layer, self.capacity = cfg, settings.sinks, layer, settings.capacity
         # q, k and v as one matrix: one matmul reads x once.
-        self.wqkv = nn.Parameter(torch.empty((cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, cfg.dim))
-        self.wo = nn.Parameter(torch.empty(cfg.dim, cfg.n_heads * cfg.head_dim))
+        self.wqkv = Linear((cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, cfg.dim)
+        self.wo = Linear(cfg.dim, cfg.n_heads * cfg.head_dim)
 
     def forward(self, x: torch.Tensor, cache: torch.Tensor, sink_keys: torch.Tensor | None, slots: torch.Tensor,
                 rope: torch.Tensor, shift: torch.Tensor, mask: torch.Tensor, single: bool) -> torch.Tensor:
@@ -66,7 +92,7 @@ class Attention(nn.Module):
         kvh, rep, d = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
         # Grouped-query attention through views and broadcasting: a reshape mixing the dynamic length with
         # head counts breaks torch.export's shape constraints.
-        qkv = linear(x, self.wqkv)
+        qkv = self.wqkv(x)
         q = qkv[:, : cfg.n_heads * d].view(n, cfg.n_heads, d)
         k = rotate(qkv[:, cfg.n_heads * d : (cfg.n_heads + kvh) * d].view(n, kvh, d), rope[0], rope[1])
         v = qkv[:, (cfg.n_heads + kvh) * d :].view(n, kvh, d)
@@ -79,11 +105,11 @@ class Attention(nn.Module):
             probs = torch.softmax(scores + mask.view(1, 1, -1), dim=-1)
             # As a matmul: a multiply-and-sum over the slot axis vectorises past the CPU stack limit.
             out = torch.matmul(probs, values)  # [kvh, rep, d]
-            return linear(out.reshape(1, cfg.n_heads * d), self.wo)
+            return self.wo(out.reshape(1, cfg.n_heads * d))
         scores = torch.matmul(q.permute(1, 2, 0, 3), keys.transpose(1, 2).unsqueeze(1)) * scale  # [kvh, rep, n, C]
         probs = torch.softmax(scores + mask, dim=-1)
         out = torch.matmul(probs, values.unsqueeze(1))  # [kvh, rep, n, d]
-        return linear(out.permute(2, 0, 1, 3).reshape(n, cfg.n_heads * d), self.wo)
+        return self.wo(out.permute(2, 0, 1, 3).reshape(n, cfg.n_heads * d))
 
     def write_cache(self, cache: torch.Tensor, sink_keys: torch.Tensor | None, slots: torch.Tensor,
                     k: torch.Tensor, v: torch.Tensor, shift: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,13 +140,13 @@ class FeedForward(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.intermediate = cfg.intermediate
-        self.w_gate_up = nn.Parameter(torch.empty(2 * cfg.intermediate, cfg.dim))
-        self.w_down = nn.Parameter(torch.empty(cfg.dim, cfg.intermediate))
+        self.w_gate_up = Linear(2 * cfg.intermediate, cfg.dim)
+        self.w_down = Linear(cfg.dim, cfg.intermediate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = linear(x, self.w_gate_up)
+        gate_up = self.w_gate_up(x)
         gate, up = gate_up[:, : self.intermediate], gate_up[:, self.intermediate :]
-        return linear(F.silu(gate) * up, self.w_down)
+        return self.w_down(F.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -140,10 +166,10 @@ class StreamingLlama(nn.Module):
     def __init__(self, cfg: ModelConfig, settings: BuildSettings) -> None:
         super().__init__()
         self.cfg, self.settings = cfg, settings
-        self.tok_embeddings = nn.Parameter(torch.empty(cfg.vocab_size, cfg.dim))
+        self.tok_embeddings = Linear(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(Block(cfg, settings, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.output = None if cfg.tie_embeddings else nn.Parameter(torch.empty(cfg.vocab_size, cfg.dim))
+        self.output = None if cfg.tie_embeddings else Linear(cfg.vocab_size, cfg.dim)
         # One cache global for all layers: with many per-layer globals a zero-splat initialiser gave wrong
         # logits in IREE. float32, since 16-bit buffers do not initialise reliably in turbine.
         self.register_buffer(
@@ -155,7 +181,7 @@ class StreamingLlama(nn.Module):
         self.register_buffer("sink_keys", sinks, persistent=False)
 
     def hidden(self, tokens, slots, rope, shift, slot_pos, token_pos, single: bool) -> torch.Tensor:
-        x = F.embedding(tokens, self.tok_embeddings).float()
+        x = self.tok_embeddings.rows(tokens)
         neg = torch.full((), float("-inf"))
         mask = torch.where(slot_pos.unsqueeze(0) <= token_pos.unsqueeze(1), torch.zeros(()), neg)  # [n, C]
         for block in self.layers:
@@ -163,7 +189,7 @@ class StreamingLlama(nn.Module):
         return self.norm(x)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.tok_embeddings if self.output is None else self.output)
+        return (self.tok_embeddings if self.output is None else self.output)(x)
 
     def prefill(self, tokens, slots, rope, shift, slot_pos, token_pos) -> torch.Tensor:
         """Appends n tokens to the cache; returns the logits after the last one [1, vocab]."""
@@ -190,19 +216,18 @@ class StreamingLlama(nn.Module):
 
     def load_hf(self, state: dict[str, torch.Tensor]) -> None:
         """Copies a Hugging Face Llama state dict in, casting matrices to the build's weight dtype."""
-        wdt = TORCH_DTYPES[self.settings.dtype]
+        dt = self.settings.dtype
         with torch.no_grad():
-            self.tok_embeddings = nn.Parameter(state["model.embed_tokens.weight"].to(wdt))
+            self.tok_embeddings.load(state["model.embed_tokens.weight"], dt)
             if self.output is not None:
-                self.output = nn.Parameter(state["lm_head.weight"].to(wdt))
+                self.output.load(state["lm_head.weight"], dt)
             self.norm.weight.copy_(state["model.norm.weight"])
             for i, block in enumerate(self.layers):
                 p = f"model.layers.{i}."
                 a, f = block.attention, block.feed_forward
-                attn = [state[f"{p}self_attn.{key}_proj.weight"] for key in "qkv"]
-                a.wqkv = nn.Parameter(torch.cat(attn).to(wdt))
-                a.wo = nn.Parameter(state[f"{p}self_attn.o_proj.weight"].to(wdt))
-                f.w_gate_up = nn.Parameter(torch.cat([state[f"{p}mlp.gate_proj.weight"], state[f"{p}mlp.up_proj.weight"]]).to(wdt))
-                f.w_down = nn.Parameter(state[f"{p}mlp.down_proj.weight"].to(wdt))
+                a.wqkv.load(torch.cat([state[f"{p}self_attn.{key}_proj.weight"] for key in "qkv"]), dt)
+                a.wo.load(state[f"{p}self_attn.o_proj.weight"], dt)
+                f.w_gate_up.load(torch.cat([state[f"{p}mlp.gate_proj.weight"], state[f"{p}mlp.up_proj.weight"]]), dt)
+                f.w_down.load(state[f"{p}mlp.down_proj.weight"], dt)
                 block.attention_norm.weight.copy_(state[f"{p}input_layernorm.weight"])
                 block.ffn_norm.weight.copy_(state[f"{p}post_attention_layernorm.weight"])

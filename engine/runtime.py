@@ -121,6 +121,9 @@ class StreamingEngine:
         arr = np.asarray(ids, dtype=np.int64)
         if arr.size == 0:
             raise ValueError("a prefill evaluates at least one token")
+        if arr.min() < 0 or arr.max() >= self.cfg.vocab_size:
+            # The module's embedding gather does not check bounds.
+            raise ValueError(f"token id out of range 0..{self.cfg.vocab_size - 1}")
         step = self.settings.chunk
         return [arr[i : i + step] for i in range(0, len(arr), step)]
 

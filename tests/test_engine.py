@@ -114,3 +114,19 @@ print(json.dumps(heavy))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+
+
+@pytest.mark.parametrize("dtype,tol", [("f16", 2e-3), ("q8", 5e-2)])
+def test_narrow_weight_builds_stay_close(hf_model, dtype, tol):
+    """16-bit and int8 (per-row scale) weights: the same model within the precision they keep."""
+    from dataclasses import replace
+
+    from engine.loader import open_model
+
+    eng = open_model("tiny-random", replace(TINY_SETTINGS, dtype=dtype)).engine
+    eng.reset()
+    ids = random_ids(30, 5)
+    got = eng.prefill(ids)
+    want = hf_logits(hf_model, ids)[-1]
+    assert np.abs(got - want).max() < tol * np.abs(want).max()
+    assert got.argmax() == want.argmax()
