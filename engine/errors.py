@@ -15,3 +15,7 @@ class ArtefactError(EddyError):
 
 class PromptTooLongError(EddyError):
     """A single turn does not fit the cache window."""
+
+
+class BuildCancelled(EddyError):
+    """The user cancelled a build; nothing was cached."""

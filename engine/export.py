@@ -13,17 +13,13 @@ import torch
 import iree.turbine.aot as aot
 
 from .config import BuildSettings, ModelConfig
-from .errors import ArtefactError, EddyError
+from .errors import ArtefactError, BuildCancelled
 from .model import StreamingLlama
 
 if TYPE_CHECKING:
     from .checkpoint import ModelSource
 
 Progress = Callable[[str, float], None]
-
-
-class BuildCancelled(EddyError):
-    """The user cancelled a build; nothing was cached."""
 
 COMPILE_FLAGS = {
     "cpu": [

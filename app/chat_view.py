@@ -1,0 +1,413 @@
+"""The conversation: one bubble per message (replies rendered as Markdown) and the "left the window" marker.
+
+Renders a ChatModel and nothing else. Streaming text is coalesced: a reply is re-rendered at most every
+REFRESH_MS, so a fast model (1000 tokens/s) costs the event loop a few renders a second, not a thousand.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+from PySide6.QtCore import QEvent, QRectF, QSize, Qt, QTimer, QUrl, Signal
+from PySide6.QtGui import (QBrush, QColor, QDesktopServices, QGuiApplication, QPainter, QPainterPath, QPalette,
+                           QTextBlockFormat, QTextCharFormat, QTextCursor, QTextFormat)
+from PySide6.QtWidgets import (QFrame, QHBoxLayout, QLabel, QScrollArea, QSizePolicy, QTextBrowser, QToolButton,
+                               QVBoxLayout, QWidget)
+
+from .icons import icon
+from .models import ChatModel, Message
+
+REFRESH_MS = 40
+
+
+def blend(a: QColor, b: QColor, t: float) -> QColor:
+    """a mixed with b (t = share of b): palette-relative colours that work in light and dark themes."""
+    return QColor(round(a.red() + (b.red() - a.red()) * t), round(a.green() + (b.green() - a.green()) * t),
+                  round(a.blue() + (b.blue() - a.blue()) * t))
+
+
+class MarkdownView(QTextBrowser):
+    """A read-only text block as tall as its content (the scroll area around the chat does the scrolling)."""
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setFrameShape(QFrame.Shape.NoFrame)
+        self.setVerticalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
+        self.setOpenLinks(False)  # links open in the browser only when clicked, never inside the app
+        self.anchorClicked.connect(self._open_link)
+        # No background of its own: the bubble paints it (and the palette stays intact for the code shading).
+        self.setAutoFillBackground(False)
+        self.viewport().setAutoFillBackground(False)
+        self.document().setDocumentMargin(2)
+        self.document().documentLayout().documentSizeChanged.connect(self._fit)
+        self._markdown = True
+        self._text = ""
+
+    def loadResource(self, kind: int, url: QUrl):  # noqa: N802 (Qt API)
+        return None  # a reply must not make the app read files or fetch images
+
+    @staticmethod
+    def _open_link(url: QUrl) -> None:
+        if url.scheme() in ("http", "https", "mailto"):
+            QDesktopServices.openUrl(url)
+
+    def set_content(self, text: str, markdown: bool) -> None:
+        if text == self._text and markdown == self._markdown and not self.document().isEmpty():
+            return
+        self._text, self._markdown = text, markdown
+        if markdown:
+            self.setMarkdown(text)
+            self._style_code()
+        else:
+            self.setPlainText(text)
+        self._fit()
+
+    def _style_code(self) -> None:
+        # Qt's Markdown import marks fenced blocks and inline code but gives them no background.
+        pal = self.palette()
+        shade = blend(pal.color(QPalette.ColorRole.Base), pal.color(QPalette.ColorRole.Text), 0.10)
+        doc = self.document()
+        cursor = QTextCursor(doc)
+        block = doc.begin()
+        while block.isValid():
+            if block.blockFormat().hasProperty(QTextFormat.Property.BlockCodeFence):
+                fmt = QTextBlockFormat()
+                fmt.setBackground(QBrush(shade))
+                fmt.setNonBreakableLines(False)  # wrap long lines: the bubble never scrolls sideways
+                fmt.setLeftMargin(6)
+                fmt.setRightMargin(6)
+                cursor.setPosition(block.position())
+                cursor.mergeBlockFormat(fmt)
+            else:
+                it = block.begin()
+                while not it.atEnd():
+                    frag = it.fragment()
+                    if frag.charFormat().fontFixedPitch():
+                        cf = QTextCharFormat()
+                        cf.setBackground(QBrush(shade))
+                        cursor.setPosition(frag.position())
+                        cursor.setPosition(frag.position() + frag.length(), QTextCursor.MoveMode.KeepAnchor)
+                        cursor.mergeCharFormat(cf)
+                    it += 1
+            block = block.next()
+
+    def resizeEvent(self, event) -> None:  # noqa: N802
+        super().resizeEvent(event)
+        self._fit()
+
+    def _fit(self, *_: object) -> None:
+        doc = self.document()
+        doc.setTextWidth(self.viewport().width())
+        margins = self.contentsMargins()
+        height = math.ceil(doc.size().height()) + margins.top() + margins.bottom()
+        if height != self.height():
+            self.setFixedHeight(height)
+
+    def sizeHint(self) -> QSize:  # noqa: N802
+        return QSize(200, self.height())
+
+
+class MessageWidget(QFrame):
+    """One message: who, a little meta line, a copy button and the text."""
+
+    copy_requested = Signal(str)
+
+    def __init__(self, message: Message, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.role = message.role
+        self.forgotten = False
+        self.setFocusPolicy(Qt.FocusPolicy.TabFocus)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(12, 8, 12, 10)
+        layout.setSpacing(2)
+        header = QHBoxLayout()
+        header.setSpacing(6)
+        self.who = QLabel("You" if message.role == "user" else "Eddy")
+        font = self.who.font()
+        font.setBold(True)
+        self.who.setFont(font)
+        self.meta = QLabel()
+        self.meta.setObjectName("meta")
+        self.copy = QToolButton()
+        self.copy.setAutoRaise(True)
+        self.copy.setIcon(icon("copy", size=16))
+        self.copy.setToolTip("Copy this message")
+        self.copy.setAccessibleName("Copy message")
+        self.copy.clicked.connect(lambda: self.copy_requested.emit(self._content))
+        header.addWidget(self.who)
+        header.addWidget(self.meta)
+        header.addStretch(1)
+        header.addWidget(self.copy)
+        layout.addLayout(header)
+        self.body = MarkdownView()
+        self.body.setAccessibleName("Message text")
+        layout.addWidget(self.body)
+        self._content = ""
+        self.set_message(message)
+
+    def set_message(self, message: Message, forgotten: bool = False, partly: bool = False) -> None:
+        self._content = message.content
+        self.forgotten = forgotten
+        self.body.set_content(message.content, markdown=message.role == "assistant")
+        bits = []
+        if message.streaming:
+            bits.append("writing…")
+        elif message.meta:
+            m = message.meta
+            bits.append(f"{m.get('tokens', 0)} tokens · {m.get('tok_s', 0):.1f} tok/s")
+            if m.get("stop_reason") == "stopped":
+                bits.append("stopped")
+            elif m.get("stop_reason") == "length":
+                bits.append("cut at max length")
+        if forgotten:
+            bits.append("out of the model's window")
+        elif partly:
+            bits.append("partly out of the model's window")
+        self.meta.setText(" · ".join(bits))
+        who = "Your message" if self.role == "user" else "Reply from Eddy"
+        self.setAccessibleName(who + (" (no longer seen by the model)" if forgotten else ""))
+        self.setAccessibleDescription(message.content[:500])
+        self._recolour()
+
+    def _recolour(self) -> None:
+        pal = self.palette()
+        dim = blend(pal.color(QPalette.ColorRole.Base), pal.color(QPalette.ColorRole.Text), 0.55)
+        meta_pal = self.meta.palette()
+        meta_pal.setColor(QPalette.ColorRole.WindowText, dim)
+        self.meta.setPalette(meta_pal)
+        body_pal = self.body.palette()
+        text = pal.color(QPalette.ColorRole.Text)
+        body_pal.setColor(QPalette.ColorRole.Text, blend(text, pal.color(QPalette.ColorRole.Base), 0.4) if self.forgotten else text)
+        self.body.setPalette(body_pal)
+        self.update()
+
+    def changeEvent(self, event: QEvent) -> None:  # noqa: N802
+        super().changeEvent(event)
+        if event.type() == QEvent.Type.PaletteChange:
+            self._recolour()
+
+    def paintEvent(self, event) -> None:  # noqa: N802
+        pal = self.palette()
+        base = pal.color(QPalette.ColorRole.Base)
+        if self.role == "user":
+            fill = blend(base, pal.color(QPalette.ColorRole.Highlight), 0.14)
+        else:
+            fill = blend(base, pal.color(QPalette.ColorRole.Text), 0.04)
+        if self.forgotten:
+            fill = blend(fill, pal.color(QPalette.ColorRole.Window), 0.5)
+        painter = QPainter(self)
+        painter.setRenderHint(QPainter.RenderHint.Antialiasing)
+        path = QPainterPath()
+        path.addRoundedRect(QRectF(self.rect()).adjusted(0.5, 0.5, -0.5, -0.5), 10, 10)
+        painter.fillPath(path, fill)
+        if self.hasFocus():
+            painter.setPen(pal.color(QPalette.ColorRole.Highlight))
+            painter.drawPath(path)
+
+
+class EvictionMarker(QWidget):
+    """A rule with a caption: the messages above it have left the model's window."""
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setAccessibleName("Context window marker")
+        layout = QHBoxLayout(self)
+        layout.setContentsMargins(0, 4, 0, 4)
+        self.label = QLabel()
+        self.label.setAlignment(Qt.AlignmentFlag.AlignCenter)
+        self.label.setWordWrap(True)
+        font = self.label.font()
+        font.setPointSizeF(font.pointSizeF() * 0.9)
+        self.label.setFont(font)
+        layout.addWidget(self.label, 1)
+        self.evicted = 0
+
+    def set_counts(self, evicted: int, sinks: int, dropped: bool) -> None:
+        self.evicted = evicted
+        if evicted:
+            text = f"▲ The model no longer sees the messages above: {evicted:,} tokens have left its window"
+            if sinks:
+                text += f" (it keeps the first {sinks} as attention sinks)"
+        elif dropped:
+            text = "▲ The messages above did not fit the model's window when this chat was reopened"
+        else:
+            text = ""
+        self.label.setText(text)
+        self.setAccessibleDescription(text)
+        self._recolour()
+
+    def _recolour(self) -> None:
+        pal = self.label.palette()
+        pal.setColor(QPalette.ColorRole.WindowText, self.palette().color(QPalette.ColorRole.Highlight))
+        self.label.setPalette(pal)
+
+    def changeEvent(self, event: QEvent) -> None:  # noqa: N802
+        super().changeEvent(event)
+        if event.type() == QEvent.Type.PaletteChange:
+            self._recolour()
+
+    def paintEvent(self, event) -> None:  # noqa: N802
+        painter = QPainter(self)
+        pen = painter.pen()
+        pen.setColor(self.palette().color(QPalette.ColorRole.Highlight))
+        pen.setStyle(Qt.PenStyle.DashLine)
+        painter.setPen(pen)
+        y = self.height() // 2
+        text_w = min(self.label.fontMetrics().horizontalAdvance(self.label.text()) + 24, self.width())
+        gap = (self.width() - text_w) // 2
+        if gap > 8:
+            painter.drawLine(0, y, gap, y)
+            painter.drawLine(self.width() - gap, y, self.width(), y)
+
+
+class ChatView(QScrollArea):
+    """Renders a ChatModel: bubbles in a column, the eviction marker between the forgotten and seen ones."""
+
+    copy_requested = Signal(str)
+
+    def __init__(self, model: ChatModel, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.model = model
+        self.setWidgetResizable(True)
+        self.setFrameShape(QFrame.Shape.NoFrame)
+        self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.setAccessibleName("Conversation")
+        self.column = QWidget()
+        self.column.setObjectName("chatColumn")
+        self.layout_ = QVBoxLayout(self.column)
+        self.layout_.setContentsMargins(16, 12, 16, 12)
+        self.layout_.setSpacing(10)
+        self.empty = QLabel("Start a conversation: type a message below and press Enter.\n"
+                            "The statistics panel on the right shows what the model's cache is doing.")
+        self.empty.setAlignment(Qt.AlignmentFlag.AlignCenter)
+        self.empty.setWordWrap(True)
+        self.empty.setEnabled(False)
+        self.layout_.addWidget(self.empty)
+        self.marker = EvictionMarker()
+        self.marker.hide()
+        self.layout_.addWidget(self.marker)
+        self.layout_.addStretch(1)
+        self.setWidget(self.column)
+        self.widgets: list[MessageWidget] = []
+        self._dirty: set[int] = set()
+        self._refresh = QTimer(self)
+        self._refresh.setSingleShot(True)
+        self._refresh.setInterval(REFRESH_MS)
+        self._refresh.timeout.connect(self._flush)
+        self._stick = True  # follow new text while the view is scrolled to the bottom
+        self.verticalScrollBar().rangeChanged.connect(self._follow)
+        self.verticalScrollBar().valueChanged.connect(self._note_position)
+        model.reset.connect(self._rebuild)
+        model.appended.connect(self._on_appended)
+        model.changed.connect(self._on_changed)
+        model.truncated.connect(self._on_truncated)
+        model.window_changed.connect(self._place_marker)
+        self._rebuild()
+
+    # --- model signals -----------------------------------------------------------------------------------------
+
+    def _rebuild(self) -> None:
+        for w in self.widgets:
+            self.layout_.removeWidget(w)
+            w.deleteLater()
+        self.widgets = []
+        self._dirty.clear()
+        for message in self.model.messages:
+            self._add_widget(message)
+        self._stick = True
+        self._place_marker()
+        self.empty.setVisible(not self.widgets)
+        QTimer.singleShot(0, self.scroll_to_bottom)
+
+    def _add_widget(self, message: Message) -> None:
+        w = MessageWidget(message)
+        w.copy_requested.connect(self.copy_requested)
+        # Messages sit before the stretch at the end; the marker moves between them.
+        self.layout_.insertWidget(self.layout_.count() - 1, w)
+        self.widgets.append(w)
+
+    def _on_appended(self, index: int) -> None:
+        self._add_widget(self.model.messages[index])
+        self.empty.hide()
+        self._stick = True
+        self._place_marker()
+
+    def _on_changed(self, index: int) -> None:
+        self._dirty.add(index)
+        if not self._refresh.isActive():
+            self._refresh.start()
+
+    def _on_truncated(self, index: int) -> None:
+        for w in self.widgets[index:]:
+            self.layout_.removeWidget(w)
+            w.deleteLater()
+        del self.widgets[index:]
+        self._dirty = {i for i in self._dirty if i < index}
+        self.empty.setVisible(not self.widgets)
+        self._place_marker()
+
+    def _flush(self) -> None:
+        dirty, self._dirty = self._dirty, set()
+        start = time.perf_counter()
+        for i in sorted(dirty):
+            if i < len(self.widgets):
+                self._render(i)
+        # A long reply costs more to lay out each time: render less often so the event loop stays free
+        # (at most a fifth of the time goes to re-rendering a streaming reply).
+        spent_ms = (time.perf_counter() - start) * 1e3
+        self._refresh.setInterval(max(REFRESH_MS, min(500, int(spent_ms * 4))))
+
+    def flush(self) -> None:
+        """Renders pending changes now (tests and screenshots call this instead of waiting a tick)."""
+        self._refresh.stop()
+        self._flush()
+
+    def _render(self, index: int) -> None:
+        forgotten = index < self.model.forgotten()
+        self.widgets[index].set_message(self.model.messages[index], forgotten, self.model.partly_forgotten(index))
+
+    def _place_marker(self) -> None:
+        n = self.model.forgotten()
+        self.layout_.removeWidget(self.marker)
+        if 0 < n <= len(self.widgets):
+            dropped = any(m.span is None for m in self.model.messages[:n])
+            self.marker.set_counts(self.model.evicted, self.model.sinks, dropped)
+            # Index in the layout: the empty label first, then the message widgets.
+            self.layout_.insertWidget(1 + n, self.marker)
+            self.marker.show()
+        else:
+            self.marker.set_counts(0, 0, False)
+            self.layout_.insertWidget(self.layout_.count() - 1, self.marker)
+            self.marker.hide()
+        for i in range(len(self.widgets)):
+            self._render(i)
+
+    # --- scrolling -----------------------------------------------------------------------------------------
+
+    def _note_position(self, value: int) -> None:
+        bar = self.verticalScrollBar()
+        self._stick = value >= bar.maximum() - 24
+
+    def _follow(self, _min: int, _max: int) -> None:
+        if self._stick:
+            self.verticalScrollBar().setValue(self.verticalScrollBar().maximum())
+
+    def scroll_to_marker(self) -> None:
+        if not self.marker.isHidden():
+            self._stick = False
+            self.ensureWidgetVisible(self.marker, 0, self.viewport().height() // 3)
+
+    def scroll_to_bottom(self) -> None:
+        self.verticalScrollBar().setValue(self.verticalScrollBar().maximum())
+
+    def marker_index(self) -> int:
+        """Where the marker sits: the number of message bubbles above it (-1 when hidden)."""
+        if self.marker.isHidden():
+            return -1
+        return self.layout_.indexOf(self.marker) - 1
+
+
+def copy_to_clipboard(text: str) -> None:
+    QGuiApplication.clipboard().setText(text)

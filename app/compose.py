@@ -1,0 +1,47 @@
+"""The message input: Enter sends, Shift+Enter starts a new line, and it grows with its text up to a limit."""
+from __future__ import annotations
+
+from PySide6.QtCore import QSize, Qt, Signal
+from PySide6.QtGui import QKeyEvent
+from PySide6.QtWidgets import QPlainTextEdit, QSizePolicy, QWidget
+
+MAX_LINES = 8
+
+
+class ComposeBox(QPlainTextEdit):
+    submitted = Signal(str)
+    cancelled = Signal()  # Esc with nothing else to do (e.g. leave edit mode)
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setPlaceholderText("Message Eddy… (Enter to send, Shift+Enter for a new line)")
+        self.setAccessibleName("Message input")
+        self.setAccessibleDescription("Type a message; Enter sends it, Shift+Enter adds a line")
+        self.setTabChangesFocus(True)
+        self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
+        self.document().contentsChanged.connect(self._fit)
+        self._fit()
+
+    def keyPressEvent(self, event: QKeyEvent) -> None:  # noqa: N802
+        if event.key() in (Qt.Key.Key_Return, Qt.Key.Key_Enter):
+            if event.modifiers() & Qt.KeyboardModifier.ShiftModifier:
+                self.insertPlainText("\n")
+            else:
+                self.submitted.emit(self.toPlainText())
+            event.accept()
+            return
+        if event.key() == Qt.Key.Key_Escape:
+            self.cancelled.emit()
+            event.ignore()  # the window's Esc (Stop) still gets it
+            return
+        super().keyPressEvent(event)
+
+    def _fit(self) -> None:
+        lines = max(1, min(MAX_LINES, int(self.document().size().height())))
+        line_h = self.fontMetrics().lineSpacing()
+        margins = self.contentsMargins()
+        doc_margin = int(self.document().documentMargin() * 2)
+        self.setFixedHeight(lines * line_h + doc_margin + margins.top() + margins.bottom() + 4)
+
+    def sizeHint(self) -> QSize:  # noqa: N802
+        return QSize(400, self.height())

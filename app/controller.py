@@ -1,0 +1,587 @@
+"""The app's logic: chats, the store and the engine worker glued together. No widgets here.
+
+Every user action arrives as a method call; everything the views show lives in the models (ChatModel,
+ConversationListModel, TurnStatsModel) or comes out as a signal. Memory is the truth: a failed save leaves
+the chat in memory, marked unsaved, and a timer writes it again until it works.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Callable
+
+from PySide6.QtCore import QObject, QTimer, Signal
+
+from .models import ChatModel, ConversationListModel, Message, TurnStat, TurnStatsModel
+from .settings import AppSettings, load_settings, save_settings
+from .store import ConversationRow, Store, StoreError, TurnRow
+from .transcript import to_json, to_markdown
+from .worker import TURN_ERRORS, EngineHost
+
+log = logging.getLogger(__name__)
+
+NEW_CHAT_TITLE = "New chat"
+RETRY_SAVE_MS = 15_000
+LIVE_RATE_EVERY_S = 0.1
+
+
+@dataclass
+class InFlight:
+    """The reply being generated."""
+    ticket: int
+    conversation_id: int
+    user_index: int
+    reply_index: int
+    user_text: str
+    stat_row: int = -1
+    prefill_at: float = 0.0
+    tokens: int = 0
+    last_rate_at: float = 0.0
+
+
+class ChatController(QObject):
+    busy_changed = Signal()  # read .busy (no bool argument: PySide6 6.12.0 loses a reference to True per emit)
+    model_state_changed = Signal(str)  # "none" | "loading" | "ready" | "failed"
+    model_info_changed = Signal(object)
+    load_progress = Signal(str, float)
+    notice = Signal(str, str, str)     # level ("info" | "warning" | "error"), text, action ("" | "retry_load" | "settings" | "retry_save")
+    cache_changed = Signal(object)
+    turn_prefilled = Signal(object)    # a prefill event (with "kind")
+    live_rate = Signal(float, int)     # decode tokens/s so far, tokens so far
+    turn_finished = Signal(object)     # the done event
+    restore_input = Signal(str)        # a message that was not sent goes back into the input box
+    conversation_opened = Signal()
+    current_changed = Signal()         # the open chat got an id (first message saved) or lost it
+    closed = Signal()                  # shutdown() finished: the engine thread has ended, the store is closed
+
+    def __init__(self, data_dir: Path, model_override: str | None = None, parent: QObject | None = None) -> None:
+        super().__init__(parent)
+        self.data_dir = data_dir
+        self.store = Store.open(data_dir)
+        self.settings = load_settings(data_dir)
+        self.model_override = model_override
+        self.chat = ChatModel(self)
+        self.conversations = ConversationListModel(self)
+        self.turns = TurnStatsModel(self)
+        self.model_state = "none"
+        self.model_info: dict = {}
+        self.cache: dict = {}
+        self._turn: InFlight | None = None
+        self._after_idle: list[Callable[[], None]] = []
+        self._closing = False
+        self._next_temp_id = -1
+        # Chats whose copy on disk is behind memory: id -> None (the open chat, read live) or a snapshot.
+        self._unsaved: dict[int, tuple[str, list[Message]] | None] = {}
+        self._retry = QTimer(self)
+        self._retry.setInterval(RETRY_SAVE_MS)
+        self._retry.timeout.connect(self.retry_saves)
+
+        self.conversations.rename_requested.connect(self.rename_chat)
+        self.host = EngineHost(self)
+        w = self.host.worker
+        w.progress.connect(self.load_progress)
+        w.loaded.connect(self._on_loaded)
+        w.prefill.connect(self._on_prefill)
+        w.token.connect(self._on_token)
+        w.done.connect(self._on_done)
+        w.cache.connect(self._on_cache)
+        w.context.connect(self._on_context)
+        w.error.connect(self._on_error)
+        self.host.stopped.connect(self._on_engine_stopped)
+
+    # --- start-up ------------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Shows the most recent chat and starts loading the model (call once the views are connected)."""
+        if self.store.recovered_from is not None:
+            self.notice.emit("warning", f"The chat database was damaged and has been moved aside to "
+                             f"{self.store.recovered_from}. Eddy started with an empty one.", "")
+        rows = self._read(self.store.conversations, [])
+        self.conversations.set_rows(rows)
+        if rows:
+            self.open_chat(rows[0].id)
+        else:
+            self._show_new_chat()
+        self.load_model()
+
+    @property
+    def model_spec(self) -> str:
+        return self.model_override if self.model_override is not None else self.settings.model
+
+    @property
+    def busy(self) -> bool:
+        return self._turn is not None
+
+    @property
+    def can_send(self) -> bool:
+        return self.model_state == "ready" and not self.busy and not self._closing
+
+    # --- the model -----------------------------------------------------------------------------------------
+
+    def load_model(self) -> None:
+        if self._closing:
+            return
+        if self.busy:
+            self._when_idle(self.load_model)
+            return
+        if self.model_state == "loading":
+            self.host.cancel_load()  # a load for older settings would only be thrown away
+        self._set_model_state("loading")
+        s = self.settings
+        self.host.load(self.model_spec, s.build_settings().to_dict(), self._chat_dict())
+
+    def cancel_load(self) -> None:
+        self.host.cancel_load()
+
+    def _chat_dict(self) -> dict:
+        chat = self.settings.chat_settings()
+        return {"system_prompt": chat.system_prompt, "max_new_tokens": chat.max_new_tokens,
+                "sampling": asdict(chat.sampling)}
+
+    def _set_model_state(self, state: str) -> None:
+        self.model_state = state
+        self.model_state_changed.emit(state)
+
+    def _on_loaded(self, info: dict) -> None:
+        self.model_info = info
+        self.model_state = "ready"
+        # Queue the open chat's rebuild before anyone can react to "ready" with a send.
+        self._sync_engine()
+        self._set_model_state("ready")
+        self.model_info_changed.emit(info)
+        self._on_cache(info["cache"])
+        if info.get("built"):
+            self.notice.emit("info", f"{info['model']} is compiled and ready ({info['seconds']:.0f} s). "
+                             "Later starts reuse it.", "")
+
+    def _sync_engine(self) -> None:
+        """Puts the open chat into the model's cache (a rebuild; its prefill shows up as a ↻ turn)."""
+        if self.model_state == "ready" and not self._closing and not self.busy:
+            self.host.switch_chat(self.chat.history())
+
+    # --- settings ------------------------------------------------------------------------------------------
+
+    def apply_settings(self, new: AppSettings) -> None:
+        new.validate()
+        old, self.settings = self.settings, new
+        try:
+            save_settings(self.data_dir, new)
+        except Exception as e:  # QSettings reports no errors; be safe anyway
+            self.notice.emit("warning", f"Could not save the settings: {e}", "")
+        if old.needs_rebuild(new) or self.model_state in ("failed", "none"):
+            if old.model != new.model:
+                self.model_override = None  # an explicit choice replaces the --model of this run
+            self.load_model()
+            return
+        self.host.configure(self._chat_dict())
+        if old.system_prompt != new.system_prompt:
+            # The chat's beginning changed: rebuild its cache, after the reply in progress (if any) ends.
+            self._when_idle(self._sync_engine, stop=False)
+
+    # --- chats ---------------------------------------------------------------------------------------------
+
+    def _show_new_chat(self) -> None:
+        self.chat.load(None, NEW_CHAT_TITLE, [])
+        self.turns.set_rows([])
+        self.conversation_opened.emit()
+        self._sync_engine()
+
+    def new_chat(self) -> None:
+        if self.busy:
+            self._when_idle(self.new_chat)
+            return
+        if self.chat.conversation_id is None and not self.chat.messages:
+            return  # already on an empty new chat
+        self._leave_current()
+        self._show_new_chat()
+
+    def open_chat(self, conv_id: int) -> None:
+        if conv_id == self.chat.conversation_id and self.chat.messages:
+            return
+        if self.busy:
+            self._when_idle(lambda: self.open_chat(conv_id))
+            return
+        self._leave_current()
+        snapshot = self._unsaved.get(conv_id)
+        if snapshot is not None:
+            title, messages = snapshot
+            self._unsaved[conv_id] = None  # the open chat is read live from now on
+            turns: list[TurnStat] = []
+        else:
+            row = self._read(lambda: self.store.conversation(conv_id), None)
+            if row is None:
+                self.notice.emit("error", "That chat could not be read.", "")
+                return
+            title = row.title
+            messages = [Message(m.role, m.content, id=m.id) for m in self._read(lambda: self.store.messages(conv_id), [])]
+            turns = [TurnStat.from_row(t) for t in self._read(lambda: self.store.turns(conv_id), [])]
+        self.chat.load(conv_id, title, messages)
+        self.turns.set_rows(turns)
+        self.conversation_opened.emit()
+        self._sync_engine()
+
+    def _leave_current(self) -> None:
+        conv_id = self.chat.conversation_id
+        if conv_id is not None and conv_id in self._unsaved:
+            self._unsaved[conv_id] = (self.chat.title, list(self.chat.messages))
+
+    def rename_chat(self, conv_id: int, title: str) -> None:
+        title = title.strip()
+        if not title:
+            return
+        if conv_id == self.chat.conversation_id:
+            self.chat.title = title
+        i = self.conversations.row_of(conv_id)
+        if i >= 0:
+            self.conversations.upsert(replace(self.conversations.rows[i], title=title), to_top=False)
+        self._write(conv_id, lambda: self.store.rename_conversation(conv_id, title))
+
+    def delete_chat(self, conv_id: int) -> None:
+        if conv_id == self.chat.conversation_id and self.busy:
+            self._when_idle(lambda: self.delete_chat(conv_id))
+            return
+        try:
+            if conv_id >= 0:
+                self.store.delete_conversation(conv_id)
+        except StoreError as e:
+            self.notice.emit("error", str(e), "")
+            return
+        self._unsaved.pop(conv_id, None)
+        self.conversations.remove(conv_id)
+        if conv_id == self.chat.conversation_id:
+            if self.conversations.rows:
+                self.open_chat(self.conversations.rows[0].id)
+            else:
+                self._show_new_chat()
+
+    # --- turns ---------------------------------------------------------------------------------------------
+
+    def send(self, text: str) -> bool:
+        """Sends a user message; False (and nothing changes) if that is not possible right now."""
+        text = text.strip()
+        if not text or not self.can_send:
+            return False
+        self._ensure_conversation(text)
+        user = self.chat.append(Message("user", text, pending=True))
+        self._save_message(user)
+        self._start_turn(self.host.send(text), user, text)
+        return True
+
+    def regenerate(self) -> bool:
+        """Answers the last user message again (the last reply is replaced)."""
+        msgs = self.chat.messages
+        if not self.can_send or len(msgs) < 2 or msgs[-1].role != "assistant" or msgs[-2].role != "user":
+            return False
+        user = len(msgs) - 2
+        self.chat.truncate(user + 1)
+        self._truncate_saved(user + 1)
+        self.chat.update(user, pending=True)
+        text = msgs[user].content
+        self._start_turn(self.host.regenerate(self.chat.history(user), text), user, text)
+        return True
+
+    def last_user_text(self) -> str | None:
+        i = self._last_user_index()
+        return None if i is None else self.chat.messages[i].content
+
+    def _last_user_index(self) -> int | None:
+        return next((i for i in range(len(self.chat.messages) - 1, -1, -1) if self.chat.messages[i].role == "user"), None)
+
+    def edit_resend(self, new_text: str) -> bool:
+        """Replaces the last user message with `new_text` (dropping what followed) and answers it."""
+        new_text = new_text.strip()
+        user = self._last_user_index()
+        if not new_text or user is None or not self.can_send:
+            return False
+        history = self.chat.history(user)
+        self.chat.truncate(user)
+        self._truncate_saved(user)
+        index = self.chat.append(Message("user", new_text, pending=True))
+        self._save_message(index)
+        self._start_turn(self.host.edit_resend(history, new_text), index, new_text)
+        return True
+
+    def stop(self) -> None:
+        if self._turn is not None:
+            self.host.stop(self._turn.ticket)
+
+    def _start_turn(self, ticket: int, user_index: int, text: str) -> None:
+        reply = self.chat.append(Message("assistant", "", streaming=True, pending=True))
+        self._turn = InFlight(ticket, self.chat.conversation_id, user_index, reply, text)
+        self.busy_changed.emit()
+
+    def _end_turn(self) -> None:
+        self._turn = None
+        self.busy_changed.emit()
+        pending, self._after_idle = self._after_idle, []
+        for action in pending:
+            action()
+
+    def _when_idle(self, action: Callable[[], None], stop: bool = True) -> None:
+        """Runs `action` once the reply in progress ends (asking it to stop, unless `stop` is False)."""
+        if not self.busy:
+            action()
+            return
+        self._after_idle.append(action)
+        if stop:
+            self.stop()
+
+    # --- engine events -------------------------------------------------------------------------------------
+
+    def _on_prefill(self, ev: dict) -> None:
+        if ev.get("switch", -1) not in (-1, self.host.latest_switch):
+            return  # a rebuild for a chat that is no longer open
+        self._on_cache(ev["cache"])
+        turn = self._turn
+        if ev["kind"] == "rebuild":
+            stat = TurnStat("rebuild", ev["new_tokens"], ev["ms"])
+            self.turns.append(stat)
+            conv_id = self.chat.conversation_id
+            if conv_id is not None:
+                row = TurnRow("rebuild", stat.prefill_tokens, stat.prefill_ms, cache=ev["cache"])
+                self._write(conv_id, lambda: self.store.add_turn(conv_id, row), stats_only=True)
+        elif turn is not None and ev["ticket"] == turn.ticket:
+            pos, n = ev["cache"]["position"], ev["new_tokens"]
+            self.chat.update(turn.user_index, span=(pos - n, pos), pending=False)
+            self.chat.update(turn.reply_index, span=(pos, pos))
+            turn.stat_row = self.turns.append(TurnStat("turn", n, ev["ms"], live=True))
+            turn.prefill_at = turn.last_rate_at = time.perf_counter()
+        self.turn_prefilled.emit(ev)
+
+    def _on_token(self, text: str) -> None:
+        turn = self._turn
+        if turn is None:
+            return
+        self.chat.add_text(turn.reply_index, text)
+        turn.tokens += 1
+        now = time.perf_counter()
+        if now - turn.last_rate_at >= LIVE_RATE_EVERY_S:
+            turn.last_rate_at = now
+            rate = turn.tokens / max(now - turn.prefill_at, 1e-6)
+            self.live_rate.emit(rate, turn.tokens)
+            if turn.stat_row >= 0:
+                self.turns.update(turn.stat_row, tokens=turn.tokens, tok_s=rate)
+
+    def _on_done(self, ev: dict) -> None:
+        turn = self._turn
+        if turn is None or ev.get("ticket") != turn.ticket:
+            return
+        self._on_cache(ev["cache"])
+        start = self.chat.messages[turn.reply_index].span
+        meta = {"tokens": ev["tokens"], "tok_s": ev["tok_s"], "stop_reason": ev["stop_reason"],
+                "prefill_tokens": ev["prefill_tokens"], "prefill_ms": ev["prefill_ms"]}
+        self.chat.update(turn.reply_index, content=ev["reply"], streaming=False, pending=False, meta=meta,
+                         span=(start[0] if start else ev["cache"]["position"], ev["cache"]["position"]))
+        if turn.stat_row >= 0:
+            self.turns.update(turn.stat_row, tokens=ev["tokens"], decode_ms=ev["ms"], tok_s=ev["tok_s"],
+                              stop_reason=ev["stop_reason"], live=False)
+        conv_id = turn.conversation_id
+        saved = self._save_message(turn.reply_index)
+        message_id = self.chat.messages[turn.reply_index].id if saved else None
+        row = TurnRow("turn", ev["prefill_tokens"], ev["prefill_ms"], ev["tokens"], ev["ms"], ev["tok_s"],
+                      ev["stop_reason"], ev["cache"], message_id)
+        self._write(conv_id, lambda: self.store.add_turn(conv_id, row), stats_only=True)
+        self.live_rate.emit(float(ev["tok_s"]), int(ev["tokens"]))
+        self.turn_finished.emit(ev)
+        self._end_turn()
+
+    def _on_cache(self, cache: dict) -> None:
+        self.cache = cache
+        self.chat.set_cache(cache)
+        self.cache_changed.emit(cache)
+
+    def _on_context(self, ctx: dict) -> None:
+        if ctx.get("switch", -1) not in (-1, self.host.latest_switch):
+            return
+        self.chat.apply_context(ctx["first"], ctx["spans"])
+
+    def _on_error(self, kind: str, message: str) -> None:
+        if kind in TURN_ERRORS:
+            turn = self._turn
+            if turn is None:
+                return
+            # Nothing of the failed turn stays in the model's session, so it leaves the chat too and the
+            # text goes back to the input box to be edited or sent again.
+            if turn.stat_row >= 0:
+                self.turns.update(turn.stat_row, live=False, stop_reason="error")
+            self.chat.truncate(turn.user_index)
+            self._truncate_saved(turn.user_index)
+            if not self.chat.messages:
+                self._forget_empty_chat()
+            self.restore_input.emit(turn.user_text)
+            self.notice.emit("error", message, "")
+            self._end_turn()
+        elif kind == "load":
+            self._set_model_state("failed")
+            self.notice.emit("error", f"The model could not be loaded: {message}", "settings")
+        elif kind == "cancelled":
+            self._set_model_state("failed")
+            self.notice.emit("warning", "Building the model was cancelled. Eddy needs the compiled model to chat.",
+                             "retry_load")
+        else:
+            self.notice.emit("warning", message, "")
+
+    def _forget_empty_chat(self) -> None:
+        """A new chat whose first message failed is not kept as an empty chat in the list."""
+        conv_id = self.chat.conversation_id
+        if conv_id is None:
+            return
+        try:
+            if conv_id >= 0:
+                self.store.delete_conversation(conv_id)
+        except StoreError:
+            return  # it stays in the list, empty: harmless
+        self._unsaved.pop(conv_id, None)
+        self.conversations.remove(conv_id)
+        self.chat.conversation_id, self.chat.title = None, NEW_CHAT_TITLE
+        self.current_changed.emit()
+
+    # --- saving --------------------------------------------------------------------------------------------
+
+    def _read(self, fn: Callable, fallback):
+        try:
+            return fn()
+        except StoreError as e:
+            self.notice.emit("error", str(e), "")
+            return fallback
+
+    def _ensure_conversation(self, first_text: str) -> None:
+        if self.chat.conversation_id is not None:
+            row = self.conversations.rows[self.conversations.row_of(self.chat.conversation_id)] \
+                if self.conversations.row_of(self.chat.conversation_id) >= 0 else None
+            if row is not None:
+                self.conversations.upsert(replace(row, updated=time.time()))
+            return
+        title = _title_from(first_text)
+        self.chat.title = title
+        try:
+            conv_id = self.store.create_conversation(title)
+        except StoreError as e:
+            conv_id = self._next_temp_id  # not on disk yet: saved under a real id once the store works
+            self._next_temp_id -= 1
+            self._mark_unsaved(conv_id, e)
+        self.chat.conversation_id = conv_id
+        now = time.time()
+        self.conversations.upsert(ConversationRow(conv_id, title, now, now))
+        self.current_changed.emit()
+
+    def _save_message(self, index: int) -> bool:
+        conv_id = self.chat.conversation_id
+        message = self.chat.messages[index]
+
+        def write() -> None:
+            message.id = self.store.append_message(conv_id, index, message.role, message.content)
+
+        return self._write(conv_id, write)
+
+    def _truncate_saved(self, index: int) -> None:
+        conv_id = self.chat.conversation_id
+        if conv_id is not None:
+            self._write(conv_id, lambda: self.store.truncate_messages(conv_id, index))
+
+    def _write(self, conv_id: int, fn: Callable[[], object], stats_only: bool = False) -> bool:
+        """One store write for a chat; if the chat is already behind on disk, writes it whole instead."""
+        if conv_id in self._unsaved:
+            return False if stats_only else self._flush(conv_id)
+        try:
+            fn()
+            return True
+        except StoreError as e:
+            # Statistics are not worth a retry, and a chat that is not open has nothing unsaved in memory
+            # (a failed rename just keeps the old title); the open conversation is kept and retried.
+            if stats_only or conv_id != self.chat.conversation_id:
+                self.notice.emit("warning", str(e), "")
+            else:
+                self._mark_unsaved(conv_id, e)
+            return False
+
+    def _mark_unsaved(self, conv_id: int, error: StoreError) -> None:
+        """The open chat is behind on disk: it is read live from memory until a retry writes it."""
+        log.warning("saving failed: %s", error)
+        self._unsaved[conv_id] = None
+        self.notice.emit("error", f"{error} Your chat is kept in memory and Eddy will keep trying to save it.",
+                         "retry_save")
+        if not self._retry.isActive():
+            self._retry.start()
+
+    def _flush(self, conv_id: int) -> bool:
+        """Writes a whole unsaved chat; True if it is now on disk."""
+        snapshot = self._unsaved.get(conv_id)
+        live = snapshot is None
+        title, messages = (self.chat.title, self.chat.messages) if live else snapshot
+        done = [m for m in messages if not m.streaming]
+        try:
+            real_id = self.store.create_conversation(title) if conv_id < 0 else conv_id
+            ids = self.store.replace_messages(real_id, title, [(m.role, m.content) for m in done])
+        except StoreError:
+            return False
+        for message, mid in zip(done, ids):
+            message.id = mid
+        del self._unsaved[conv_id]
+        if real_id != conv_id:
+            if live:
+                self.chat.conversation_id = real_id
+            if self._turn is not None and self._turn.conversation_id == conv_id:
+                self._turn.conversation_id = real_id
+            i = self.conversations.row_of(conv_id)
+            if i >= 0:
+                self.conversations.upsert(replace(self.conversations.rows[i], id=real_id), to_top=False)
+            if live:
+                self.current_changed.emit()
+        return True
+
+    def retry_saves(self) -> bool:
+        """Tries to write every unsaved chat; True if none is left."""
+        for conv_id in list(self._unsaved):
+            self._flush(conv_id)
+        if self._unsaved:
+            return False
+        self._retry.stop()
+        self.notice.emit("info", "All chats are saved again.", "")
+        return True
+
+    # --- export --------------------------------------------------------------------------------------------
+
+    def _pairs(self) -> list[tuple[str, str]]:
+        return [(m.role, m.content) for m in self.chat.messages if not m.streaming]
+
+    def chat_markdown(self) -> str:
+        return to_markdown(self.chat.title, self._pairs())
+
+    def export_chat(self, path: Path, fmt: str) -> None:
+        """Writes the open chat as "markdown" or "json"; raises OSError with the reason if it cannot."""
+        if fmt == "json":
+            conv_id = self.chat.conversation_id
+            turns = self._read(lambda: self.store.turns(conv_id), []) if conv_id is not None and conv_id >= 0 else []
+            text = to_json(self.chat.title, self._pairs(), turns, self.model_info.get("model"))
+        else:
+            text = self.chat_markdown()
+        Path(path).write_text(text, encoding="utf-8")
+
+    # --- closing -------------------------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Stops any reply or build, lets the engine thread end, saves, then emits closed. Never blocks."""
+        if self._closing:
+            return
+        self._closing = True
+        self._after_idle.clear()
+        self.host.shutdown()
+
+    def _on_engine_stopped(self) -> None:
+        # Every event the worker sent before it ended has been handled by now (queued in order), so the
+        # stopped reply is already in the chat: write whatever is still unsaved, then close the store.
+        self._retry.stop()
+        for conv_id in list(self._unsaved):
+            self._flush(conv_id)
+        if self._unsaved:
+            log.error("%d chat(s) could not be saved before closing", len(self._unsaved))
+        self.store.close()
+        self.closed.emit()
+
+
+def _title_from(text: str) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= 48 else line[:47].rstrip() + "…"

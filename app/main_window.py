@@ -1,0 +1,467 @@
+"""The main window: chats on the left, the conversation in the middle, live statistics on the right.
+
+Only layout and wiring live here: user actions go to the ChatController, and the views render its models.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from PySide6.QtCore import QByteArray, QEvent, QItemSelectionModel, QModelIndex, QSettings, QSortFilterProxyModel, Qt, Signal
+from PySide6.QtGui import QAction, QCloseEvent, QKeySequence, QShortcut
+from PySide6.QtWidgets import (QAbstractItemView, QFileDialog, QHBoxLayout, QInputDialog, QLabel, QLineEdit, QListView,
+                               QMainWindow, QMenu, QMessageBox, QPushButton, QSplitter, QToolButton, QVBoxLayout, QWidget)
+
+from .chat_view import ChatView, copy_to_clipboard
+from .compose import ComposeBox
+from .controller import ChatController
+from .icons import icon, logo
+from .models import ConversationListModel
+from .notice import NoticeBar
+from .progress_dialog import BuildProgressDialog
+from .settings_dialog import DEFAULT_MODEL_NAME, SettingsDialog
+from .stats_panel import StatsPanel
+
+UI_STATE_FILE = "ui.ini"
+
+
+class MainWindow(QMainWindow):
+    closed = Signal()  # everything is stopped and saved: the process may exit
+
+    def __init__(self, data_dir: Path, model: str | None = None, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.data_dir = data_dir
+        self.setWindowTitle("Eddy")
+        self.setWindowIcon(logo())
+        self.controller = c = ChatController(data_dir, model, self)
+        self.progress_dialog: BuildProgressDialog | None = None
+        self.editing = False
+        self._closing = False
+        self._closed = False
+        self._selecting = False
+
+        self._build_sidebar()
+        self._build_center()
+        self.stats = StatsPanel(c.turns)
+        self.splitter = QSplitter(Qt.Orientation.Horizontal)
+        self.splitter.addWidget(self.sidebar)
+        self.splitter.addWidget(self.center)
+        self.splitter.addWidget(self.stats)
+        self.splitter.setStretchFactor(0, 0)
+        self.splitter.setStretchFactor(1, 1)
+        self.splitter.setStretchFactor(2, 0)
+        self.splitter.setSizes([220, 640, 300])
+        self.splitter.setChildrenCollapsible(False)
+        self.setCentralWidget(self.splitter)
+        self.status_label = QLabel("Starting…")
+        self.status_label.setAccessibleName("Model status")
+        self.statusBar().addWidget(self.status_label, 1)
+        self._build_actions()
+        self._refresh_icons()
+
+        c.busy_changed.connect(self._update_controls)
+        for sig in (c.chat.reset, c.chat.appended, c.chat.truncated):
+            sig.connect(self._update_controls)
+        c.model_state_changed.connect(self._on_model_state)
+        c.model_info_changed.connect(self._on_model_info)
+        c.load_progress.connect(self._on_progress)
+        c.notice.connect(self.notice.show_notice)
+        c.cache_changed.connect(self.stats.show_cache)
+        c.turn_prefilled.connect(self.stats.show_prefill)
+        c.live_rate.connect(self.stats.show_rate)
+        c.restore_input.connect(self._restore_input)
+        c.conversation_opened.connect(self._on_conversation_opened)
+        c.current_changed.connect(self._select_current)
+        c.conversations.dataChanged.connect(self._update_controls)  # a renamed chat: the window title
+        c.closed.connect(self._finish_close)
+        self.notice.action_requested.connect(self._on_notice_action)
+        c.chat.window_changed.connect(self._show_context)
+        self.stats.show_marker_requested.connect(self.chat_view.scroll_to_marker)
+        self.chat_view.copy_requested.connect(copy_to_clipboard)
+        self.resize(1180, 760)
+        self._restore_ui_state()
+        c.start()
+        self._update_controls()
+
+    # --- layout --------------------------------------------------------------------------------------------
+
+    def _build_sidebar(self) -> None:
+        self.sidebar = QWidget()
+        self.sidebar.setAccessibleName("Chats")
+        self.sidebar.setMinimumWidth(170)
+        layout = QVBoxLayout(self.sidebar)
+        layout.setContentsMargins(8, 8, 4, 8)
+        self.new_button = QPushButton("New chat")
+        self.new_button.setAccessibleName("New chat")
+        self.new_button.setToolTip("Start a new chat (Ctrl+N)")
+        self.new_button.clicked.connect(self.controller.new_chat)
+        layout.addWidget(self.new_button)
+        self.filter = QLineEdit()
+        self.filter.setPlaceholderText("Filter chats")
+        self.filter.setAccessibleName("Filter chats by title")
+        self.filter.setClearButtonEnabled(True)
+        layout.addWidget(self.filter)
+        self.proxy = QSortFilterProxyModel(self)
+        self.proxy.setSourceModel(self.controller.conversations)
+        self.proxy.setFilterCaseSensitivity(Qt.CaseSensitivity.CaseInsensitive)
+        self.filter.textChanged.connect(self.proxy.setFilterFixedString)
+        self.chat_list = QListView()
+        self.chat_list.setModel(self.proxy)
+        self.chat_list.setAccessibleName("Chat list")
+        self.chat_list.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.chat_list.setTextElideMode(Qt.TextElideMode.ElideRight)
+        self.chat_list.setUniformItemSizes(True)
+        self.chat_list.setEditTriggers(QAbstractItemView.EditTrigger.EditKeyPressed |
+                                       QAbstractItemView.EditTrigger.DoubleClicked)
+        self.chat_list.setContextMenuPolicy(Qt.ContextMenuPolicy.CustomContextMenu)
+        self.chat_list.customContextMenuRequested.connect(self._chat_menu)
+        self.chat_list.selectionModel().currentChanged.connect(self._on_list_current)
+        layout.addWidget(self.chat_list, 1)
+
+    def _build_center(self) -> None:
+        self.center = QWidget()
+        layout = QVBoxLayout(self.center)
+        layout.setContentsMargins(4, 8, 4, 8)
+        layout.setSpacing(6)
+        self.notice = NoticeBar()
+        layout.addWidget(self.notice)
+        self.chat_view = ChatView(self.controller.chat)
+        layout.addWidget(self.chat_view, 1)
+
+        tools = QHBoxLayout()
+        tools.setSpacing(2)
+        self.regenerate_button = self._tool("regenerate", "Regenerate", "Write the last reply again (Ctrl+R)",
+                                            self.regenerate)
+        self.edit_button = self._tool("edit", "Edit last message", "Edit your last message and resend it (Ctrl+E)",
+                                      self.start_edit)
+        self.copy_chat_button = self._tool("copy", "Copy chat", "Copy the whole chat as Markdown (Ctrl+Shift+C)",
+                                           self.copy_chat)
+        for b in (self.regenerate_button, self.edit_button, self.copy_chat_button):
+            tools.addWidget(b)
+        tools.addStretch(1)
+        self.edit_label = QLabel("Editing your last message: Enter resends it, Esc cancels")
+        self.edit_label.setAccessibleName("Edit mode")
+        self.edit_label.hide()
+        tools.addWidget(self.edit_label)
+        layout.addLayout(tools)
+
+        row = QHBoxLayout()
+        self.compose = ComposeBox()
+        self.compose.submitted.connect(self.submit)
+        row.addWidget(self.compose, 1)
+        self.send_button = QPushButton("Send")
+        self.send_button.setAccessibleName("Send message")
+        self.send_button.setToolTip("Send (Enter)")
+        self.send_button.clicked.connect(lambda: self.submit(self.compose.toPlainText()))
+        self.stop_button = QPushButton("Stop")
+        self.stop_button.setAccessibleName("Stop reply")
+        self.stop_button.setToolTip("Stop the reply (Esc)")
+        self.stop_button.clicked.connect(self.controller.stop)
+        row.addWidget(self.send_button, 0, Qt.AlignmentFlag.AlignBottom)
+        row.addWidget(self.stop_button, 0, Qt.AlignmentFlag.AlignBottom)
+        layout.addLayout(row)
+
+    def _tool(self, name: str, text: str, tip: str, slot) -> QToolButton:
+        b = QToolButton()
+        b.setObjectName(name)
+        b.setText(text)
+        b.setToolTip(tip)
+        b.setAccessibleName(text)
+        b.setAutoRaise(True)
+        b.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonTextBesideIcon)
+        b.clicked.connect(slot)
+        return b
+
+    def _build_actions(self) -> None:
+        c = self.controller
+        bar = self.menuBar()
+        file_menu = bar.addMenu("&File")
+        self.new_action = self._action(file_menu, "&New chat", QKeySequence.StandardKey.New, c.new_chat)
+        file_menu.addSeparator()
+        self._action(file_menu, "Export as &Markdown…", None, lambda: self.export_chat("markdown"))
+        self._action(file_menu, "Export as &JSON…", None, lambda: self.export_chat("json"))
+        file_menu.addSeparator()
+        self._action(file_menu, "&Settings…", QKeySequence("Ctrl+,"), self.open_settings)
+        file_menu.addSeparator()
+        self._action(file_menu, "&Quit", QKeySequence.StandardKey.Quit, self.close)
+        chat_menu = bar.addMenu("&Chat")
+        self.regenerate_action = self._action(chat_menu, "&Regenerate last reply", QKeySequence("Ctrl+R"), self.regenerate)
+        self.edit_action = self._action(chat_menu, "&Edit last message", QKeySequence("Ctrl+E"), self.start_edit)
+        # Esc itself is a window-wide shortcut (below); "\t" only shows it in the menu.
+        self.stop_action = self._action(chat_menu, "&Stop reply\tEsc", None, c.stop)
+        chat_menu.addSeparator()
+        self._action(chat_menu, "&Copy chat", QKeySequence("Ctrl+Shift+C"), self.copy_chat)
+        self._action(chat_menu, "Re&name chat…", QKeySequence("F2"), self.rename_current)
+        self._action(chat_menu, "&Delete chat…", None, self.delete_current)
+        view_menu = bar.addMenu("&View")
+        self.stats_action = self._action(view_menu, "&Statistics panel", QKeySequence("F9"),
+                                         lambda on: self.stats.setVisible(on))
+        self.stats_action.setCheckable(True)
+        self.stats_action.setChecked(True)
+        self.sidebar_action = self._action(view_menu, "C&hat list", QKeySequence("Ctrl+B"),
+                                           lambda on: self.sidebar.setVisible(on))
+        self.sidebar_action.setCheckable(True)
+        self.sidebar_action.setChecked(True)
+        self._action(view_menu, "&Find chat", QKeySequence.StandardKey.Find, self.filter.setFocus)
+        # Esc stops a reply anywhere in the window, or leaves edit mode.
+        esc = QShortcut(QKeySequence(Qt.Key.Key_Escape), self)
+        esc.setContext(Qt.ShortcutContext.WindowShortcut)
+        esc.activated.connect(self.escape)
+
+    def _action(self, menu: QMenu, text: str, shortcut, slot) -> QAction:
+        action = QAction(text, self)
+        if shortcut is not None:
+            action.setShortcut(shortcut)
+        action.triggered.connect(slot)
+        menu.addAction(action)
+        return action
+
+    def _refresh_icons(self) -> None:
+        self.new_button.setIcon(icon("new"))
+        self.regenerate_button.setIcon(icon("regenerate", size=16))
+        self.edit_button.setIcon(icon("edit", size=16))
+        self.copy_chat_button.setIcon(icon("copy", size=16))
+        self.send_button.setIcon(icon("send"))
+        self.stop_button.setIcon(icon("stop"))
+
+    def changeEvent(self, event: QEvent) -> None:  # noqa: N802
+        super().changeEvent(event)
+        if event.type() == QEvent.Type.PaletteChange:
+            self._refresh_icons()  # icons are drawn in the palette's text colour
+
+    # --- user actions --------------------------------------------------------------------------------------
+
+    def submit(self, text: str) -> None:
+        if not text.strip():
+            return
+        ok = self.controller.edit_resend(text) if self.editing else self.controller.send(text)
+        if ok:
+            self.compose.clear()
+            self._set_editing(False)
+
+    def regenerate(self) -> None:
+        self.controller.regenerate()
+
+    def start_edit(self) -> None:
+        text = self.controller.last_user_text()
+        if text is None or self.controller.busy:
+            return
+        self._set_editing(True)
+        self.compose.setPlainText(text)
+        self.compose.setFocus()
+        cursor = self.compose.textCursor()
+        cursor.movePosition(cursor.MoveOperation.End)
+        self.compose.setTextCursor(cursor)
+
+    def _set_editing(self, on: bool) -> None:
+        self.editing = on
+        self.edit_label.setVisible(on)
+        self.send_button.setText("Resend" if on else "Send")
+        self.send_button.setAccessibleName("Resend edited message" if on else "Send message")
+
+    def escape(self) -> None:
+        if self.controller.busy:
+            self.controller.stop()
+        elif self.editing:
+            self._set_editing(False)
+            self.compose.clear()
+
+    def copy_chat(self) -> None:
+        copy_to_clipboard(self.controller.chat_markdown())
+        self.statusBar().showMessage("Chat copied as Markdown", 3000)
+
+    def export_chat(self, fmt: str) -> None:
+        suffix, filt = (".json", "JSON (*.json)") if fmt == "json" else (".md", "Markdown (*.md)")
+        name = "".join(ch if ch.isalnum() or ch in " -_" else "_" for ch in self.controller.chat.title).strip() or "chat"
+        path, _ = QFileDialog.getSaveFileName(self, "Export chat", str(Path.home() / f"{name}{suffix}"), filt)
+        if not path:
+            return
+        try:
+            self.controller.export_chat(Path(path), fmt)
+        except OSError as e:
+            self.notice.show_notice("error", f"Could not export the chat: {e.strerror or e}")
+            return
+        self.statusBar().showMessage(f"Exported to {path}", 5000)
+
+    def open_settings(self) -> None:
+        dialog = SettingsDialog(self.controller.settings, self, self.controller.model_override)
+        if dialog.exec() == SettingsDialog.DialogCode.Accepted:
+            new = dialog.value()
+            if self.controller.settings.needs_rebuild(new):
+                self.notice.show_notice("info", "The model is being rebuilt for the new settings.")
+            self.controller.apply_settings(new)
+
+    def _selected_conversation(self, index: QModelIndex | None = None) -> int | None:
+        index = index if index is not None else self.chat_list.currentIndex()
+        if not index.isValid():
+            return None
+        return self.proxy.data(index, ConversationListModel.IdRole)
+
+    def _chat_menu(self, pos) -> None:
+        index = self.chat_list.indexAt(pos)
+        conv_id = self._selected_conversation(index)
+        if conv_id is None:
+            return
+        menu = QMenu(self)
+        menu.addAction("Rename…", lambda: self.chat_list.edit(index))
+        menu.addAction("Delete…", lambda: self._confirm_delete(conv_id))
+        menu.exec(self.chat_list.viewport().mapToGlobal(pos))
+
+    def rename_current(self) -> None:
+        conv_id = self.controller.chat.conversation_id
+        if conv_id is None:
+            return
+        title, ok = QInputDialog.getText(self, "Rename chat", "Title", text=self.controller.chat.title)
+        if ok and title.strip():
+            self.controller.rename_chat(conv_id, title)
+
+    def delete_current(self) -> None:
+        if self.controller.chat.conversation_id is not None:
+            self._confirm_delete(self.controller.chat.conversation_id)
+
+    def _confirm_delete(self, conv_id: int) -> None:
+        row = self.controller.conversations.row_of(conv_id)
+        title = self.controller.conversations.rows[row].title if row >= 0 else "this chat"
+        answer = QMessageBox.question(self, "Delete chat", f"Delete “{title}”? This cannot be undone.")
+        if answer == QMessageBox.StandardButton.Yes:
+            self.controller.delete_chat(conv_id)
+
+    def _restore_input(self, text: str) -> None:
+        if not self.compose.toPlainText().strip():
+            self.compose.setPlainText(text)
+
+    def _on_notice_action(self, action: str) -> None:
+        if action == "retry_load":
+            self.notice.hide()
+            self.controller.load_model()
+        elif action == "settings":
+            self.open_settings()
+        elif action == "retry_save":
+            self.notice.hide()
+            self.controller.retry_saves()  # says how it went in a new notice
+
+    # --- controller signals --------------------------------------------------------------------------------
+
+    def _on_list_current(self, current: QModelIndex, _previous: QModelIndex) -> None:
+        if self._selecting:
+            return
+        conv_id = self._selected_conversation(current)
+        if conv_id is not None and conv_id != self.controller.chat.conversation_id:
+            self.controller.open_chat(conv_id)
+
+    def _on_conversation_opened(self) -> None:
+        self._set_editing(False)
+        self.stats.clear_turn()
+        self._select_current()
+
+    def _select_current(self) -> None:
+        """Highlights the open chat in the list (without reopening it)."""
+        conv_id = self.controller.chat.conversation_id
+        self._selecting = True
+        try:
+            row = self.controller.conversations.row_of(conv_id) if conv_id is not None else -1
+            if row >= 0:
+                index = self.proxy.mapFromSource(self.controller.conversations.index(row))
+                self.chat_list.selectionModel().setCurrentIndex(index, QItemSelectionModel.SelectionFlag.ClearAndSelect)
+            else:
+                self.chat_list.selectionModel().clearSelection()
+                self.chat_list.setCurrentIndex(QModelIndex())
+        finally:
+            self._selecting = False
+        self._update_controls()
+
+    def _show_context(self) -> None:
+        chat = self.controller.chat
+        self.stats.show_context(chat.forgotten(), len(chat.messages))
+
+    def _on_progress(self, stage: str, fraction: float) -> None:
+        if self.progress_dialog is None and self.controller.model_state == "loading" and not self._closing:
+            self.progress_dialog = BuildProgressDialog(self.controller.model_spec or DEFAULT_MODEL_NAME, self)
+            self.progress_dialog.cancel_requested.connect(self.controller.cancel_load)
+            self.progress_dialog.show()
+        if self.progress_dialog is not None:
+            self.progress_dialog.set_progress(stage, fraction)
+        self.status_label.setText(f"Building the model: {stage} {fraction * 100:.0f}%")
+
+    def _on_model_state(self, state: str) -> None:
+        if state != "loading" and self.progress_dialog is not None:
+            self.progress_dialog.finish()
+            self.progress_dialog.deleteLater()
+            self.progress_dialog = None
+        if state == "loading":
+            self.status_label.setText("Loading the model…")
+        elif state == "failed":
+            self.status_label.setText("No model loaded")
+        self._update_controls()
+
+    def _on_model_info(self, info: dict) -> None:
+        s = info["settings"]
+        self.status_label.setText(f"{info['model']} · {s['dtype']} · {s['device']} · cache {s['sinks']} sinks + "
+                                  f"{s['window']} window · loaded in {info['seconds']:.1f} s")
+
+    def _update_controls(self, *_: object) -> None:
+        c = self.controller
+        busy, ready = c.busy, c.model_state == "ready"
+        msgs = c.chat.messages
+        self.send_button.setVisible(not busy)
+        self.stop_button.setVisible(busy)
+        self.send_button.setEnabled(ready)
+        can_regen = ready and not busy and len(msgs) >= 2 and msgs[-1].role == "assistant"
+        self.regenerate_button.setEnabled(can_regen)
+        self.regenerate_action.setEnabled(can_regen)
+        can_edit = ready and not busy and any(m.role == "user" for m in msgs)
+        self.edit_button.setEnabled(can_edit)
+        self.edit_action.setEnabled(can_edit)
+        self.stop_action.setEnabled(busy)
+        self.copy_chat_button.setEnabled(bool(msgs))
+        self.setWindowTitle(f"{c.chat.title} — Eddy")
+        if not ready:
+            self.compose.setPlaceholderText("The model is loading…" if c.model_state == "loading"
+                                            else "No model loaded: see the message above")
+        else:
+            self.compose.setPlaceholderText("Message Eddy… (Enter to send, Shift+Enter for a new line)")
+
+    # --- closing -------------------------------------------------------------------------------------------
+
+    def closeEvent(self, event: QCloseEvent) -> None:  # noqa: N802
+        if self._closed:
+            event.accept()
+            return
+        # Never block here: ask the engine to stop, hide, and close for real once it has (see _finish_close).
+        event.ignore()
+        if self._closing:
+            return
+        self._closing = True
+        self._save_ui_state()
+        if self.progress_dialog is not None:
+            self.progress_dialog.hide()
+        self.hide()
+        self.controller.shutdown()
+
+    def _finish_close(self) -> None:
+        self._closed = True
+        self.close()
+        self.closed.emit()
+
+    @property
+    def is_closed(self) -> bool:
+        return self._closed
+
+    def _ui_settings(self) -> QSettings:
+        return QSettings(str(self.data_dir / UI_STATE_FILE), QSettings.Format.IniFormat)
+
+    def _save_ui_state(self) -> None:
+        s = self._ui_settings()
+        s.setValue("geometry", self.saveGeometry())
+        s.setValue("splitter", self.splitter.saveState())
+        s.setValue("stats_visible", not self.stats.isHidden())
+
+    def _restore_ui_state(self) -> None:
+        s = self._ui_settings()
+        geometry, splitter = s.value("geometry"), s.value("splitter")
+        if isinstance(geometry, QByteArray):
+            self.restoreGeometry(geometry)
+        if isinstance(splitter, QByteArray):
+            self.splitter.restoreState(splitter)
+        if str(s.value("stats_visible", "true")).lower() == "false":
+            self.stats.hide()
+            self.stats_action.setChecked(False)

@@ -1,0 +1,278 @@
+"""What the views render: the open chat, the list of chats and the per-turn statistics.
+
+The views only read these and listen to their signals; the controller is the only writer.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from PySide6.QtGui import QFont
+from PySide6.QtCore import QAbstractListModel, QAbstractTableModel, QModelIndex, QObject, QPersistentModelIndex, Qt, Signal
+
+from .store import ConversationRow, TurnRow
+
+Index = QModelIndex | QPersistentModelIndex
+
+
+@dataclass
+class Message:
+    role: str  # "user" | "assistant"
+    content: str
+    id: int | None = None                # row id in the store (None until saved)
+    span: tuple[int, int] | None = None  # token positions in the current cache; None: not in it
+    meta: dict[str, Any] = field(default_factory=dict)  # a reply's stats: tokens, tok_s, stop_reason
+    streaming: bool = False              # a reply still being written
+    pending: bool = False                # sent, but the cache has not reported where it went yet
+
+    def as_dict(self) -> dict[str, str]:
+        return {"role": self.role, "content": self.content}
+
+
+class ChatModel(QObject):
+    """The open conversation, with where each message sits in the model's cache."""
+
+    reset = Signal()              # a different chat (or a changed list): render everything again
+    appended = Signal(int)        # index of a new message at the end
+    changed = Signal(int)         # a message's text or meta changed (streaming)
+    truncated = Signal(int)       # messages from this index on were removed
+    window_changed = Signal()     # spans or evictions changed: the "left the window" marker may move
+
+    def __init__(self, parent: QObject | None = None) -> None:
+        super().__init__(parent)
+        self.conversation_id: int | None = None
+        self.title = ""
+        self.messages: list[Message] = []
+        self.sinks = 0
+        self.evicted = 0
+        self.context_known = False  # False until the engine said which messages it holds
+
+    def load(self, conversation_id: int | None, title: str, messages: list[Message]) -> None:
+        self.conversation_id, self.title, self.messages = conversation_id, title, list(messages)
+        self.evicted = 0
+        self.context_known = False
+        self.reset.emit()
+        self.window_changed.emit()
+
+    def append(self, message: Message) -> int:
+        self.messages.append(message)
+        self.appended.emit(len(self.messages) - 1)
+        return len(self.messages) - 1
+
+    def add_text(self, index: int, text: str) -> None:
+        self.messages[index].content += text
+        self.changed.emit(index)
+
+    def update(self, index: int, **changes: Any) -> None:
+        message = self.messages[index]
+        for name, value in changes.items():
+            setattr(message, name, value)
+        self.changed.emit(index)
+        if "span" in changes:
+            self.window_changed.emit()
+
+    def truncate(self, index: int) -> None:
+        if index < len(self.messages):
+            del self.messages[index:]
+            self.truncated.emit(index)
+            self.window_changed.emit()
+
+    def history(self, end: int | None = None) -> list[dict[str, str]]:
+        """The messages (up to `end`) as the engine takes them; a reply still being written is left out."""
+        return [m.as_dict() for m in self.messages[:end] if not m.streaming]
+
+    # --- the cache window ----------------------------------------------------------------------------------
+
+    def apply_context(self, first: int, spans: list[list[int]]) -> None:
+        """After a rebuild: messages before `first` were left out; the rest sit at `spans`."""
+        for i, message in enumerate(self.messages):
+            message.span = tuple(spans[i - first]) if first <= i < first + len(spans) else None
+        self.evicted = 0
+        self.context_known = True
+        self.window_changed.emit()
+
+    def set_cache(self, cache: dict) -> None:
+        sinks, evicted = int(cache.get("sinks", 0)), int(cache.get("evicted", 0))
+        if (sinks, evicted) != (self.sinks, self.evicted):
+            self.sinks, self.evicted = sinks, evicted
+            self.window_changed.emit()
+
+    def forgotten(self) -> int:
+        """How many leading messages the model no longer sees (their last token left the window)."""
+        if not self.context_known:
+            return 0
+        horizon = self.sinks + self.evicted  # positions before this (past the sinks) are gone
+        count = 0
+        for i, message in enumerate(self.messages):
+            if message.pending:
+                continue
+            if message.span is None or (self.evicted > 0 and message.span[1] <= horizon):
+                count = i + 1
+        return count
+
+    def partly_forgotten(self, index: int) -> bool:
+        span = self.messages[index].span
+        return span is not None and self.evicted > 0 and span[0] < self.sinks + self.evicted < span[1]
+
+
+class ConversationListModel(QAbstractListModel):
+    """The sidebar's chats, newest first. Editing a title emits rename_requested (the controller saves it)."""
+
+    rename_requested = Signal(int, str)
+    IdRole = Qt.ItemDataRole.UserRole + 1
+
+    def __init__(self, parent: QObject | None = None) -> None:
+        super().__init__(parent)
+        self.rows: list[ConversationRow] = []
+
+    def set_rows(self, rows: list[ConversationRow]) -> None:
+        self.beginResetModel()
+        self.rows = list(rows)
+        self.endResetModel()
+
+    def row_of(self, conv_id: int) -> int:
+        return next((i for i, r in enumerate(self.rows) if r.id == conv_id), -1)
+
+    def upsert(self, row: ConversationRow, to_top: bool = True) -> None:
+        i = self.row_of(row.id)
+        if i >= 0 and not to_top:
+            self.rows[i] = row
+            self.dataChanged.emit(self.index(i), self.index(i))
+            return
+        if i >= 0:
+            if i == 0:
+                self.rows[0] = row
+                self.dataChanged.emit(self.index(0), self.index(0))
+                return
+            self.beginRemoveRows(QModelIndex(), i, i)
+            del self.rows[i]
+            self.endRemoveRows()
+        self.beginInsertRows(QModelIndex(), 0, 0)
+        self.rows.insert(0, row)
+        self.endInsertRows()
+
+    def remove(self, conv_id: int) -> None:
+        i = self.row_of(conv_id)
+        if i >= 0:
+            self.beginRemoveRows(QModelIndex(), i, i)
+            del self.rows[i]
+            self.endRemoveRows()
+
+    def rowCount(self, parent: Index = QModelIndex()) -> int:  # noqa: N802 (Qt API)
+        return 0 if parent.isValid() else len(self.rows)
+
+    def data(self, index: Index, role: int = Qt.ItemDataRole.DisplayRole) -> Any:
+        if not index.isValid():
+            return None
+        row = self.rows[index.row()]
+        if role in (Qt.ItemDataRole.DisplayRole, Qt.ItemDataRole.EditRole, Qt.ItemDataRole.AccessibleTextRole):
+            return row.title
+        if role == Qt.ItemDataRole.ToolTipRole:
+            return f"{row.title}\nlast used {time.strftime('%Y-%m-%d %H:%M', time.localtime(row.updated))}"
+        if role == self.IdRole:
+            return row.id
+        return None
+
+    def flags(self, index: Index) -> Qt.ItemFlag:
+        base = super().flags(index)
+        return base | Qt.ItemFlag.ItemIsEditable if index.isValid() else base
+
+    def setData(self, index: Index, value: Any, role: int = Qt.ItemDataRole.EditRole) -> bool:  # noqa: N802
+        title = str(value).strip()
+        if role != Qt.ItemDataRole.EditRole or not index.isValid() or not title:
+            return False
+        self.rename_requested.emit(self.rows[index.row()].id, title)
+        return True
+
+
+@dataclass
+class TurnStat:
+    kind: str            # "turn" or "rebuild"
+    prefill_tokens: int
+    prefill_ms: float
+    tokens: int = 0
+    decode_ms: float = 0.0
+    tok_s: float = 0.0
+    stop_reason: str = ""
+    live: bool = False   # still streaming
+
+    @classmethod
+    def from_row(cls, row: TurnRow) -> "TurnStat":
+        return cls(row.kind, row.prefill_tokens, row.prefill_ms, row.tokens, row.decode_ms, row.tok_s,
+                   row.stop_reason)
+
+
+class TurnStatsModel(QAbstractTableModel):
+    """One row per prefill of the open chat: its replies and its cache rebuilds."""
+
+    HEADERS = ("#", "Prefill tok", "TTFT ms", "Reply tok", "tok/s")
+    TOOLTIPS = ("Turn number (↻ marks a cache rebuild from the stored chat)",
+                "New tokens the model had to read before answering",
+                "Time to first token: how long that prefill took",
+                "Tokens in the reply", "Reply speed (decode tokens per second)")
+
+    def __init__(self, parent: QObject | None = None) -> None:
+        super().__init__(parent)
+        self.rows: list[TurnStat] = []
+
+    def set_rows(self, rows: list[TurnStat]) -> None:
+        self.beginResetModel()
+        self.rows = list(rows)
+        self.endResetModel()
+
+    def append(self, stat: TurnStat) -> int:
+        n = len(self.rows)
+        self.beginInsertRows(QModelIndex(), n, n)
+        self.rows.append(stat)
+        self.endInsertRows()
+        return n
+
+    def update(self, row: int, **changes: Any) -> None:
+        for name, value in changes.items():
+            setattr(self.rows[row], name, value)
+        self.dataChanged.emit(self.index(row, 0), self.index(row, len(self.HEADERS) - 1))
+
+    def turn_number(self, row: int) -> int:
+        return sum(1 for r in self.rows[: row + 1] if r.kind == "turn")
+
+    def rowCount(self, parent: Index = QModelIndex()) -> int:  # noqa: N802
+        return 0 if parent.isValid() else len(self.rows)
+
+    def columnCount(self, parent: Index = QModelIndex()) -> int:  # noqa: N802
+        return 0 if parent.isValid() else len(self.HEADERS)
+
+    def headerData(self, section: int, orientation: Qt.Orientation, role: int = Qt.ItemDataRole.DisplayRole) -> Any:  # noqa: N802
+        if orientation != Qt.Orientation.Horizontal:
+            return None
+        if role == Qt.ItemDataRole.DisplayRole:
+            return self.HEADERS[section]
+        if role == Qt.ItemDataRole.ToolTipRole:
+            return self.TOOLTIPS[section]
+        return None
+
+    def data(self, index: Index, role: int = Qt.ItemDataRole.DisplayRole) -> Any:
+        if not index.isValid():
+            return None
+        r, col = self.rows[index.row()], index.column()
+        if role == Qt.ItemDataRole.TextAlignmentRole:
+            return int(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
+        if role == Qt.ItemDataRole.ToolTipRole and r.kind == "rebuild":
+            return "The cache was rebuilt from this chat's recent messages (opening it, regenerating or editing)"
+        if role == Qt.ItemDataRole.FontRole and r.live:
+            font = QFont()
+            font.setItalic(True)  # still streaming
+            return font
+        if role != Qt.ItemDataRole.DisplayRole:
+            return None
+        if col == 0:
+            return "↻" if r.kind == "rebuild" else str(self.turn_number(index.row()))
+        if col == 1:
+            return f"{r.prefill_tokens:,}"
+        if col == 2:
+            return f"{r.prefill_ms:,.1f}"
+        if r.kind == "rebuild":
+            return ""
+        if col == 3:
+            return f"{r.tokens:,}"
+        return f"{r.tok_s:,.1f}" if r.tok_s else ""

@@ -1,0 +1,157 @@
+"""Takes the README screenshots from the real app (a developer tool, not used by the app itself).
+
+    QT_QPA_PLATFORM=offscreen python -m app.screenshots main-window OUT.png [--model M]
+    QT_QPA_PLATFORM=offscreen EDDY_CACHE_DIR=$(mktemp -d) python -m app.screenshots first-run OUT.png
+
+main-window chats with the model until the cache has evicted tokens and grabs the window while the last
+reply streams (and OUT-marker.png with the "left the window" marker in view); first-run starts with an empty artefact cache and grabs the window with the build dialog.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+from PySide6.QtCore import QPoint, QTimer
+from PySide6.QtGui import QColor, QPainter, QPalette, QPixmap
+from PySide6.QtWidgets import QApplication, QStyleFactory
+
+from .main import main
+from .main_window import MainWindow
+from .settings import AppSettings, save_settings
+
+PROMPTS = [
+    "Hi! Who are you?",
+    "What is a KV cache in a language model? Answer in a short paragraph.",
+    "Write a Python function that checks whether a word is a palindrome.",
+    "Explain attention sinks in StreamingLLM to a new engineer.",
+    "Give three tips for writing clear commit messages, as a list.",
+    "What is the difference between a process and a thread?",
+    "Summarise our conversation so far in two sentences.",
+    "Suggest a name for a small chat app that runs models locally.",
+    "How do I read a file line by line in Python? Show code.",
+    "What are the benefits of running a model on my own machine?",
+    "Write a haiku about caches.",
+]
+
+
+def _save(pixmap: QPixmap, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not pixmap.save(str(path)):
+        raise SystemExit(f"could not write {path}")
+    print(f"saved {path}", flush=True)
+
+
+def _composite(window: MainWindow, dialog) -> QPixmap:
+    """The window with the dialog centred over it (offscreen platforms have no compositor to do it)."""
+    shot = window.grab()
+    over = dialog.grab()
+    painter = QPainter(shot)
+    painter.fillRect(shot.rect(), QColor(0, 0, 0, 60))  # the window dimmed behind the dialog
+    at = QPoint((shot.width() - over.width()) // 2, (shot.height() - over.height()) // 3)
+    for i in range(8, 0, -1):  # a soft shadow
+        painter.fillRect(over.rect().translated(at).adjusted(-i, -i + 3, i, i + 3), QColor(0, 0, 0, 10))
+    painter.drawPixmap(at, over)
+    painter.setPen(QColor(0, 0, 0, 90))
+    painter.drawRect(over.rect().translated(at).adjusted(-1, -1, 0, 0))
+    painter.end()
+    return shot
+
+
+def dark_palette() -> QPalette:
+    """A dark theme like a desktop's, to check the app follows the palette (set at run time)."""
+    pal = QPalette()
+    for role, colour in ((QPalette.ColorRole.Window, "#2b2b2b"), (QPalette.ColorRole.WindowText, "#e6e6e6"),
+                         (QPalette.ColorRole.Base, "#1f1f1f"), (QPalette.ColorRole.AlternateBase, "#272727"),
+                         (QPalette.ColorRole.Text, "#e6e6e6"), (QPalette.ColorRole.Button, "#353535"),
+                         (QPalette.ColorRole.ButtonText, "#e6e6e6"), (QPalette.ColorRole.Highlight, "#3d8fe0"),
+                         (QPalette.ColorRole.HighlightedText, "#ffffff"), (QPalette.ColorRole.Link, "#6fb0ff"),
+                         (QPalette.ColorRole.PlaceholderText, "#8a8a8a"), (QPalette.ColorRole.ToolTipBase, "#353535"),
+                         (QPalette.ColorRole.ToolTipText, "#e6e6e6")):
+        pal.setColor(role, QColor(colour))
+    for role in (QPalette.ColorRole.WindowText, QPalette.ColorRole.Text, QPalette.ColorRole.ButtonText):
+        pal.setColor(QPalette.ColorGroup.Disabled, role, QColor("#7a7a7a"))
+    return pal
+
+
+def main_window(out: Path, model: str | None, max_turns: int, grab_after: int, dark: bool = False) -> int:
+    """Chats until the cache has evicted tokens, then grabs the window while the next reply streams."""
+    def drive(window: MainWindow) -> None:
+        if dark:
+            QApplication.setStyle(QStyleFactory.create("Fusion"))
+            QApplication.setPalette(dark_palette())
+        window.resize(1360, 860)
+        c = window.controller
+        state = {"sent": 0, "grab_turn": None, "grabbed": False}
+
+        def grab() -> None:
+            if not state["grabbed"]:
+                state["grabbed"] = True
+                window.chat_view.flush()
+                _save(window.grab(), out)
+                # A second picture with the "left the window" marker in view ("Show where" in the panel).
+                window.chat_view.scroll_to_marker()
+                marker_out = out.with_name(out.stem + "-marker.png")
+
+                def second() -> None:
+                    _save(window.grab(), marker_out)
+                    window.close()
+
+                QTimer.singleShot(150, second)
+
+        def send_next() -> None:
+            if state["grabbed"]:
+                return
+            if state["grab_turn"] is None and (c.cache.get("evicted", 0) > 0 or state["sent"] >= max_turns - 1):
+                state["grab_turn"] = state["sent"] + 1
+            if state["grab_turn"] is not None and state["sent"] >= state["grab_turn"]:
+                grab()  # the grab turn ended before enough tokens streamed: take it as it is
+                return
+            c.send(PROMPTS[state["sent"] % len(PROMPTS)])
+            state["sent"] += 1
+
+        def on_rate(_rate: float, tokens: int) -> None:
+            if state["sent"] == state["grab_turn"] and tokens >= grab_after:
+                grab()
+
+        c.model_state_changed.connect(lambda s: s == "ready" and QTimer.singleShot(200, send_next))
+        c.turn_finished.connect(lambda _ev: QTimer.singleShot(100, send_next))
+        c.live_rate.connect(on_rate)
+        QTimer.singleShot(15 * 60 * 1000, window.close)  # never hang a script
+
+    data = Path(tempfile.mkdtemp(prefix="eddy-shot-"))
+    save_settings(data, AppSettings(max_new_tokens=220, repeat_penalty=1.1))
+    return main(["--data-dir", str(data)] + (["--model", model] if model else []), on_window=drive)
+
+
+def first_run(out: Path, model: str) -> int:
+    def drive(window: MainWindow) -> None:
+        window.resize(1180, 760)
+
+        def on_progress(stage: str, fraction: float) -> None:
+            dialog = window.progress_dialog
+            if dialog is not None and stage == "compiling" and fraction > 0.7 and not getattr(drive, "done", False):
+                drive.done = True
+                _save(_composite(window, dialog), out)
+                window.controller.cancel_load()
+                QTimer.singleShot(500, window.close)
+
+        window.controller.load_progress.connect(on_progress)
+
+    data = Path(tempfile.mkdtemp(prefix="eddy-shot-"))
+    return main(["--data-dir", str(data), "--model", model], on_window=drive)
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("what", choices=["main-window", "first-run"])
+    p.add_argument("out", type=Path)
+    p.add_argument("--model", default=None)
+    p.add_argument("--max-turns", type=int, default=14)
+    p.add_argument("--dark", action="store_true", help="use a dark palette")
+    p.add_argument("--grab-after", type=int, default=30, help="tokens of the last reply before the grab")
+    a = p.parse_args()
+    if a.what == "main-window":
+        sys.exit(main_window(a.out, a.model, a.max_turns, a.grab_after, a.dark))
+    sys.exit(first_run(a.out, a.model or "tiny-random"))

@@ -1,0 +1,274 @@
+"""Chats on disk: one SQLite file (WAL) with conversations, their messages and each turn's statistics.
+
+Every write is its own short transaction, so a crash loses at most the reply being streamed. Failures are
+raised as StoreError with a message for the user; the caller keeps the chat in memory and retries later.
+"""
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+DB_FILE = "eddy.db"
+SCHEMA_VERSION = 1
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS conversations (
+    id INTEGER PRIMARY KEY,
+    title TEXT NOT NULL,
+    created REAL NOT NULL,
+    updated REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS messages (
+    id INTEGER PRIMARY KEY,
+    conversation_id INTEGER NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+    seq INTEGER NOT NULL,
+    role TEXT NOT NULL,
+    content TEXT NOT NULL,
+    created REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS messages_by_conversation ON messages(conversation_id, seq);
+CREATE TABLE IF NOT EXISTS turns (
+    id INTEGER PRIMARY KEY,
+    conversation_id INTEGER NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+    message_id INTEGER REFERENCES messages(id) ON DELETE SET NULL,
+    kind TEXT NOT NULL,
+    prefill_tokens INTEGER NOT NULL,
+    prefill_ms REAL NOT NULL,
+    tokens INTEGER NOT NULL,
+    decode_ms REAL NOT NULL,
+    tok_s REAL NOT NULL,
+    stop_reason TEXT NOT NULL,
+    cache TEXT NOT NULL,
+    created REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS turns_by_conversation ON turns(conversation_id, id);
+"""
+
+
+class StoreError(Exception):
+    """A read or write failed; the message is meant for the user."""
+
+
+@dataclass
+class ConversationRow:
+    id: int
+    title: str
+    created: float
+    updated: float
+
+
+@dataclass
+class MessageRow:
+    id: int
+    seq: int
+    role: str
+    content: str
+    created: float
+
+
+@dataclass
+class TurnRow:
+    kind: str  # "turn" (a reply) or "rebuild" (the cache rebuilt from a chat's history)
+    prefill_tokens: int
+    prefill_ms: float
+    tokens: int = 0
+    decode_ms: float = 0.0
+    tok_s: float = 0.0
+    stop_reason: str = ""
+    cache: dict[str, int] | None = None
+    message_id: int | None = None
+    id: int | None = None
+
+
+def _explain(e: sqlite3.Error, doing: str) -> StoreError:
+    text = str(e).lower()
+    if "full" in text:
+        why = "the disk is full"
+    elif "readonly" in text or "read-only" in text:
+        why = "the chat database is read-only"
+    elif "locked" in text or "busy" in text:
+        why = "the chat database is locked by another program"
+    elif "malformed" in text or "not a database" in text:
+        why = "the chat database is damaged"
+    else:
+        why = str(e)
+    return StoreError(f"Could not {doing}: {why}.")
+
+
+class Store:
+    """The chat database. Use Store.open(): it recovers from a damaged file."""
+
+    def __init__(self, path: Path, conn: sqlite3.Connection, recovered_from: Path | None = None) -> None:
+        self.path = path
+        self.conn = conn
+        # Where a damaged database was moved to at start-up (None if it was fine): the app tells the user.
+        self.recovered_from = recovered_from
+
+    # --- opening -------------------------------------------------------------------------------------------
+
+    @classmethod
+    def open(cls, data_dir: Path) -> "Store":
+        data_dir.mkdir(parents=True, exist_ok=True)
+        path = data_dir / DB_FILE
+        try:
+            return cls(path, cls._connect(path))
+        except sqlite3.DatabaseError as first:
+            moved = cls._move_aside(path)
+            try:
+                return cls(path, cls._connect(path), recovered_from=moved)
+            except sqlite3.Error as e:
+                raise StoreError(f"Could not open the chat database {path}: {e} (first attempt: {first})") from e
+
+    @staticmethod
+    def _connect(path: Path) -> sqlite3.Connection:
+        conn = sqlite3.connect(str(path), isolation_level=None)  # autocommit; transactions are explicit
+        try:
+            conn.row_factory = sqlite3.Row
+            conn.execute("PRAGMA journal_mode=WAL")
+            # NORMAL in WAL mode loses at most the last transaction on power loss, never corrupts.
+            conn.execute("PRAGMA synchronous=NORMAL")
+            conn.execute("PRAGMA foreign_keys=ON")
+            check = conn.execute("PRAGMA quick_check").fetchone()[0]
+            if check != "ok":
+                raise sqlite3.DatabaseError(f"integrity check failed: {check}")
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+            if version > SCHEMA_VERSION:
+                raise sqlite3.DatabaseError(f"written by a newer Eddy (schema {version})")
+            conn.executescript(SCHEMA)
+            conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+        except sqlite3.Error:
+            conn.close()
+            raise
+        return conn
+
+    @staticmethod
+    def _move_aside(path: Path) -> Path:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        target = path.with_name(f"{path.name}.damaged-{stamp}")
+        n = 1
+        while target.exists():
+            target = path.with_name(f"{path.name}.damaged-{stamp}-{n}")
+            n += 1
+        # The WAL and shared-memory files belong to the damaged database: keep them with it.
+        for suffix in ("", "-wal", "-shm"):
+            part = Path(f"{path}{suffix}")
+            if part.exists():
+                part.rename(Path(f"{target}{suffix}"))
+        return target
+
+    def close(self) -> None:
+        try:
+            self.conn.close()
+        except sqlite3.Error:
+            pass
+
+    # --- helpers -------------------------------------------------------------------------------------------
+
+    def _run(self, doing: str, sql: str, args: Iterable[Any] = ()) -> sqlite3.Cursor:
+        try:
+            return self.conn.execute(sql, tuple(args))
+        except sqlite3.Error as e:
+            raise _explain(e, doing) from e
+
+    def _transaction(self, doing: str, steps: list[tuple[str, tuple]]) -> list[sqlite3.Cursor]:
+        try:
+            self.conn.execute("BEGIN IMMEDIATE")
+            try:
+                out = [self.conn.execute(sql, args) for sql, args in steps]
+                self.conn.execute("COMMIT")
+                return out
+            except BaseException:
+                # SQLite may already have rolled back by itself (it does on SQLITE_FULL): keep the real error.
+                if self.conn.in_transaction:
+                    try:
+                        self.conn.execute("ROLLBACK")
+                    except sqlite3.Error:
+                        pass
+                raise
+        except sqlite3.Error as e:
+            raise _explain(e, doing) from e
+
+    # --- conversations -------------------------------------------------------------------------------------
+
+    def conversations(self) -> list[ConversationRow]:
+        rows = self._run("read the chat list",
+                         "SELECT id, title, created, updated FROM conversations ORDER BY updated DESC, id DESC")
+        return [ConversationRow(r["id"], r["title"], r["created"], r["updated"]) for r in rows]
+
+    def create_conversation(self, title: str) -> int:
+        now = time.time()
+        cur = self._run("create a chat", "INSERT INTO conversations(title, created, updated) VALUES (?, ?, ?)",
+                        (title, now, now))
+        return int(cur.lastrowid)
+
+    def rename_conversation(self, conv_id: int, title: str) -> None:
+        self._run("rename the chat", "UPDATE conversations SET title=? WHERE id=?", (title, conv_id))
+
+    def delete_conversation(self, conv_id: int) -> None:
+        self._run("delete the chat", "DELETE FROM conversations WHERE id=?", (conv_id,))
+
+    def conversation(self, conv_id: int) -> ConversationRow | None:
+        r = self._run("read the chat", "SELECT id, title, created, updated FROM conversations WHERE id=?",
+                      (conv_id,)).fetchone()
+        return ConversationRow(r["id"], r["title"], r["created"], r["updated"]) if r else None
+
+    # --- messages ------------------------------------------------------------------------------------------
+
+    def messages(self, conv_id: int) -> list[MessageRow]:
+        rows = self._run("read the chat", "SELECT id, seq, role, content, created FROM messages "
+                         "WHERE conversation_id=? ORDER BY seq", (conv_id,))
+        return [MessageRow(r["id"], r["seq"], r["role"], r["content"], r["created"]) for r in rows]
+
+    def append_message(self, conv_id: int, seq: int, role: str, content: str) -> int:
+        now = time.time()
+        cur, _ = self._transaction("save the message", [
+            ("INSERT INTO messages(conversation_id, seq, role, content, created) VALUES (?, ?, ?, ?, ?)",
+             (conv_id, seq, role, content, now)),
+            ("UPDATE conversations SET updated=? WHERE id=?", (now, conv_id)),
+        ])
+        return int(cur.lastrowid)
+
+    def truncate_messages(self, conv_id: int, seq: int) -> None:
+        """Deletes the messages from position `seq` on (regenerate and edit replace the chat's tail)."""
+        self._run("update the chat", "DELETE FROM messages WHERE conversation_id=? AND seq>=?", (conv_id, seq))
+
+    def replace_messages(self, conv_id: int, title: str, messages: list[tuple[str, str]]) -> list[int]:
+        """Writes a whole chat at once (used to catch up after a failed save); returns the new message ids."""
+        now = time.time()
+        steps: list[tuple[str, tuple]] = [
+            ("INSERT OR IGNORE INTO conversations(id, title, created, updated) VALUES (?, ?, ?, ?)",
+             (conv_id, title, now, now)),
+            ("UPDATE conversations SET title=?, updated=? WHERE id=?", (title, now, conv_id)),
+            ("DELETE FROM messages WHERE conversation_id=?", (conv_id,)),
+        ]
+        steps += [("INSERT INTO messages(conversation_id, seq, role, content, created) VALUES (?, ?, ?, ?, ?)",
+                   (conv_id, i, role, content, now)) for i, (role, content) in enumerate(messages)]
+        cursors = self._transaction("save the chat", steps)
+        return [int(c.lastrowid) for c in cursors[3:]]
+
+    # --- turn statistics -----------------------------------------------------------------------------------
+
+    def add_turn(self, conv_id: int, turn: TurnRow) -> int:
+        cur = self._run("save the turn statistics",
+                        "INSERT INTO turns(conversation_id, message_id, kind, prefill_tokens, prefill_ms, tokens, "
+                        "decode_ms, tok_s, stop_reason, cache, created) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                        (conv_id, turn.message_id, turn.kind, turn.prefill_tokens, turn.prefill_ms, turn.tokens,
+                         turn.decode_ms, turn.tok_s, turn.stop_reason, json.dumps(turn.cache or {}), time.time()))
+        return int(cur.lastrowid)
+
+    def turns(self, conv_id: int) -> list[TurnRow]:
+        rows = self._run("read the turn statistics",
+                         "SELECT * FROM turns WHERE conversation_id=? ORDER BY id", (conv_id,))
+        out = []
+        for r in rows:
+            try:
+                cache = json.loads(r["cache"]) or None
+            except ValueError:
+                cache = None
+            out.append(TurnRow(r["kind"], r["prefill_tokens"], r["prefill_ms"], r["tokens"], r["decode_ms"],
+                               r["tok_s"], r["stop_reason"], cache, r["message_id"], r["id"]))
+        return out

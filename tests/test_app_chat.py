@@ -1,0 +1,333 @@
+"""The desktop app end to end, headless, on the real compiled tiny-random module (no engine mocks)."""
+from __future__ import annotations
+
+import json
+import sqlite3
+
+import pytest
+
+from conftest_app import TURN_TIMEOUT_MS, open_window, send_text, wait_idle, write_settings
+
+from PySide6.QtCore import Qt
+from PySide6.QtGui import QKeySequence
+from PySide6.QtWidgets import QAbstractButton, QAbstractItemView, QLineEdit, QPlainTextEdit
+
+
+@pytest.fixture
+def window(qtbot, tmp_path, tiny):
+    write_settings(tmp_path / "data")
+    return open_window(qtbot, tmp_path / "data")
+
+
+def stored(window, conv_id=None):
+    c = window.controller
+    return [(m.role, m.content) for m in c.store.messages(conv_id or c.chat.conversation_id)]
+
+
+def test_message_streams_and_turn_finishes(qtbot, window):
+    qtbot.keyClicks(window.compose, "line one")
+    qtbot.keyClick(window.compose, Qt.Key.Key_Return, Qt.KeyboardModifier.ShiftModifier)  # a new line, not a send
+    qtbot.keyClicks(window.compose, "line two")
+    assert window.compose.toPlainText() == "line one\nline two" and window.controller.chat.messages == []
+    window.compose.clear()
+    tokens = []
+    window.controller.chat.changed.connect(lambda i: i == 1 and tokens.append(window.controller.chat.messages[1].content))
+    done = send_text(qtbot, window, "Hello there")
+    chat = window.controller.chat
+    assert done["stop_reason"] in ("length", "eos") and done["tokens"] > 0
+    # Streamed piece by piece (each update a longer prefix of the reply), then the final text.
+    assert len(tokens) > 2 and tokens[-1] == done["reply"]
+    assert all(done["reply"].startswith(t) for t in tokens) and len(set(tokens)) > 2
+    assert [m.role for m in chat.messages] == ["user", "assistant"]
+    assert chat.messages[1].content == done["reply"] and not chat.messages[1].streaming
+    assert window.compose.toPlainText() == ""
+    assert stored(window) == [("user", "Hello there"), ("assistant", done["reply"])]
+    # The stats panel: one turn, its numbers, and the cache bar.
+    assert window.stats.table.model().rowCount() == 1
+    row = window.controller.turns.rows[0]
+    assert row.kind == "turn" and row.prefill_tokens > 0 and row.tokens == done["tokens"] and row.tok_s > 0
+    assert window.stats.cache_bar.stats["position"] == done["cache"]["position"] > 0
+    assert "tok/s" in window.stats.rate_value.text()
+    assert window.controller.chat.title == "Hello there"
+    assert window.controller.conversations.rowCount() == 1
+
+
+def test_stop_mid_reply(qtbot, tmp_path, tiny):
+    write_settings(tmp_path / "data", max_new_tokens=4000)
+    window = open_window(qtbot, tmp_path / "data")
+    c = window.controller
+    qtbot.keyClicks(window.compose, "Tell me everything")
+    qtbot.keyClick(window.compose, Qt.Key.Key_Return)
+    assert c.busy and window.stop_button.isVisible() and not window.send_button.isVisible()
+    qtbot.waitUntil(lambda: len(c.chat.messages[-1].content) > 0, timeout=TURN_TIMEOUT_MS)
+    with qtbot.waitSignal(c.turn_finished, timeout=TURN_TIMEOUT_MS) as blocker:
+        qtbot.mouseClick(window.stop_button, Qt.MouseButton.LeftButton)
+    done = blocker.args[0]
+    assert done["stop_reason"] == "stopped" and done["tokens"] < 4000
+    assert not c.busy and window.send_button.isVisible()
+    assert c.chat.messages[-1].meta["stop_reason"] == "stopped"
+    assert "stopped" in window.chat_view.widgets[-1].meta.text()
+    assert stored(window)[-1] == ("assistant", done["reply"])
+    # Esc stops too, and the app keeps working after a stop.
+    qtbot.keyClicks(window.compose, "Again")
+    qtbot.keyClick(window.compose, Qt.Key.Key_Return)
+    qtbot.waitUntil(lambda: len(c.chat.messages[-1].content) > 0, timeout=TURN_TIMEOUT_MS)
+    with qtbot.waitSignal(c.turn_finished, timeout=TURN_TIMEOUT_MS) as blocker:
+        window.escape()
+    assert blocker.args[0]["stop_reason"] == "stopped"
+    assert [m.role for m in c.chat.messages] == ["user", "assistant"] * 2
+
+
+def test_regenerate_replaces_last_reply(qtbot, window):
+    c = window.controller
+    first = send_text(qtbot, window, "Name a colour")
+    assert window.regenerate_button.isEnabled()
+    with qtbot.waitSignal(c.turn_finished, timeout=TURN_TIMEOUT_MS) as blocker:
+        qtbot.mouseClick(window.regenerate_button, Qt.MouseButton.LeftButton)
+    again = blocker.args[0]
+    assert [(m.role, m.content) for m in c.chat.messages] == [("user", "Name a colour"), ("assistant", again["reply"])]
+    assert stored(window) == [("user", "Name a colour"), ("assistant", again["reply"])]
+    # Nothing came before the question, so there was no history to rebuild: the cache was cleared and the
+    # question prefilled again, and greedy decoding gives the same answer.
+    assert [r.kind for r in c.turns.rows] == ["turn", "turn"]
+    assert again["reply"] == first["reply"]
+    assert again["prefill_tokens"] == first["prefill_tokens"]
+
+
+def test_edit_last_message_and_resend(qtbot, window):
+    c = window.controller
+    send_text(qtbot, window, "First question")
+    second = send_text(qtbot, window, "Second question")
+    qtbot.mouseClick(window.edit_button, Qt.MouseButton.LeftButton)
+    assert window.editing and window.compose.toPlainText() == "Second question"
+    window.compose.clear()
+    qtbot.keyClicks(window.compose, "Edited question")
+    with qtbot.waitSignal(c.turn_finished, timeout=TURN_TIMEOUT_MS) as blocker:
+        qtbot.keyClick(window.compose, Qt.Key.Key_Return)
+    done = blocker.args[0]
+    assert not window.editing
+    expected = ["First question", c.chat.messages[1].content, "Edited question", done["reply"]]
+    assert [m.content for m in c.chat.messages] == expected
+    assert [m for _, m in stored(window)] == expected
+    kinds = [r.kind for r in c.turns.rows]
+    # Two turns, then the rebuild of the history before the edited message, then the edited turn.
+    assert kinds == ["turn", "turn", "rebuild", "turn"]
+    assert c.turns.rows[2].prefill_tokens > 0 and done["prefill_tokens"] <= second["prefill_tokens"] + 2
+
+
+def test_eviction_shows_in_cache_bar_and_chat_view(qtbot, window):
+    c = window.controller
+    for i in range(4):
+        send_text(qtbot, window, f"Message number {i} in a conversation longer than the window")
+    window.chat_view.flush()
+    bar = window.stats.cache_bar
+    assert bar.stats["evicted"] > 0 and bar.stats["used"] == bar.stats["capacity"] == 64
+    assert f"{bar.stats['evicted']:,} tokens evicted" in window.stats.cache_label.text()
+    assert f"{bar.stats['evicted']:,} evicted" in bar.summary()
+    forgotten = c.chat.forgotten()
+    assert 0 < forgotten < len(c.chat.messages)
+    assert window.chat_view.marker_index() == forgotten and window.chat_view.marker.isVisible()
+    assert "no longer sees" in window.chat_view.marker.label.text()
+    total = len(c.chat.messages)
+    assert f"the last {total - forgotten} of {total} messages" in window.stats.context_label.text()
+    window.stats.context_label.linkActivated.emit("#marker")  # "Show where" scrolls the marker into view
+    qtbot.waitUntil(lambda: not window.chat_view.marker.visibleRegion().isEmpty())
+    assert window.chat_view.widgets[0].forgotten and not window.chat_view.widgets[-1].forgotten
+    assert "out of the model's window" in window.chat_view.widgets[0].meta.text()
+    # Per-message spans agree with the engine's positions: the last reply ends where the cache is.
+    assert c.chat.messages[-1].span[1] == bar.stats["position"]
+    assert window.stats.table.model().rowCount() == 4 and window.stats.chart.model.rows[-1].kind == "turn"
+
+
+def test_chats_survive_a_restart_and_rebuild_the_cache(qtbot, tmp_path, tiny):
+    data = tmp_path / "data"
+    write_settings(data)
+    first = open_window(qtbot, data)
+    done = send_text(qtbot, first, "Remember this")
+    conv_id = first.controller.chat.conversation_id
+    with qtbot.waitSignal(first.closed, timeout=TURN_TIMEOUT_MS):
+        first.close()
+
+    second = open_window(qtbot, data)
+    c = second.controller
+    assert c.chat.conversation_id == conv_id and c.chat.title == "Remember this"
+    assert [(m.role, m.content) for m in c.chat.messages] == [("user", "Remember this"), ("assistant", done["reply"])]
+    wait_idle(qtbot, second)
+    # Opening the chat rebuilt the cache from it: a ↻ entry with its prefill time, after the stored turn.
+    kinds = [r.kind for r in c.turns.rows]
+    assert kinds == ["turn", "rebuild"], kinds
+    assert c.turns.rows[-1].prefill_tokens > 0 and c.turns.rows[-1].prefill_ms > 0
+    assert second.stats.cache_bar.stats["position"] == c.turns.rows[-1].prefill_tokens
+    assert all(m.span is not None for m in c.chat.messages), [(m.span, m.content) for m in c.chat.messages]
+    more = send_text(qtbot, second, "And now?")
+    assert more["prefill_tokens"] < c.turns.rows[1].prefill_tokens  # only the new turn is prefilled
+
+
+def test_new_chat_switch_filter_rename_delete(qtbot, window):
+    c = window.controller
+    send_text(qtbot, window, "About apples")
+    first_id = c.chat.conversation_id
+    assert window.new_action.shortcut() == QKeySequence(QKeySequence.StandardKey.New)  # Ctrl+N
+    window.new_action.trigger()
+    assert c.chat.conversation_id is None and c.chat.messages == []
+    send_text(qtbot, window, "About bananas")
+    second_id = c.chat.conversation_id
+    assert second_id != first_id and c.conversations.rowCount() == 2
+    assert c.conversations.rows[0].id == second_id  # most recent first
+    assert window._selected_conversation() == second_id  # and highlighted as the open one
+
+    window.filter.setText("APPLE")
+    assert window.proxy.rowCount() == 1
+    index = window.proxy.index(0, 0)
+    window.chat_list.setCurrentIndex(index)
+    assert c.chat.conversation_id == first_id and c.chat.messages[0].content == "About apples"
+    wait_idle(qtbot, window)
+    assert c.turns.rows[-1].kind == "rebuild"  # switching rebuilt the cache from this chat
+    window.filter.clear()
+
+    assert window.proxy.setData(window.proxy.index(c.conversations.row_of(first_id), 0), "Fruit: apples")
+    assert c.store.conversation(first_id).title == "Fruit: apples" and c.chat.title == "Fruit: apples"
+
+    c.delete_chat(first_id)
+    assert c.conversations.rowCount() == 1 and c.store.conversation(first_id) is None
+    assert c.chat.conversation_id == second_id
+
+
+def test_copy_and_export(qtbot, window, tmp_path):
+    from PySide6.QtGui import QGuiApplication
+
+    done = send_text(qtbot, window, "Export me")
+    qtbot.mouseClick(window.copy_chat_button, Qt.MouseButton.LeftButton)
+    assert "Export me" in QGuiApplication.clipboard().text()
+    window.chat_view.widgets[0].copy.click()
+    assert QGuiApplication.clipboard().text() == "Export me"
+    window.controller.export_chat(tmp_path / "chat.md", "markdown")
+    window.controller.export_chat(tmp_path / "chat.json", "json")
+    assert "Export me" in (tmp_path / "chat.md").read_text()
+    doc = json.loads((tmp_path / "chat.json").read_text())
+    assert doc["messages"][1]["content"] == done["reply"] and doc["turns"][0]["kind"] == "turn"
+
+
+def fill_database(conn: sqlite3.Connection) -> int:
+    """Makes the database unable to grow and fills its free space: writes then fail with SQLITE_FULL, as on
+    a full disk. Returns the filler chat's id (delete it to free the space again)."""
+    conn.execute("INSERT INTO conversations(title, created, updated) VALUES ('filler', 0, 0)")
+    filler = conn.execute("SELECT max(id) FROM conversations").fetchone()[0]
+    conn.execute(f"PRAGMA max_page_count={conn.execute('PRAGMA page_count').fetchone()[0] + 2}")
+    for size in (20_000, 2_000, 200, 20, 1):
+        while True:
+            try:
+                conn.execute("INSERT INTO messages(conversation_id, seq, role, content, created) "
+                             "VALUES (?, -1, 'filler', ?, 0)", (filler, "x" * size))
+            except sqlite3.OperationalError as e:
+                assert "full" in str(e)
+                break
+    return filler
+
+
+def test_disk_full_keeps_the_chat_and_saves_later(qtbot, window):
+    c = window.controller
+    send_text(qtbot, window, "Before the disk filled up")
+    filler = fill_database(c.store.conn)
+    done = send_text(qtbot, window, "After the disk filled up")
+    assert window.notice.isVisible() and window.notice.level == "error"
+    assert "disk is full" in window.notice.label.text() and window.notice.button.text() == "Save now"
+    assert len(c.chat.messages) == 4 and c.chat.messages[3].content == done["reply"]  # nothing lost in memory
+    assert len(stored(window)) == 2
+    assert not c.retry_saves()  # still full
+    c.store.conn.execute("PRAGMA max_page_count=1073741823")
+    c.store.conn.execute("DELETE FROM conversations WHERE id=?", (filler,))
+    qtbot.mouseClick(window.notice.button, Qt.MouseButton.LeftButton)  # "Save now"
+    assert not c._unsaved and window.notice.level == "info" and "saved again" in window.notice.label.text()
+    assert [m for _, m in stored(window)] == [m.content for m in c.chat.messages]
+    send_text(qtbot, window, "Saved again")  # and saving one message at a time works again
+    assert len(stored(window)) == 6
+
+
+def test_message_too_long_for_the_window_goes_back_to_the_input(qtbot, window):
+    c = window.controller
+    text = "word " * 200  # far more than the 60-token window
+    qtbot.keyClicks(window.compose, text)
+    with qtbot.waitSignal(c.busy_changed, timeout=TURN_TIMEOUT_MS, check_params_cb=lambda *a: not c.busy):
+        qtbot.keyClick(window.compose, Qt.Key.Key_Return)
+    assert window.notice.isVisible() and "window" in window.notice.label.text()
+    assert c.chat.messages == [] and window.compose.toPlainText().strip() == text.strip()
+    assert c.conversations.rowCount() == 0 and c.store.conversations() == []  # no empty chat left behind
+    window.compose.clear()
+    done = send_text(qtbot, window, "short")  # the session is intact
+    assert done["tokens"] > 0 and len(c.chat.messages) == 2 and c.chat.title == "short"
+
+
+def test_model_that_cannot_load_leaves_the_app_usable(qtbot, tmp_path):
+    data = tmp_path / "data"
+    write_settings(data)
+    window = open_window(qtbot, data, model=str(tmp_path / "missing.gguf"), wait_ready=False)
+    qtbot.waitUntil(lambda: window.controller.model_state == "failed", timeout=TURN_TIMEOUT_MS)
+    assert window.notice.isVisible() and "not found" in window.notice.label.text()
+    assert window.notice.button.isVisible()  # offers the settings
+    assert not window.send_button.isEnabled() and not window.controller.send("hello")
+    window.controller.new_chat()  # still usable
+
+
+def test_damaged_database_is_reported_in_the_window(qtbot, tmp_path, tiny):
+    data = tmp_path / "data"
+    write_settings(data)
+    (data / "eddy.db").write_bytes(b"garbage" * 1000)
+    window = open_window(qtbot, data)
+    assert window.notice.isVisible() and "moved aside" in window.notice.label.text()
+    assert list(data.glob("eddy.db.damaged-*"))
+    send_text(qtbot, window, "fresh start")
+    assert len(stored(window)) == 2
+
+
+def test_cancelling_a_build(qtbot, tmp_path, tiny):
+    data = tmp_path / "data"
+    write_settings(data, window=52)  # settings never built: the first start compiles
+    window = open_window(qtbot, data, wait_ready=False)
+    qtbot.waitUntil(lambda: window.progress_dialog is not None, timeout=TURN_TIMEOUT_MS)
+    dialog = window.progress_dialog
+    assert dialog.isVisible() and window.isEnabled()
+    qtbot.mouseClick(dialog.cancel_button, Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: window.controller.model_state == "failed", timeout=60_000)
+    assert window.progress_dialog is None
+    assert "cancelled" in window.notice.label.text() and window.notice.button.text() == "Build again"
+
+
+def test_controls_have_accessible_names(window):
+    for w in window.findChildren(QAbstractButton) + window.findChildren(QLineEdit) + \
+            window.findChildren(QPlainTextEdit) + window.findChildren(QAbstractItemView):
+        if w.objectName().startswith("qt_") or not w.isVisibleTo(window):
+            continue
+        name = w.accessibleName() or (w.text() if hasattr(w, "text") and isinstance(w.text(), str) else "")
+        assert name, f"{type(w).__name__} {w.objectName()!r} has no accessible name"
+
+
+def test_settings_dialog_applies_generation_settings_without_a_rebuild(qtbot, window):
+    from app.settings_dialog import SettingsDialog
+
+    c = window.controller
+    send_text(qtbot, window, "Hello")
+    dialog = SettingsDialog(c.settings, window)
+    qtbot.addWidget(dialog)
+    assert dialog.rebuild_note.isHidden()
+    dialog.window.setValue(dialog.window.value() + 8)
+    assert not dialog.rebuild_note.isHidden()  # says that this change rebuilds the model
+    dialog.window.setValue(dialog.window.value() - 8)
+    assert dialog.rebuild_note.isHidden()
+    dialog.system_prompt.setPlainText("You are Eddy. Be brief.")
+    dialog.max_new_tokens.setValue(7)
+    dialog.top_p.setValue(0.9)
+    new = dialog.value()
+    c.apply_settings(new)
+    assert c.model_state == "ready" and window.progress_dialog is None
+    wait_idle(qtbot, window)
+    # A new system prompt means a new beginning of the chat: the cache was rebuilt with it.
+    assert c.turns.rows[-1].kind == "rebuild"
+    done = send_text(qtbot, window, "And again")
+    assert done["tokens"] <= 7
+    session = c.host.worker._session
+    assert session.messages[0] == {"role": "system", "content": "You are Eddy. Be brief."}
+    assert session.settings.sampling.top_p == 0.9
+    from app.settings import load_settings
+
+    assert load_settings(window.data_dir) == new  # kept for the next start

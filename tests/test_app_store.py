@@ -1,0 +1,118 @@
+"""The app's pieces without a window: the chat store, exports, settings and fitting a chat into the cache."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import conftest_app  # noqa: F401  (headless Qt platform; skips without PySide6)
+
+from app.history import fit_history
+from app.settings import AppSettings, load_settings, save_settings
+from app.store import DB_FILE, Store, StoreError, TurnRow
+from app.transcript import to_json, to_markdown
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_store_round_trip(tmp_path):
+    store = Store.open(tmp_path)
+    conv = store.create_conversation("First")
+    store.append_message(conv, 0, "user", "hi")
+    reply = store.append_message(conv, 1, "assistant", "hello **there**")
+    store.add_turn(conv, TurnRow("turn", 30, 4.5, 12, 100.0, 120.0, "eos", {"evicted": 0}, reply))
+    store.rename_conversation(conv, "Renamed")
+    store.close()
+
+    again = Store.open(tmp_path)
+    assert again.recovered_from is None
+    assert [c.title for c in again.conversations()] == ["Renamed"]
+    assert [(m.role, m.content) for m in again.messages(conv)] == [("user", "hi"), ("assistant", "hello **there**")]
+    (turn,) = again.turns(conv)
+    assert (turn.kind, turn.prefill_tokens, turn.tokens, turn.cache) == ("turn", 30, 12, {"evicted": 0})
+    again.truncate_messages(conv, 1)
+    assert len(again.messages(conv)) == 1
+    again.delete_conversation(conv)
+    assert again.conversations() == [] and again.turns(conv) == []
+    assert again.conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+def test_damaged_database_is_moved_aside(tmp_path):
+    (tmp_path / DB_FILE).write_bytes(b"this is not a database" * 200)
+    store = Store.open(tmp_path)
+    assert store.recovered_from is not None and store.recovered_from.exists()
+    assert store.recovered_from.read_bytes().startswith(b"this is not a database")
+    assert store.conversations() == []
+    store.create_conversation("works")  # a fresh, usable database
+
+
+def test_disk_full_is_a_clear_error(tmp_path):
+    store = Store.open(tmp_path)
+    conv = store.create_conversation("c")
+    pages = store.conn.execute("PRAGMA page_count").fetchone()[0]
+    store.conn.execute(f"PRAGMA max_page_count={pages}")  # the database can no longer grow: SQLITE_FULL
+    with pytest.raises(StoreError, match="disk is full"):
+        store.append_message(conv, 0, "user", "x" * 100_000)
+    store.conn.execute("PRAGMA max_page_count=1073741823")
+    store.replace_messages(conv, "c", [("user", "x"), ("assistant", "y")])
+    assert [m.content for m in store.messages(conv)] == ["x", "y"]
+
+
+def test_exports():
+    msgs = [("user", "What is 2+2?"), ("assistant", "**4**")]
+    md = to_markdown("Maths", msgs)
+    assert md.startswith("# Maths") and "**You:**" in md and "**4**" in md
+    doc = json.loads(to_json("Maths", msgs, [TurnRow("turn", 10, 1.0, 2, 5.0, 400.0, "eos")], "tiny-random"))
+    assert doc["messages"][1] == {"role": "assistant", "content": "**4**"}
+    assert doc["turns"][0]["prefill_tokens"] == 10 and doc["model"] == "tiny-random"
+
+
+def test_settings_round_trip_and_bad_values(tmp_path):
+    s = AppSettings(window=60, sinks=4, dtype="f32", temperature=0.7, seed=3, system_prompt="Be brief.")
+    save_settings(tmp_path, s)
+    assert load_settings(tmp_path) == s
+    assert s.needs_rebuild(AppSettings(window=61, sinks=4, dtype="f32")) and not s.needs_rebuild(
+        AppSettings(window=60, sinks=4, dtype="f32", temperature=0.1))
+    (tmp_path / "settings.ini").write_text("[General]\nwindow=-5\ndtype=f99\ntop_p=7\ntemperature=abc\nsinks=8\n")
+    loaded = load_settings(tmp_path)  # bad values fall back to defaults, good ones are kept
+    assert (loaded.window, loaded.dtype, loaded.top_p, loaded.temperature, loaded.sinks) == (1020, "f16", 1.0, 0.0, 8)
+
+
+def test_fit_history_keeps_recent_messages_that_fit(tiny):
+    tok = tiny.tokenizer
+    history = []
+    for i in range(12):
+        history += [{"role": "user", "content": f"question number {i} about something"},
+                    {"role": "assistant", "content": f"answer number {i}, with a few more words in it"}]
+    fitted = fit_history(tok, "You are terse.", history, budget=60)
+    assert 0 < fitted.first < len(history) and history[fitted.first]["role"] == "user"
+    assert fitted.messages[0] == {"role": "system", "content": "You are terse."}
+    assert fitted.messages[1:] == history[fitted.first:]
+    assert len(fitted.ids) <= 60 and fitted.ids == tok.encode_chat(fitted.messages, add_generation_prompt=False)
+    assert len(fitted.spans) == len(history) - fitted.first
+    assert fitted.spans[-1][1] == len(fitted.ids)
+    assert all(a < b for a, b in fitted.spans) and all(fitted.spans[i][1] == fitted.spans[i + 1][0]
+                                                       for i in range(len(fitted.spans) - 1))
+    everything = fit_history(tok, None, history[:2], budget=1000)
+    assert everything.first == 0 and everything.spans[0][0] == 0
+    nothing = fit_history(tok, None, [{"role": "user", "content": "word " * 200}], budget=50)
+    assert nothing.first == 1 and nothing.ids == [] and nothing.spans == []
+
+
+def test_app_modules_do_not_import_torch():
+    code = ("import sys, pkgutil, importlib, app\n"
+            "for m in pkgutil.iter_modules(app.__path__):\n"
+            "    if m.name != '__main__': importlib.import_module('app.' + m.name)\n"
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+
+def test_logo_matches_resources():
+    from app.icons import LOGO_SVG
+
+    assert (ROOT / "resources" / "eddy.svg").read_text() == LOGO_SVG
