@@ -7,7 +7,7 @@ import sys
 import threading
 from typing import Callable, Sequence
 
-from .config import BuildSettings
+from .config import DTYPES, BuildSettings
 from .errors import EddyError
 from .sampling import SamplingParams
 
@@ -17,7 +17,7 @@ def _build_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="smollm2-135m-instruct (default), tiny-random, a .gguf file or a Hugging Face folder")
     p.add_argument("--sinks", type=int, default=d.sinks, help=f"attention-sink tokens kept forever (default {d.sinks})")
     p.add_argument("--window", type=int, default=d.window, help=f"recent tokens kept (default {d.window})")
-    p.add_argument("--dtype", choices=["f32", "f16", "bf16"], default=d.dtype, help=f"weight type (default {d.dtype})")
+    p.add_argument("--dtype", choices=DTYPES, default=d.dtype, help=f"weight type; q8 = int8 with per-row scales (default {d.dtype})")
     p.add_argument("--device", choices=["cpu", "vulkan", "cuda"], default=d.device)
 
 
