@@ -57,7 +57,7 @@ class BuildSettings:
 
     sinks: int = 4
     window: int = 1020
-    dtype: str = "f16"
+    dtype: str = "q8"
     device: str = "cpu"
     max_chunk: int = 512
 
