@@ -63,6 +63,22 @@ def parser() -> argparse.ArgumentParser:
     _build_options(bench)
     bench.add_argument("--json", dest="json_file", default=None, help="also write the results to this file")
     bench.add_argument("--runs", type=int, default=3, help="repetitions per measurement (medians are reported)")
+
+    from .ppl import DEFAULT_CHUNK, DEFAULT_STRIDE, MODES
+
+    ppl = sub.add_parser("ppl", help="perplexity over a long text file (streaming, window, recompute or dense)")
+    _build_options(ppl)
+    ppl.add_argument("--text", required=True, help="UTF-8 text file to score")
+    ppl.add_argument("--mode", choices=MODES, default="streaming",
+                     help="streaming: sinks + window; window: no sinks, same capacity; recompute: each scored "
+                          "token's window recomputed from scratch; dense: no eviction (up to the model's positions)")
+    ppl.add_argument("--json", dest="json_file", default=None, help="also write the result and per-position losses here")
+    ppl.add_argument("--stride", type=int, default=DEFAULT_STRIDE, help=f"recompute: score every k-th position (default {DEFAULT_STRIDE})")
+    ppl.add_argument("--chunk", type=int, default=DEFAULT_CHUNK,
+                     help=f"streaming/window: tokens per call (default {DEFAULT_CHUNK}; 1 = token by token)")
+    ppl.add_argument("--max-tokens", type=int, default=None, help="score only the first N tokens of the text")
+    ppl.add_argument("--max-chunk", type=int, default=BuildSettings().max_chunk, help="compiled bound of one call (build setting)")
+    ppl.add_argument("--quiet", action="store_true", help="no progress line on stderr")
     return top
 
 
@@ -82,6 +98,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             from .bench import run_bench
 
             run_bench(args.model, _settings(args), args.runs, args.json_file)
+            return 0
+        if args.command == "ppl":
+            from .ppl import run_ppl
+
+            result = run_ppl(args.model, args.text, args.mode, args.sinks, args.window, args.dtype, args.device,
+                             args.max_chunk, args.chunk, args.stride, args.max_tokens, args.json_file,
+                             None if args.quiet else sys.stderr, _progress_printer(args.quiet))
+            print(json.dumps(result), flush=True)
             return 0
     except (EddyError, ValueError, OSError) as e:
         if json_events:
