@@ -32,15 +32,34 @@ def load(paths: list[str]) -> list[dict]:
         r["positions"], r["losses"] = np.asarray(r["positions"]), np.asarray(r["losses"], dtype=np.float64)
         r["file"] = p
         runs.append(r)
+    dtypes = {r["dtype"] for r in runs}
+    for r in runs:
+        r["mixed_dtypes"] = len(dtypes) > 1
     return runs
 
 
+def dtype_order(runs: list[dict]) -> list[str]:
+    """Weight types, the most common first."""
+    counts: dict[str, int] = {}
+    for r in runs:
+        counts[r["dtype"]] = counts.get(r["dtype"], 0) + 1
+    return sorted(counts, key=lambda d: -counts[d])
+
+
 def label(r: dict) -> str:
+    weights = f", {r['dtype']}" if r.get("mixed_dtypes") else ""
     if r["mode"] == "recompute":
-        return f"recompute (every {r['stride']}th)"
+        return f"recompute (every {r['stride']}th{weights})"
     if r["mode"] == "dense":
-        return f"dense (first {r['text_tokens']} tokens)"
-    return f"{r['mode']} (chunk {r['chunk']})"
+        return f"dense (first {r['text_tokens']} tokens{weights})"
+    return f"{r['mode']} (chunk {r['chunk']}{weights})"
+
+
+def style(r: dict, dtypes: list[str]) -> str:
+    """Solid for the first weight type and default chunk; dotted for other chunks; dashed for other types."""
+    if r["dtype"] != dtypes[0]:
+        return "--"
+    return "-" if r["chunk"] == 16 or r["mode"] in ("dense", "recompute") else ":"
 
 
 def windows(runs: list[dict]) -> list[tuple[int, int]]:
@@ -49,7 +68,8 @@ def windows(runs: list[dict]) -> list[tuple[int, int]]:
 
 def panel_runs(runs: list[dict], sw: tuple[int, int]) -> list[dict]:
     chosen = [r for r in runs if r["mode"] == "dense" or (r["sinks"], r["window"]) == sw]
-    return sorted(chosen, key=lambda r: (ORDER[r["mode"]], r["chunk"] != 16, r["chunk"]))
+    first = dtype_order(runs)[0]
+    return sorted(chosen, key=lambda r: (r["dtype"] != first, r["dtype"], ORDER[r["mode"]], r["chunk"] != 16, r["chunk"]))
 
 
 def binned(r: dict, bin_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -81,7 +101,7 @@ def plot(runs: list[dict], out: Path, bin_size: int) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ws = windows(runs)
+    ws, dtypes = windows(runs), dtype_order(runs)
     fig, axes = plt.subplots(2, len(ws), figsize=(7 * len(ws), 8.5), squeeze=False, sharex="col")
     model = runs[0]["model"]
     for col, sw in enumerate(ws):
@@ -89,10 +109,9 @@ def plot(runs: list[dict], out: Path, bin_size: int) -> None:
         cap = sw[0] + sw[1]
         top, bottom = axes[0, col], axes[1, col]
         for r in chosen:
-            color, style = COLORS[r["mode"]], "-" if r["chunk"] == 16 or r["mode"] in ("dense", "recompute") else ":"
             if r["mode"] != "recompute":  # a few samples per bin: too noisy here, see the bottom panel
                 xs, ys = binned(r, bin_size)
-                top.plot(xs, ys, style, color=color, lw=1.6, label=label(r))
+                top.plot(xs, ys, style(r, dtypes), color=COLORS[r["mode"]], lw=1.6, label=label(r))
         ref = next((r for r in chosen if r["mode"] == "recompute"), None)
         if ref is not None:
             pos = ref["positions"]
@@ -100,8 +119,7 @@ def plot(runs: list[dict], out: Path, bin_size: int) -> None:
                 vals = at(r, pos)
                 keep = ~np.isnan(vals)
                 running = np.exp(np.cumsum(vals[keep]) / np.arange(1, keep.sum() + 1))
-                style = "-" if r["chunk"] == 16 or r["mode"] in ("dense", "recompute") else ":"
-                bottom.plot(pos[keep], running, style, color=COLORS[r["mode"]], lw=2 if r["mode"] == "recompute" else 1.4,
+                bottom.plot(pos[keep], running, style(r, dtypes), color=COLORS[r["mode"]], lw=2 if r["mode"] == "recompute" else 1.4,
                             label=label(r))
         for ax in (top, bottom):
             ax.axvline(cap, color="gray", lw=0.8, ls="--")
@@ -125,7 +143,8 @@ def table(runs: list[dict]) -> str:
         for r in panel_runs(runs, sw):
             beyond = r["losses"][r["positions"] >= cap]
             how = f"stride {r['stride']}" if r["mode"] == "recompute" else f"chunk {r['chunk']}"
-            lines.append(f"| {sw[0]}+{sw[1]} | {r['mode']} | {how} | {r['tokens']} | {r['ppl']:.2f} | "
+            mode = f"{r['mode']} ({r['dtype']})" if r["mixed_dtypes"] else r["mode"]
+            lines.append(f"| {sw[0]}+{sw[1]} | {mode} | {how} | {r['tokens']} | {r['ppl']:.2f} | "
                          f"{ppl(beyond):.2f} | {r['tok_s']:.2f} |")
     return "\n".join(lines)
 

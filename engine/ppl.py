@@ -66,7 +66,7 @@ def dense_capacity(n_tokens: int, max_positions: int) -> int:
     return min(max_positions, max(DENSE_MIN, 1 << (max(n_tokens, 1) - 1).bit_length()))
 
 
-def build_settings(mode: str, sinks: int, window: int, dtype: str = "f16", device: str = "cpu",
+def build_settings(mode: str, sinks: int, window: int, dtype: str = BuildSettings.dtype, device: str = "cpu",
                    max_chunk: int = BuildSettings.max_chunk, dense_tokens: int = 0) -> BuildSettings:
     """The compiled module each mode runs on."""
     if mode in ("streaming", "recompute"):
@@ -164,7 +164,7 @@ def _ppl(losses: np.ndarray) -> float | None:
 
 
 def run_ppl(model: str | None, text_file: str | os.PathLike, mode: str, sinks: int = 4, window: int = 1020,
-            dtype: str = "f16", device: str = "cpu", max_chunk: int = BuildSettings.max_chunk,
+            dtype: str = BuildSettings.dtype, device: str = "cpu", max_chunk: int = BuildSettings.max_chunk,
             chunk: int = DEFAULT_CHUNK, stride: int = DEFAULT_STRIDE, max_tokens: int | None = None,
             json_file: str | os.PathLike | None = None, stream: TextIO | None = sys.stderr,
             build_progress: Callable[[str, float], None] | None = None) -> dict:
@@ -249,5 +249,5 @@ def run_ppl(model: str | None, text_file: str | os.PathLike, mode: str, sinks: i
         result["note"] = note
     if json_file is not None:
         full = {**result, "positions": positions.tolist(), "losses": [round(float(x), 5) for x in losses]}
-        Path(json_file).write_text(json.dumps(full) + "\n")
+        Path(json_file).write_text(json.dumps(full, separators=(",", ":")) + "\n")
     return result
