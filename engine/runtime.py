@@ -55,20 +55,36 @@ class CompiledModule:
             self._score, self._reset = functions["score"], functions["reset"]
         except (RuntimeError, ValueError, KeyError) as e:
             raise ArtefactError(f"cannot load the compiled module in {folder}: {e}") from e
+        self.tokens_fed = 0  # tokens written into the cache since the last reset, counted at the module's door
+        self.next_position = 0  # one past the last position the module was given
+
+    def _count(self, token_pos: np.ndarray) -> None:
+        # The module itself keeps no counter (the host passes every position), so this is the module-side
+        # record of what it was actually fed; tests check it against StreamingEngine's bookkeeping.
+        self.tokens_fed += len(token_pos)
+        self.next_position = int(token_pos[-1]) + 1
 
     # Results are copied out: to_host() is a view of a device buffer that IREE recycles once the result
     # object is collected, so a kept view would silently change under a later call.
+    # Every entry point takes the new tokens' positions (token_pos) as its last argument.
     def prefill(self, *args: np.ndarray) -> np.ndarray:
-        return np.array(self._prefill(*args).to_host())
+        out = np.array(self._prefill(*args).to_host())
+        self._count(args[-1])
+        return out
 
     def decode(self, *args: np.ndarray) -> np.ndarray:
-        return np.array(self._decode(*args).to_host())
+        out = np.array(self._decode(*args).to_host())
+        self._count(args[-1])
+        return out
 
     def score(self, *args: np.ndarray) -> np.ndarray:
-        return np.array(self._score(*args).to_host())
+        out = np.array(self._score(*args).to_host())
+        self._count(args[-1])
+        return out
 
     def reset(self) -> None:
         self._reset()
+        self.tokens_fed = self.next_position = 0
 
 
 class StreamingEngine:

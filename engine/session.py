@@ -15,7 +15,7 @@ from typing import Callable
 from .errors import PromptTooLongError
 from .runtime import StreamingEngine
 from .sampling import Sampler, SamplingParams
-from .tokenizer import Tokenizer
+from .tokenizer import Tokenizer, valid_text
 
 Event = dict
 EventSink = Callable[[Event], None]
@@ -55,7 +55,8 @@ class ChatSession:
         self._owed = []
 
     def _opening(self) -> list[dict]:
-        return [{"role": "system", "content": self.settings.system_prompt}] if self.settings.system_prompt else []
+        system = self.settings.system_prompt
+        return [{"role": "system", "content": valid_text(system)}] if system else []
 
     def _turn_tokens(self, user_text: str) -> list[int]:
         user = {"role": "user", "content": user_text}
@@ -74,6 +75,7 @@ class ChatSession:
     def send(self, user_text: str, on_event: EventSink | None = None) -> TurnResult:
         """Answers one user turn, streaming events; returns when the reply ends or the stop flag is set."""
         emit = on_event or (lambda event: None)
+        user_text = valid_text(user_text)  # what is fed is what is kept in the history (and saved)
         self.stop_flag.clear()
         if not self.messages:
             self.messages = self._opening()

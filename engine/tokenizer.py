@@ -30,6 +30,18 @@ CHAT_FILE = "chat.json"
 _SENTINEL_CHARS = [chr(c) for c in range(0xE000, 0xE020)]
 # Stand-in content for an assistant turn when measuring the text that closes it.
 _PROBE_CONTENT = "Eddy"
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def valid_text(text: str) -> str:
+    """`text` as valid Unicode: UTF-16 surrogate pairs joined, lone surrogates replaced by U+FFFD.
+
+    A Python str may hold lone surrogates (stdin decoded with surrogateescape, text from UTF-16 sources), which
+    the Rust tokenizer and SQLite both reject with a TypeError/UnicodeEncodeError rather than a clear message.
+    """
+    if not _SURROGATE.search(text):
+        return text
+    return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
 
 
 class _Sandbox(ImmutableSandboxedEnvironment):
@@ -243,6 +255,7 @@ class Tokenizer:
     # --- internals ------------------------------------------------------------------------------------------
 
     def _encode(self, text: str, specials: bool) -> list[int]:
+        text = valid_text(text)
         with self._lock:
             self._tok.encode_special_tokens = not specials
             try:
@@ -260,6 +273,7 @@ class Tokenizer:
             if is_user:
                 run += text
                 continue
+            text = valid_text(text)
             with self._lock:
                 enc = self._tok.encode(text, add_special_tokens=False)
             pos = 0
