@@ -8,6 +8,10 @@ from .errors import ModelError
 
 DTYPES = ("f32", "f16", "bf16", "q8")
 DEVICES = ("cpu", "vulkan", "cuda")
+# llvm-cpu targets: "host" (this machine's CPU, fastest, for local builds) or a portable one for packages
+# that run on other machines (a module built for "host" can die of illegal instructions elsewhere).
+# x86-64-v3 = AVX2 + FMA (Intel Haswell 2013+, AMD Zen 1+); x86-64 = any 64-bit x86 (slow: no AVX).
+TARGET_CPUS = ("host", "x86-64-v3", "x86-64-v2", "x86-64", "x86-64-v4")
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,7 @@ class BuildSettings:
     dtype: str = "q8"
     device: str = "cpu"
     max_chunk: int = 512
+    target_cpu: str = "host"  # llvm-cpu only; see TARGET_CPUS
 
     def __post_init__(self) -> None:
         if self.sinks < 0 or self.window < 1:
@@ -68,6 +73,8 @@ class BuildSettings:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)} (got {self.dtype!r})")
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {', '.join(DEVICES)} (got {self.device!r})")
+        if self.target_cpu not in TARGET_CPUS:
+            raise ValueError(f"target CPU must be one of {', '.join(TARGET_CPUS)} (got {self.target_cpu!r})")
 
     @property
     def capacity(self) -> int:

@@ -38,6 +38,15 @@ COMPILE_FLAGS = {
 }
 
 
+def compile_flags(device: str, target_cpu: str = "host") -> list[str]:
+    """iree-compile flags for a device; on cpu, `target_cpu` replaces "host" (portable packages)."""
+    flags = list(COMPILE_FLAGS[device])
+    if device == "cpu":
+        flags = [f"--iree-llvmcpu-target-cpu={target_cpu}" if f.startswith("--iree-llvmcpu-target-cpu=") else f
+                 for f in flags]
+    return flags
+
+
 def build_model(cfg: ModelConfig, settings: BuildSettings, state: dict[str, torch.Tensor]) -> StreamingLlama:
     model = StreamingLlama(cfg, settings)
     model.load_hf(state)
@@ -100,11 +109,11 @@ def zero_init_cache(mlir: str) -> str:
 
 
 def compile_mlir(mlir_path: Path, vmfb_path: Path, device: str, progress: Progress,
-                 should_cancel: Callable[[], bool], expected_s: float) -> None:
+                 should_cancel: Callable[[], bool], expected_s: float, target_cpu: str = "host") -> None:
     """Runs iree-compile in a subprocess: it can be cancelled, and a crash cannot take the app down."""
     from iree.compiler.tools.binaries import find_tool
 
-    cmd = [find_tool("iree-compile"), str(mlir_path), "-o", str(vmfb_path), *COMPILE_FLAGS[device]]
+    cmd = [find_tool("iree-compile"), str(mlir_path), "-o", str(vmfb_path), *compile_flags(device, target_cpu)]
     with tempfile.TemporaryFile() as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         start = time.perf_counter()
@@ -154,7 +163,8 @@ def build(source: "ModelSource", cfg: ModelConfig, settings: BuildSettings, out_
     t = stage("compiling", 0.6)
     # Rough compile time: grows with layers; only drives the progress bar.
     expected = 5.0 + 1.5 * cfg.n_layers
-    compile_mlir(mlir_path, out_dir / "module.vmfb", settings.device, report, cancelled, expected)
+    compile_mlir(mlir_path, out_dir / "module.vmfb", settings.device, report, cancelled, expected,
+                 settings.target_cpu)
     mlir_path.unlink()
     times["compile"] = time.perf_counter() - t
     report("done", 1.0)
