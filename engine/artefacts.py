@@ -3,10 +3,15 @@
 A folder holds module.vmfb, weights.irpa, tokenizer.json, chat.json and manifest.json (the model config,
 the settings and each file's size and hash). Finding a warm entry needs no torch: the key comes from the
 model's memoised fingerprint, the settings and versions read from package metadata and our own sources.
+
+Packaged Eddy (packaging/) also ships precompiled entries: folders under $EDDY_BUNDLED_MODELS (the frozen
+app sets it to its own models/ folder). They are found by model name and settings, without the checkpoint
+and without the compiler, and checked in full (sha256 of every byte) before use.
 """
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
@@ -15,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from .config import BuildSettings, ModelConfig
-from .errors import ArtefactError
+from .errors import ArtefactError, ModelError
 from .paths import cache_dir
 
 if TYPE_CHECKING:
@@ -26,6 +31,11 @@ BUILT_FILES = ("module.vmfb", "weights.irpa", "tokenizer.json", "chat.json")
 # Source files whose content decides what gets compiled: editing them invalidates every entry.
 EXPORT_SOURCES = ("model.py", "export.py")
 SAMPLE = 1 << 20  # bytes hashed at each end of a large file: catches truncation and foreign files cheaply
+BUNDLED_ENV = "EDDY_BUNDLED_MODELS"  # os.pathsep-separated folders holding precompiled entries
+# Modules that building an entry needs; a packaged Eddy leaves them out.
+COMPILER_MODULES = ("torch", "iree.compiler", "iree.turbine")
+FULL_VERSION_HINT = ("install the full version, which can compile: pip install 'eddy[compile]' "
+                     "(see the README's Quick start)")
 
 
 def _version(dist: str) -> str:
@@ -72,8 +82,28 @@ def file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def read_manifest(folder: Path) -> dict:
-    """The manifest of a complete, undamaged entry; ArtefactError naming the problem otherwise."""
+def file_sha256(path: Path) -> str:
+    """sha256 of every byte of the file."""
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def seal(folder: Path) -> dict:
+    """Adds each file's full sha256 to the entry's manifest (for a package, checked by read_manifest(full=True))."""
+    manifest = read_manifest(folder)
+    for name, entry in manifest["files"].items():
+        entry["sha256"] = file_sha256(folder / name)
+    (folder / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    return manifest
+
+
+def read_manifest(folder: Path, full: bool = False) -> dict:
+    """The manifest of a complete, undamaged entry; ArtefactError naming the problem otherwise.
+
+    `full` also checks the sha256 of every byte of the files whose entry records one (sealed entries)."""
     try:
         manifest = json.loads((folder / MANIFEST).read_text())
     except FileNotFoundError:
@@ -86,9 +116,110 @@ def read_manifest(folder: Path) -> dict:
             raise ArtefactError(f"{path} is missing")
         if path.stat().st_size != expected["size"] or file_digest(path) != expected["digest"]:
             raise ArtefactError(f"{path} is damaged (size or hash differs from when it was built)")
+        if full and "sha256" in expected and file_sha256(path) != expected["sha256"]:
+            raise ArtefactError(f"{path} is damaged (its sha256 differs from when it was built)")
     if set(manifest.get("files", {})) != set(BUILT_FILES):
         raise ArtefactError(f"incomplete compiled model in {folder}")
     return manifest
+
+
+def compiler_available() -> bool:
+    """Whether this installation can build entries (a packaged Eddy has no torch and no compiler)."""
+    for name in COMPILER_MODULES:
+        try:
+            if importlib.util.find_spec(name) is None:
+                return False
+        except (ImportError, ValueError):
+            return False
+    return True
+
+
+def no_compiler_error(what: str) -> ModelError:
+    return ModelError(f"{what} needs compiling, and this Eddy package cannot compile models (it ships only the "
+                      f"precompiled default model with its default settings). To use other models or build "
+                      f"settings, {FULL_VERSION_HINT}.")
+
+
+def bundled_roots() -> list[Path]:
+    return [Path(p) for p in os.environ.get(BUNDLED_ENV, "").split(os.pathsep) if p.strip()]
+
+
+def bundled_entries() -> list[tuple[Path, dict]]:
+    """(folder, manifest) of every precompiled entry under $EDDY_BUNDLED_MODELS (manifests parsed, files not
+    checked yet). A root may itself be an entry or hold entries one level down."""
+    found = []
+    for root in bundled_roots():
+        candidates = [root] if (root / MANIFEST).is_file() else sorted(p for p in root.glob("*") if p.is_dir())
+        for folder in candidates:
+            try:
+                manifest = json.loads((folder / MANIFEST).read_text())
+                found.append((folder, manifest))
+            except FileNotFoundError:
+                continue
+            except (OSError, ValueError) as e:
+                raise ArtefactError(f"The installed Eddy package is damaged: {folder / MANIFEST} cannot be read "
+                                    f"({e}). Reinstall Eddy.") from e
+    return found
+
+
+def _same_build(a: dict, b: dict) -> bool:
+    """Equal build settings, whatever CPU each was (or would be) compiled for."""
+    keys = (set(a) | set(b)) - {"target_cpu"}
+    defaults = BuildSettings().to_dict()
+    return all(a.get(k, defaults.get(k)) == b.get(k, defaults.get(k)) for k in keys)
+
+
+def find_bundled(name: str, settings: BuildSettings) -> Path | None:
+    """The packaged entry of model `name` built with `settings` (any target CPU), checked in full; None if
+    there is none. ArtefactError naming the file if that entry is damaged."""
+    for folder, manifest in bundled_entries():
+        if str(manifest.get("model", "")).lower() != name.lower():
+            continue
+        if not _same_build(manifest.get("settings", {}), settings.to_dict()):
+            continue
+        try:
+            read_manifest(folder, full=True)
+        except ArtefactError as e:
+            raise ArtefactError(f"The installed Eddy package is damaged: {e}. Reinstall Eddy.") from None
+        check_cpu(folder)
+        return folder
+    return None
+
+
+# What each portable llvm-cpu target needs, as /proc/cpuinfo names the flags (lzcnt is "abm" there).
+_CPU_FLAGS = {
+    "x86-64": set(),
+    "x86-64-v2": {"cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2", "ssse3"},
+}
+_CPU_FLAGS["x86-64-v3"] = _CPU_FLAGS["x86-64-v2"] | {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"}
+_CPU_FLAGS["x86-64-v4"] = _CPU_FLAGS["x86-64-v3"] | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+
+
+def _cpu_flags() -> set[str] | None:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return None
+
+
+def check_cpu(folder: Path) -> None:
+    """A module compiled for a named CPU level dies of an illegal instruction on an older CPU: say so instead."""
+    try:
+        target = json.loads((folder / MANIFEST).read_text()).get("settings", {}).get("target_cpu", "host")
+    except (OSError, ValueError):
+        return  # read_manifest reports it
+    needed = _CPU_FLAGS.get(target)
+    have = _cpu_flags()
+    if not needed or have is None:
+        return
+    missing = sorted(needed - have)
+    if missing:
+        raise ModelError(f"This compiled model needs a {target} CPU, and this CPU lacks {', '.join(missing)}. "
+                         f"To build one for this CPU, {FULL_VERSION_HINT}.")
 
 
 def ensure_artefacts(source: "ModelSource", settings: BuildSettings,
@@ -101,6 +232,9 @@ def ensure_artefacts(source: "ModelSource", settings: BuildSettings,
         return folder
     except ArtefactError:
         pass
+    if not compiler_available():
+        raise no_compiler_error(f'The model "{source.name}" with these settings (sinks {settings.sinks}, window '
+                                f"{settings.window}, {settings.dtype}, {settings.device})")
     from . import export  # torch and the compiler are needed only from here on
     from .checkpoint import read_config, save_tokenizer
 

@@ -5,9 +5,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .artefacts import ensure_artefacts
-from .checkpoint import ModelSource, resolve_model
+from .artefacts import (bundled_entries, check_cpu, compiler_available, ensure_artefacts, find_bundled,
+                        no_compiler_error)
+from .checkpoint import DEFAULT_MODEL, TINY_RANDOM, ModelSource, resolve_model
 from .config import BuildSettings
+from .errors import ModelError
 from .runtime import StreamingEngine, load_artefacts
 from .session import ChatSession, ChatSettings
 from .tokenizer import Tokenizer
@@ -25,6 +27,7 @@ class LoadedModel:
 
 
 def open_folder(folder: Path, source: ModelSource | None = None) -> LoadedModel:
+    check_cpu(folder)
     module, cfg, settings = load_artefacts(folder)
     return LoadedModel(source, folder, StreamingEngine(module, cfg, settings), Tokenizer.from_dir(folder))
 
@@ -32,7 +35,25 @@ def open_folder(folder: Path, source: ModelSource | None = None) -> LoadedModel:
 def open_model(spec: str | None, settings: BuildSettings | None = None,
                progress: Callable[[str, float], None] | None = None,
                should_cancel: Callable[[], bool] | None = None) -> LoadedModel:
-    """Resolves `spec`, builds its artefacts if needed (torch is imported only then) and opens them."""
-    source = resolve_model(spec)
-    folder = ensure_artefacts(source, settings or BuildSettings(), progress, should_cancel)
+    """Resolves `spec`, builds its artefacts if needed (torch is imported only then) and opens them.
+
+    A precompiled entry under $EDDY_BUNDLED_MODELS (a packaged Eddy) wins: it needs neither the checkpoint
+    nor the compiler."""
+    settings = settings or BuildSettings()
+    name = DEFAULT_MODEL if spec is None or not spec.strip() else spec.strip()
+    bundled = find_bundled(name, settings)
+    if bundled is not None:
+        return open_folder(bundled, ModelSource(name.lower(), "bundled", bundled))
+    if not compiler_available() and any(str(m.get("model", "")).lower() == name.lower() for _, m in bundled_entries()):
+        # The packaged model with other build settings: its checkpoint is not in the package either.
+        raise no_compiler_error(f'The model "{name}" with these settings (sinks {settings.sinks}, window '
+                                f"{settings.window}, {settings.dtype}, {settings.device})")
+    try:
+        source = resolve_model(spec)
+    except ModelError:
+        if name.lower() in (DEFAULT_MODEL, TINY_RANDOM) and not compiler_available():
+            # A package without the checkpoints they are built from.
+            raise no_compiler_error(f'The model "{name}"') from None
+        raise
+    folder = ensure_artefacts(source, settings, progress, should_cancel)
     return open_folder(folder, source)
