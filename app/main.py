@@ -1,11 +1,20 @@
-"""`eddy-gui [--model M] [--data-dir DIR]` (and `python -m app`): the desktop app on qasync's event loop."""
+"""`eddy-gui [--model M] [--data-dir DIR] [--ask TEXT]` (and `python -m app`): the desktop app on qasync's event loop.
+
+`--ask TEXT` is the headless one-shot mode (packaging smoke tests, scripts): the real window, controller and
+engine worker start (offscreen unless QT_QPA_PLATFORM says otherwise), TEXT is sent as the first message of
+a new chat, the reply streams to stdout, and the app exits 0 — or 1 with the error on stderr.
+"""
 from __future__ import annotations
 
 import argparse
 import asyncio
 import logging
+import os
+import shutil
 import signal
 import sys
+import tempfile
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
 
@@ -21,6 +30,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="smollm2-135m-instruct (default), tiny-random, a .gguf file or a Hugging Face folder "
                         "(for this run; the settings keep their own choice)")
     p.add_argument("--data-dir", default=None, help="keep chats and settings in this folder")
+    p.add_argument("--ask", metavar="TEXT", default=None,
+                   help="headless: send TEXT in a new chat, print the reply on stdout and exit (1 on error). "
+                        "Without --data-dir the chat goes to a temporary folder that is removed afterwards.")
     return p.parse_args(argv)
 
 
@@ -57,7 +69,22 @@ def _close_on_signals(window: "MainWindow") -> None:
 def main(argv: Sequence[str] | None = None, on_window: Callable[["MainWindow"], None] | None = None) -> int:
     """Runs the app until its window has closed; `on_window` (for scripted runs) gets the window first."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    ask = None
+    temp_dir: str | None = None
+    if args.ask is not None:
+        os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")  # no display needed
+        if not args.data_dir:
+            temp_dir = args.data_dir = tempfile.mkdtemp(prefix="eddy-ask-")
+        ask = _ask_class()(args.ask)
+    try:
+        code = _main(args, on_window, ask)
+    finally:
+        if temp_dir:
+            shutil.rmtree(temp_dir, ignore_errors=True)
+    return ask.code if ask is not None and code == 0 else code
 
+
+def _main(args: argparse.Namespace, on_window: Callable[["MainWindow"], None] | None, ask) -> int:
     import qasync
     from PySide6.QtWidgets import QApplication, QMessageBox
 
@@ -88,12 +115,101 @@ def main(argv: Sequence[str] | None = None, on_window: Callable[["MainWindow"], 
         QMessageBox.critical(None, APP_NAME, str(e))
         return 1
     _close_on_signals(window)
+    if ask is not None:
+        ask.attach(window)
     if on_window is not None:
         on_window(window)
     with loop:
         loop.run_until_complete(_run(window))
     window.controller.host.wait()  # already ended on the normal path; a safety net otherwise
     return 0
+
+
+def _ask_class():
+    """AskRun is a QObject (its slots then run on the GUI thread, in order); built once PySide6 is imported."""
+    from PySide6.QtCore import QObject, Slot
+
+    class AskRun(QObject):
+        """--ask: sends one message once the model is ready, streams the reply to stdout, then closes the window."""
+
+        def __init__(self, text: str) -> None:
+            super().__init__()
+            self.text = text
+            self.code = 1  # until a reply has finished
+            self.sent = False
+            self.first_token_s: float | None = None
+            self.window: "MainWindow | None" = None
+
+        def attach(self, window: "MainWindow") -> None:
+            from PySide6.QtCore import Qt
+
+            self.window = window
+            c = window.controller
+            c.model_state_changed.connect(self._on_state)
+            c.notice.connect(self._on_notice)
+            c.turn_finished.connect(self._on_finished)
+            # Queued: printed on this (GUI) thread, in order, as the tokens arrive.
+            c.host.worker.token.connect(self._on_token, Qt.ConnectionType.QueuedConnection)
+
+        @Slot(str)
+        def _on_state(self, state: str) -> None:
+            c = self.window.controller
+            if state == "ready" and not self.sent:
+                self.sent = True
+                c.new_chat()
+                if not c.send(self.text):
+                    self._fail("the message could not be sent")
+            elif state == "failed":
+                self._fail(None)  # the controller's notice, printed next, says why
+
+        @Slot(str, str, str)
+        def _on_notice(self, level: str, text: str, _action: str) -> None:
+            print(f"eddy-gui: {level}: {text}", file=sys.stderr, flush=True)
+            if level == "error":
+                self._fail(None)
+
+        @Slot(str)
+        def _on_token(self, text: str) -> None:
+            if self.first_token_s is None:
+                self.first_token_s = _seconds_since_process_start()
+            sys.stdout.write(text)
+            sys.stdout.flush()
+
+        @Slot(object)
+        def _on_finished(self, ev: dict) -> None:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+            if self.first_token_s is not None:
+                print(f"eddy-gui: first token {self.first_token_s:.2f} s after the process started; "
+                      f"{ev.get('tokens')} tokens", file=sys.stderr, flush=True)
+            self.code = 0 if ev.get("reply", "").strip() else 1
+            if self.code:
+                print("eddy-gui: error: the reply was empty", file=sys.stderr, flush=True)
+            self._close()
+
+        def _fail(self, message: str | None) -> None:
+            if message:
+                print(f"eddy-gui: error: {message}", file=sys.stderr, flush=True)
+            self.code = 1
+            self._close()
+
+        def _close(self) -> None:
+            from PySide6.QtCore import QTimer
+
+            window = self.window
+            if window is not None and not window.is_closed:
+                QTimer.singleShot(0, window.close)
+
+    return AskRun
+
+
+def _seconds_since_process_start() -> float | None:
+    try:
+        import psutil
+
+        return time.time() - psutil.Process().create_time()
+    except Exception:
+        return None
 
 
 async def _run(window: "MainWindow") -> None:
