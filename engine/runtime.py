@@ -53,7 +53,9 @@ class CompiledModule:
             functions = self.context.modules.module
             self._prefill, self._decode = functions["prefill"], functions["decode"]
             self._score, self._reset = functions["score"], functions["reset"]
-        except (RuntimeError, ValueError, KeyError) as e:
+        # IREE reports a bad file as RuntimeError, ValueError or IndexError (a parameter index or a parameter out
+        # of the file's range: a truncated .irpa, or a .vmfb built for other weights), OSError for unreadable files.
+        except (RuntimeError, ValueError, LookupError, OSError) as e:
             raise ArtefactError(f"cannot load the compiled module in {folder}: {e}") from e
         self.tokens_fed = 0  # tokens written into the cache since the last reset, counted at the module's door
         self.next_position = 0  # one past the last position the module was given
