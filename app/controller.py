@@ -14,7 +14,7 @@ from typing import Callable
 
 from PySide6.QtCore import QObject, QTimer, Signal
 
-from .models import ChatModel, ConversationListModel, Message, TurnStat, TurnStatsModel
+from .models import ChatModel, ConversationListModel, Message, TurnStatsModel
 from .settings import AppSettings, load_settings, save_settings
 from .store import ConversationRow, Store, StoreError, TurnRow
 from .transcript import to_json, to_markdown
@@ -208,7 +208,7 @@ class ChatController(QObject):
         if snapshot is not None:
             title, messages = snapshot
             self._unsaved[conv_id] = None  # the open chat is read live from now on
-            turns: list[TurnStat] = []
+            turns: list[TurnRow] = []
         else:
             row = self._read(lambda: self.store.conversation(conv_id), None)
             if row is None:
@@ -216,7 +216,7 @@ class ChatController(QObject):
                 return
             title = row.title
             messages = [Message(m.role, m.content, id=m.id) for m in self._read(lambda: self.store.messages(conv_id), [])]
-            turns = [TurnStat.from_row(t) for t in self._read(lambda: self.store.turns(conv_id), [])]
+            turns = self._read(lambda: self.store.turns(conv_id), [])
         self.chat.load(conv_id, title, messages)
         self.turns.set_rows(turns)
         self.conversation_opened.emit()
@@ -336,17 +336,16 @@ class ChatController(QObject):
         self._on_cache(ev["cache"])
         turn = self._turn
         if ev["kind"] == "rebuild":
-            stat = TurnStat("rebuild", ev["new_tokens"], ev["ms"])
-            self.turns.append(stat)
+            row = TurnRow("rebuild", ev["new_tokens"], ev["ms"], cache=ev["cache"])
+            self.turns.append(row)
             conv_id = self.chat.conversation_id
             if conv_id is not None:
-                row = TurnRow("rebuild", stat.prefill_tokens, stat.prefill_ms, cache=ev["cache"])
                 self._write(conv_id, lambda: self.store.add_turn(conv_id, row), stats_only=True)
         elif turn is not None and ev["ticket"] == turn.ticket:
             pos, n = ev["cache"]["position"], ev["new_tokens"]
             self.chat.update(turn.user_index, span=(pos - n, pos), pending=False)
             self.chat.update(turn.reply_index, span=(pos, pos))
-            turn.stat_row = self.turns.append(TurnStat("turn", n, ev["ms"], live=True))
+            turn.stat_row = self.turns.append(TurnRow("turn", n, ev["ms"]), live=True)
             turn.prefill_at = turn.last_rate_at = time.perf_counter()
         self.turn_prefilled.emit(ev)
 

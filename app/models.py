@@ -186,23 +186,6 @@ class ConversationListModel(QAbstractListModel):
         return True
 
 
-@dataclass
-class TurnStat:
-    kind: str            # "turn" or "rebuild"
-    prefill_tokens: int
-    prefill_ms: float
-    tokens: int = 0
-    decode_ms: float = 0.0
-    tok_s: float = 0.0
-    stop_reason: str = ""
-    live: bool = False   # still streaming
-
-    @classmethod
-    def from_row(cls, row: TurnRow) -> "TurnStat":
-        return cls(row.kind, row.prefill_tokens, row.prefill_ms, row.tokens, row.decode_ms, row.tok_s,
-                   row.stop_reason)
-
-
 class TurnStatsModel(QAbstractTableModel):
     """One row per prefill of the open chat: its replies and its cache rebuilds."""
 
@@ -214,23 +197,29 @@ class TurnStatsModel(QAbstractTableModel):
 
     def __init__(self, parent: QObject | None = None) -> None:
         super().__init__(parent)
-        self.rows: list[TurnStat] = []
+        self.rows: list[TurnRow] = []
+        self.live_row = -1  # the row of the reply still streaming, shown in italics
 
-    def set_rows(self, rows: list[TurnStat]) -> None:
+    def set_rows(self, rows: list[TurnRow]) -> None:
         self.beginResetModel()
         self.rows = list(rows)
+        self.live_row = -1
         self.endResetModel()
 
-    def append(self, stat: TurnStat) -> int:
+    def append(self, stat: TurnRow, live: bool = False) -> int:
         n = len(self.rows)
         self.beginInsertRows(QModelIndex(), n, n)
         self.rows.append(stat)
         self.endInsertRows()
+        if live:
+            self.live_row = n
         return n
 
-    def update(self, row: int, **changes: Any) -> None:
+    def update(self, row: int, live: bool | None = None, **changes: Any) -> None:
         for name, value in changes.items():
             setattr(self.rows[row], name, value)
+        if live is not None:
+            self.live_row = row if live else -1
         self.dataChanged.emit(self.index(row, 0), self.index(row, len(self.HEADERS) - 1))
 
     def turn_number(self, row: int) -> int:
@@ -259,7 +248,7 @@ class TurnStatsModel(QAbstractTableModel):
             return int(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
         if role == Qt.ItemDataRole.ToolTipRole and r.kind == "rebuild":
             return "The cache was rebuilt from this chat's recent messages (opening it, regenerating or editing)"
-        if role == Qt.ItemDataRole.FontRole and r.live:
+        if role == Qt.ItemDataRole.FontRole and index.row() == self.live_row:
             font = QFont()
             font.setItalic(True)  # still streaming
             return font
