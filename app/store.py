@@ -49,6 +49,16 @@ CREATE INDEX IF NOT EXISTS turns_by_conversation ON turns(conversation_id, id);
 """
 
 
+def _text(value: str) -> str:
+    # SQLite needs valid UTF-8: a lone surrogate (text decoded with surrogateescape, a UTF-16 source) would
+    # raise UnicodeEncodeError, not a StoreError. Pairs are joined, lone ones become U+FFFD.
+    try:
+        value.encode("utf-8")
+        return value
+    except UnicodeEncodeError:
+        return value.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
 class StoreError(Exception):
     """A read or write failed; the message is meant for the user."""
 
@@ -116,6 +126,10 @@ class Store:
         path = data_dir / DB_FILE
         try:
             return cls(path, cls._connect(path))
+        except sqlite3.OperationalError as e:
+            # Locked or busy (another Eddy holding a long write), unreadable, out of space: not damage. Moving
+            # the file aside here would take a healthy database, and its WAL, away from the other instance.
+            raise _explain(e, "open the chat database") from e
         except sqlite3.DatabaseError as first:
             moved = cls._move_aside(path)
             try:
@@ -138,8 +152,9 @@ class Store:
             version = conn.execute("PRAGMA user_version").fetchone()[0]
             if version > SCHEMA_VERSION:
                 raise sqlite3.DatabaseError(f"written by a newer Eddy (schema {version})")
-            conn.executescript(SCHEMA)
-            conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+            if version < SCHEMA_VERSION:  # a new file: writes only then, so opening never waits on another writer
+                conn.executescript(SCHEMA)
+                conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
         except sqlite3.Error:
             conn.close()
             raise
@@ -202,11 +217,11 @@ class Store:
     def create_conversation(self, title: str) -> int:
         now = time.time()
         cur = self._run("create a chat", "INSERT INTO conversations(title, created, updated) VALUES (?, ?, ?)",
-                        (title, now, now))
+                        (_text(title), now, now))
         return int(cur.lastrowid)
 
     def rename_conversation(self, conv_id: int, title: str) -> None:
-        self._run("rename the chat", "UPDATE conversations SET title=? WHERE id=?", (title, conv_id))
+        self._run("rename the chat", "UPDATE conversations SET title=? WHERE id=?", (_text(title), conv_id))
 
     def delete_conversation(self, conv_id: int) -> None:
         self._run("delete the chat", "DELETE FROM conversations WHERE id=?", (conv_id,))
@@ -227,7 +242,7 @@ class Store:
         now = time.time()
         cur, _ = self._transaction("save the message", [
             ("INSERT INTO messages(conversation_id, seq, role, content, created) VALUES (?, ?, ?, ?, ?)",
-             (conv_id, seq, role, content, now)),
+             (conv_id, seq, role, _text(content), now)),
             ("UPDATE conversations SET updated=? WHERE id=?", (now, conv_id)),
         ])
         return int(cur.lastrowid)
@@ -241,12 +256,12 @@ class Store:
         now = time.time()
         steps: list[tuple[str, tuple]] = [
             ("INSERT OR IGNORE INTO conversations(id, title, created, updated) VALUES (?, ?, ?, ?)",
-             (conv_id, title, now, now)),
-            ("UPDATE conversations SET title=?, updated=? WHERE id=?", (title, now, conv_id)),
+             (conv_id, _text(title), now, now)),
+            ("UPDATE conversations SET title=?, updated=? WHERE id=?", (_text(title), now, conv_id)),
             ("DELETE FROM messages WHERE conversation_id=?", (conv_id,)),
         ]
         steps += [("INSERT INTO messages(conversation_id, seq, role, content, created) VALUES (?, ?, ?, ?, ?)",
-                   (conv_id, i, role, content, now)) for i, (role, content) in enumerate(messages)]
+                   (conv_id, i, role, _text(content), now)) for i, (role, content) in enumerate(messages)]
         cursors = self._transaction("save the chat", steps)
         return [int(c.lastrowid) for c in cursors[3:]]
 

@@ -1,0 +1,178 @@
+"""The chat store under faults: kill -9 mid-save, two processes on one data folder, a database another
+process holds locked, text SQLite cannot take. (A damaged file being moved aside is in test_app_store.py.)
+
+Real subprocesses write through app.store.Store; each prints an ack after every commit returns, so the test
+knows exactly which messages were committed when it kills the writer.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from app.store import DB_FILE, Store, StoreError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+WRITER = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {root!r})
+    from pathlib import Path
+    from app.store import Store
+    data, tag, count, size = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    store = Store.open(data)
+    conv = store.create_conversation(tag)
+    print("conv", conv, flush=True)
+    for i in range(count):
+        body = f"{{tag}} message {{i}} " + "x" * size
+        if i % 10 == 9:  # now and then a whole chat rewritten in one transaction, as the app's catch-up does
+            store.replace_messages(conv, tag, [("user", f"{{tag}} message {{j}} " + "x" * size) for j in range(i + 1)])
+        else:
+            store.append_message(conv, i, "user", body)
+        print("ack", i, flush=True)
+    print("done", flush=True)
+""").format(root=str(ROOT))
+
+
+def writer(data: Path, tag: str, count: int, size: int = 200) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", WRITER, str(data), tag, str(count), str(size)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def integrity(data: Path) -> str:
+    conn = sqlite3.connect(str(data / DB_FILE))
+    try:
+        return conn.execute("PRAGMA integrity_check").fetchone()[0]
+    finally:
+        conn.close()
+
+
+def check_messages(store: Store, conv: int, tag: str, at_least: int, size: int) -> int:
+    """Messages of `conv` are exactly `tag` 0..n-1 in order with n >= at_least; returns n."""
+    msgs = store.messages(conv)
+    assert len(msgs) >= at_least, f"{tag}: {len(msgs)} messages on disk but {at_least} were acknowledged"
+    for i, m in enumerate(msgs):
+        assert (m.seq, m.role, m.content) == (i, "user", f"{tag} message {i} " + "x" * size)
+    return len(msgs)
+
+
+@pytest.mark.parametrize("size,kill_after", [(200, 40), (200_000, 12), (20, 230)])
+def test_kill_9_mid_save_loses_no_committed_message(tmp_path, size, kill_after):
+    proc = writer(tmp_path, "solo", 100_000, size)
+    conv, acked = None, -1
+    for line in proc.stdout:
+        word, *rest = line.split()
+        if word == "conv":
+            conv = int(rest[0])
+        elif word == "ack":
+            acked = int(rest[0])
+            if acked + 1 >= kill_after:
+                break
+    time.sleep(0.003 * (kill_after % 7))  # land somewhere inside the next write
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    for line in proc.stdout:  # acks the writer printed before it died, still in the pipe
+        word, *rest = line.split()
+        if word == "ack":
+            acked = int(rest[0])
+    assert "done" not in line, "the writer finished before it was killed"
+    assert conv is not None and acked + 1 >= kill_after
+    assert integrity(tmp_path) == "ok"
+    store = Store.open(tmp_path)
+    assert store.recovered_from is None, "a database left by a killed writer was treated as damaged"
+    n = check_messages(store, conv, "solo", acked + 1, size)
+    assert n <= acked + 2  # at most the write that was in flight when the writer died
+    store.append_message(conv, n, "user", "after the crash")  # still writable
+    store.close()
+
+
+def test_two_processes_writing_one_data_folder(tmp_path):
+    Store.open(tmp_path).close()  # both find an existing database, as two app instances would
+    procs = {tag: writer(tmp_path, tag, 300, 500) for tag in ("first", "second")}
+    convs = {}
+    for tag, proc in procs.items():
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-2000:]
+        assert out.splitlines()[-1] == "done" and "Traceback" not in err
+        convs[tag] = int(out.split()[1])
+    assert integrity(tmp_path) == "ok"
+    store = Store.open(tmp_path)
+    assert store.recovered_from is None
+    for tag, conv in convs.items():
+        assert check_messages(store, conv, tag, 300, 500) == 300
+    assert sorted(c.title for c in store.conversations()) == ["first", "second"]
+
+
+HOLDER = textwrap.dedent("""
+    import sqlite3, sys, time
+    conn = sqlite3.connect(sys.argv[1], isolation_level=None)
+    conn.execute("BEGIN IMMEDIATE")
+    conn.execute("UPDATE conversations SET title = title")
+    print("locked", flush=True)
+    time.sleep(float(sys.argv[2]))
+    conn.execute("COMMIT")
+""")
+
+
+def test_a_database_locked_by_another_process_is_not_treated_as_damaged(tmp_path):
+    # Another instance holding a write transaction longer than SQLite's busy timeout used to make Store.open
+    # read "database is locked" as damage and move the healthy database (and its WAL) aside.
+    store = Store.open(tmp_path)
+    conv = store.create_conversation("kept")
+    store.append_message(conv, 0, "user", "precious")
+    store.close()
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path / DB_FILE), "6"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        try:
+            second = Store.open(tmp_path)
+        except StoreError as e:
+            assert "locked" in str(e) or "another" in str(e)
+        else:
+            assert second.recovered_from is None
+            second.close()
+        assert not list(tmp_path.glob(f"{DB_FILE}.damaged-*")), "a locked, healthy database was moved aside"
+    finally:
+        holder.wait(timeout=60)
+    again = Store.open(tmp_path)
+    assert again.recovered_from is None
+    assert [m.content for m in again.messages(conv)] == ["precious"]
+
+
+def test_writes_while_another_process_holds_the_lock_are_a_clear_error_then_work(tmp_path):
+    store = Store.open(tmp_path)
+    conv = store.create_conversation("c")
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path / DB_FILE), "6"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(StoreError, match="locked by another program"):
+            store.append_message(conv, 0, "user", "waits, then gives up")
+    finally:
+        holder.wait(timeout=60)
+    store.append_message(conv, 0, "user", "now it fits")
+    assert [m.content for m in store.messages(conv)] == ["now it fits"]
+
+
+def test_text_sqlite_cannot_encode_is_saved_as_valid_text(tmp_path):
+    # Lone surrogates (text decoded with surrogateescape) made sqlite3 raise UnicodeEncodeError, which is not a
+    # StoreError, so the caller's error handling missed it.
+    store = Store.open(tmp_path)
+    conv = store.create_conversation("title \udcff")
+    store.append_message(conv, 0, "user", "bad \ud800 pair \ud83d\ude00 nul \x00 end")
+    store.replace_messages(conv, "t \ud800", [("user", "a \udc80"), ("assistant", "ok")])
+    store.rename_conversation(conv, "renamed \udfff")
+    store.close()
+    again = Store.open(tmp_path)
+    assert [m.content for m in again.messages(conv)] == ["a \ufffd", "ok"]
+    assert again.conversation(conv).title == "renamed \ufffd"
+    assert integrity(tmp_path) == "ok"
