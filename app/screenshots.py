@@ -1,7 +1,10 @@
 """Takes the README screenshots from the real app (a developer tool, not used by the app itself).
 
-    QT_QPA_PLATFORM=offscreen python -m app.screenshots main-window OUT.png [--model M]
-    QT_QPA_PLATFORM=offscreen EDDY_CACHE_DIR=$(mktemp -d) python -m app.screenshots first-run OUT.png
+    xvfb-run -a -s "-screen 0 1600x1000x24" python -m app.screenshots main-window OUT.png [--model M]
+    EDDY_CACHE_DIR=$(mktemp -d) xvfb-run -a -s "-screen 0 1600x1000x24" python -m app.screenshots first-run OUT.png
+
+Under an X server (Xvfb) the picture is the screen's own pixels, so it shows what a user would see,
+dialogs included; with QT_QPA_PLATFORM=offscreen it falls back to the widgets' own rendering.
 
 main-window chats with the model until the cache has evicted tokens and grabs the window while the last
 reply streams (and OUT-marker.png with the "left the window" marker in view); first-run starts with an empty artefact cache and grabs the window with the build dialog.
@@ -14,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 from PySide6.QtCore import QPoint, QTimer
-from PySide6.QtGui import QColor, QPainter, QPalette, QPixmap
+from PySide6.QtGui import QColor, QGuiApplication, QPainter, QPalette, QPixmap
 from PySide6.QtWidgets import QApplication, QStyleFactory
 
 from .main import main
@@ -41,6 +44,18 @@ def _save(pixmap: QPixmap, path: Path) -> None:
     if not pixmap.save(str(path)):
         raise SystemExit(f"could not write {path}")
     print(f"saved {path}", flush=True)
+
+
+def _on_screen() -> bool:
+    return QGuiApplication.platformName() != "offscreen"
+
+
+def _snapshot(window: MainWindow) -> QPixmap:
+    """The window as the screen shows it (an X server's pixels), or as it renders itself offscreen."""
+    if not _on_screen():
+        return window.grab()
+    g = window.frameGeometry()
+    return window.screen().grabWindow(0, g.x(), g.y(), g.width(), g.height())
 
 
 def _composite(window: MainWindow, dialog) -> QPixmap:
@@ -89,13 +104,14 @@ def main_window(out: Path, model: str | None, max_turns: int, grab_after: int, d
             if not state["grabbed"]:
                 state["grabbed"] = True
                 window.chat_view.flush()
-                _save(window.grab(), out)
+                QApplication.processEvents()  # paint the flushed text before the screen is read
+                _save(_snapshot(window), out)
                 # A second picture with the "left the window" marker in view ("Show where" in the panel).
                 window.chat_view.scroll_to_marker()
                 marker_out = out.with_name(out.stem + "-marker.png")
 
                 def second() -> None:
-                    _save(window.grab(), marker_out)
+                    _save(_snapshot(window), marker_out)
                     window.close()
 
                 QTimer.singleShot(150, second)
@@ -133,7 +149,7 @@ def first_run(out: Path, model: str) -> int:
             dialog = window.progress_dialog
             if dialog is not None and stage == "compiling" and fraction > 0.7 and not getattr(drive, "done", False):
                 drive.done = True
-                _save(_composite(window, dialog), out)
+                _save(_snapshot(window) if _on_screen() else _composite(window, dialog), out)
                 window.controller.cancel_load()
                 QTimer.singleShot(500, window.close)
 

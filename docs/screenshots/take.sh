@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Takes the README screenshots of the real app on a virtual X screen (Xvfb) with a window manager (openbox),
+# so they show what a user sees: window decorations, the dialog placed by the window manager, real fonts.
+# Needs Debian's xvfb, openbox and the xcb libraries Qt's xcb plugin loads:
+#   apt-get install xvfb xauth openbox libxcb-icccm4 libxcb-keysyms1 libxcb-image0 libxcb-render-util0 \
+#                   libxcb-xinerama0 libxcb-xkb1 libxkbcommon-x11-0 libxcb-cursor0 libxcb-shape0 libxcb-randr0
+# Usage: docs/screenshots/take.sh [python]   (run from the repository root; default python: .venv/bin/python)
+set -euo pipefail
+PY=${1:-.venv/bin/python}
+OUT=docs/screenshots
+export QT_QPA_PLATFORM=xcb DISPLAY=:77
+Xvfb :77 -screen 0 1600x1000x24 -nolisten tcp &
+XVFB=$!
+trap 'kill $WM $XVFB 2>/dev/null || true' EXIT
+sleep 1
+openbox &
+WM=$!
+sleep 1
+# The main window mid-conversation on the default model, after the cache has evicted tokens.
+"$PY" -m app.screenshots main-window "$OUT/main-window.png"
+"$PY" -m app.screenshots main-window "$OUT/main-window-dark.png" --dark
+# The first-run build dialog: an empty artefact cache, so the model has to be compiled.
+EDDY_CACHE_DIR=$(mktemp -d) "$PY" -m app.screenshots first-run "$OUT/first-run.png" --model smollm2-135m-instruct
