@@ -204,11 +204,14 @@ def _ask_class():
 
 
 def _seconds_since_process_start() -> float | None:
+    """From /proc (10 ms resolution; psutil's create_time rounds the boot time to whole seconds)."""
     try:
-        import psutil
-
-        return time.time() - psutil.Process().create_time()
-    except Exception:
+        with open("/proc/self/stat", encoding="ascii") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        with open("/proc/uptime", encoding="ascii") as f:
+            uptime = float(f.read().split()[0])
+        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
         return None
 
 
