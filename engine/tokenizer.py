@@ -44,11 +44,38 @@ def valid_text(text: str) -> str:
     return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
 
 
+# Work a template may do in one render: range items and the length of a repeated string or list. Real chat
+# templates loop over the messages; a template from an untrusted model folder must not hang or exhaust memory
+# (nested range(99999) loops, 'x' * 10**10).
+_MAX_ITEMS = 1_000_000
+_budget = threading.local()
+
+
+def _range(*args: int) -> range:
+    r = range(*args)
+    left = getattr(_budget, "left", _MAX_ITEMS) - len(r)
+    if left < 0:
+        raise SecurityError(f"the template loops more than {_MAX_ITEMS} times")
+    _budget.left = left
+    return r
+
+
 class _Sandbox(ImmutableSandboxedEnvironment):
+    intercepted_binops = frozenset({"*", "**"})
+
     # Jinja's default is to return a silent Undefined for a blocked attribute, which can render as "" and hide
     # an attack; a chat template has no business touching internals, so refuse loudly.
     def unsafe_undefined(self, obj: Any, attribute: str) -> jinja2.Undefined:
         raise SecurityError(f"access to attribute {attribute!r} of {type(obj).__name__!r} object is unsafe")
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if operator == "*":
+            for seq, n in ((left, right), (right, left)):
+                if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > _MAX_ITEMS:
+                    raise SecurityError(f"the template builds a value of more than {_MAX_ITEMS} items")
+        if operator == "**" and isinstance(right, int) and right > 256 and isinstance(left, int) and abs(left) > 1:
+            raise SecurityError("the template computes a number too large")
+        return super().call_binop(context, operator, left, right)
 
 
 class _Namespace(jinja2.utils.Namespace):
@@ -100,6 +127,7 @@ def _compile_template(source: str, where: Path) -> jinja2.Template:
     env.globals["strftime_now"] = _strftime_now
     env.globals["namespace"] = _Namespace
     env.globals["dict"] = lambda *a, **kw: dict(*a, **kw)
+    env.globals["range"] = _range
     try:
         return env.from_string(source)
     except TemplateError as exc:
@@ -286,13 +314,14 @@ class Tokenizer:
         return ids + self.encode_text(run)
 
     def _run_template(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        _budget.left = _MAX_ITEMS
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                          bos_token=self._bos_token or "", eos_token=self._eos_token or "")
         except SecurityError as exc:
             raise ModelError(f"chat template is unsafe: {exc}") from exc
-        except Exception as exc:  # a template may fail in any way (raise_exception, bad types, ...)
-            raise ModelError(f"chat template failed: {exc}") from exc
+        except (Exception, RecursionError, MemoryError) as exc:  # a template may fail in any way
+            raise ModelError(f"chat template failed: {str(exc) or type(exc).__name__}") from exc
 
     def _render(self, messages: list[dict], add_generation_prompt: bool) -> list[tuple[str, int | None]]:
         # Pieces tagged with the index of the message whose content they are (None: template text). Contents
