@@ -176,3 +176,52 @@ def test_text_sqlite_cannot_encode_is_saved_as_valid_text(tmp_path):
     assert [m.content for m in again.messages(conv)] == ["a \ufffd", "ok"]
     assert again.conversation(conv).title == "renamed \ufffd"
     assert integrity(tmp_path) == "ok"
+
+
+def _filled(tmp_path: Path, n: int = 400) -> Path:
+    store = Store.open(tmp_path)
+    conv = store.create_conversation("full")
+    for i in range(n):
+        store.append_message(conv, i, "user", f"message {i} " + "y" * 300)
+    store.close()
+    db = tmp_path / DB_FILE
+    assert not Path(f"{db}-wal").exists() or Path(f"{db}-wal").stat().st_size == 0  # checkpointed on close
+    return db
+
+
+def _cut(db: Path) -> None:
+    db.write_bytes(db.read_bytes()[: db.stat().st_size // 2])
+
+
+def _scribble(db: Path) -> None:
+    data = bytearray(db.read_bytes())
+    page = 4096
+    for at in range(2 * page, len(data), 7 * page):  # trash a few b-tree pages, keep the header
+        data[at: at + 512] = os.urandom(512)
+    db.write_bytes(bytes(data))
+
+
+def _garbage_wal(db: Path) -> None:
+    Path(f"{db}-wal").write_bytes(os.urandom(64 * 1024))
+
+
+def _header(db: Path) -> None:
+    data = bytearray(db.read_bytes())
+    data[:16] = b"not sqlite hdr\0\0"
+    db.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage,kept", [(_cut, False), (_scribble, False), (_header, False), (_garbage_wal, True)])
+def test_damaged_database_files_are_moved_aside_or_survive(tmp_path, damage, kept):
+    db = _filled(tmp_path)
+    damage(db)
+    store = Store.open(tmp_path)  # never raises for a damaged file
+    if kept:  # SQLite ignores WAL frames whose checksums do not match: nothing is lost
+        assert store.recovered_from is None
+        assert len(store.messages(store.conversations()[0].id)) == 400
+    else:
+        assert store.recovered_from is not None and store.recovered_from.exists(), "damage went unnoticed"
+        assert store.conversations() == []  # a fresh database...
+        store.create_conversation("new")  # ...that works
+        assert integrity(tmp_path) == "ok"
+    store.close()
