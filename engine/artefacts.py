@@ -169,21 +169,33 @@ def _same_build(a: dict, b: dict) -> bool:
     return all(a.get(k, defaults.get(k)) == b.get(k, defaults.get(k)) for k in keys)
 
 
+# Preference among entries that differ only in their target CPU: the most capable one this CPU can run.
+_CPU_RANK = {"host": 5, "x86-64-v4": 4, "x86-64-v3": 3, "x86-64-v2": 2, "x86-64": 1}
+
+
 def find_bundled(name: str, settings: BuildSettings) -> Path | None:
-    """The packaged entry of model `name` built with `settings` (any target CPU), checked in full; None if
-    there is none. ArtefactError naming the file if that entry is damaged."""
-    for folder, manifest in bundled_entries():
-        if str(manifest.get("model", "")).lower() != name.lower():
-            continue
-        if not _same_build(manifest.get("settings", {}), settings.to_dict()):
-            continue
-        try:
-            read_manifest(folder, full=True)
-        except ArtefactError as e:
-            raise ArtefactError(f"The installed Eddy package is damaged: {e}. Reinstall Eddy.") from None
-        check_cpu(folder)
-        return folder
-    return None
+    """The packaged entry of model `name` built with `settings`, checked in full; None if there is none.
+
+    A package may hold the same model for several CPU levels (x86-64-v3 and -v4): the highest level this CPU
+    supports wins. ArtefactError naming the file if that entry is damaged; ModelError if this CPU runs none."""
+    matches = [(folder, manifest) for folder, manifest in bundled_entries()
+               if str(manifest.get("model", "")).lower() == name.lower()
+               and _same_build(manifest.get("settings", {}), settings.to_dict())]
+    if not matches:
+        return None
+    runnable = [(folder, m) for folder, m in matches if not _missing_cpu_flags(_target_of(m))]
+    if not runnable:
+        check_cpu(min(matches, key=lambda fm: _CPU_RANK.get(_target_of(fm[1]), 0))[0])  # raises, naming what lacks
+    folder, _ = max(runnable, key=lambda fm: _CPU_RANK.get(_target_of(fm[1]), 0))
+    try:
+        read_manifest(folder, full=True)
+    except ArtefactError as e:
+        raise ArtefactError(f"The installed Eddy package is damaged: {e}. Reinstall Eddy.") from None
+    return folder
+
+
+def _target_of(manifest: dict) -> str:
+    return manifest.get("settings", {}).get("target_cpu", "host")
 
 
 # What each portable llvm-cpu target needs, as /proc/cpuinfo names the flags (lzcnt is "abm" there).
@@ -206,17 +218,22 @@ def _cpu_flags() -> set[str] | None:
     return None
 
 
-def check_cpu(folder: Path) -> None:
-    """A module compiled for a named CPU level dies of an illegal instruction on an older CPU: say so instead."""
-    try:
-        target = json.loads((folder / MANIFEST).read_text()).get("settings", {}).get("target_cpu", "host")
-    except (OSError, ValueError):
-        return  # read_manifest reports it
+def _missing_cpu_flags(target: str) -> list[str]:
+    """The CPU features a module compiled for `target` needs that this CPU lacks ([] if unknown)."""
     needed = _CPU_FLAGS.get(target)
     have = _cpu_flags()
     if not needed or have is None:
-        return
-    missing = sorted(needed - have)
+        return []
+    return sorted(needed - have)
+
+
+def check_cpu(folder: Path) -> None:
+    """A module compiled for a named CPU level dies of an illegal instruction on an older CPU: say so instead."""
+    try:
+        target = _target_of(json.loads((folder / MANIFEST).read_text()))
+    except (OSError, ValueError):
+        return  # read_manifest reports it
+    missing = _missing_cpu_flags(target)
     if missing:
         raise ModelError(f"This compiled model needs a {target} CPU, and this CPU lacks {', '.join(missing)}. "
                          f"To build one for this CPU, {FULL_VERSION_HINT}.")

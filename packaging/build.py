@@ -1,6 +1,6 @@
 """Builds the packaged Eddy: a one-folder PyInstaller bundle with the precompiled default model, then a .deb.
 
-    .venv/bin/python packaging/build.py [--out DIR] [--target-cpu x86-64-v3] [--no-deb]
+    .venv/bin/python packaging/build.py [--out DIR] [--target-cpus x86-64-v3,x86-64-v4] [--no-deb]
 
 Writes DIR/eddy/ (the bundle: run DIR/eddy/eddy) and DIR/eddy_<version>_amd64.deb (default DIR: dist/).
 Needs the full development install (torch and the compiler build the model; they stay out of the bundle)
@@ -52,9 +52,15 @@ def version() -> str:
 
 
 def du(path: Path) -> int:
+    """Bytes on disk, each hard-linked file once."""
     if path.is_file():
         return path.stat().st_size
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
+    seen: dict[tuple[int, int], int] = {}
+    for p in path.rglob("*"):
+        if p.is_file() and not p.is_symlink():
+            st = p.stat()
+            seen[(st.st_dev, st.st_ino)] = st.st_size
+    return sum(seen.values())
 
 
 def build_model(target_cpu: str) -> Path:
@@ -101,17 +107,27 @@ def trim(bundle: Path) -> None:
             shutil.rmtree(p) if p.is_dir() else p.unlink()
 
 
-def add_model(bundle: Path, folder: Path) -> Path:
+def add_models(bundle: Path, folders: list[Path]) -> Path:
+    """Copies the entries into the bundle and seals them; files equal across entries (the weights are the
+    same for every CPU target: only module.vmfb differs) are stored once, as hard links."""
     from engine.artefacts import BUILT_FILES, MANIFEST, seal
 
-    dest = bundle / "_internal" / "models" / folder.name
-    shutil.rmtree(dest, ignore_errors=True)
-    dest.mkdir(parents=True)
-    for name in (*BUILT_FILES, MANIFEST):
-        shutil.copyfile(folder / name, dest / name)
-        os.chmod(dest / name, 0o644)
-    seal(dest)  # full sha256 per file, checked at every start
-    return dest
+    models = bundle / "_internal" / "models"
+    shutil.rmtree(models, ignore_errors=True)
+    stored: dict[str, Path] = {}
+    for folder in folders:
+        dest = models / folder.name
+        dest.mkdir(parents=True)
+        for name in (*BUILT_FILES, MANIFEST):
+            shutil.copyfile(folder / name, dest / name)
+            os.chmod(dest / name, 0o644)
+        manifest = seal(dest)  # full sha256 per file, checked at every start
+        for name, entry in manifest["files"].items():
+            first = stored.setdefault(entry["sha256"], dest / name)
+            if first != dest / name:
+                (dest / name).unlink()
+                os.link(first, dest / name)
+    return models
 
 
 def forbidden_in(bundle: Path) -> list[str]:
@@ -128,7 +144,8 @@ def build_deb(bundle: Path, out: Path, work: Path) -> Path:
     root = work / "debroot"
     shutil.rmtree(root, ignore_errors=True)
     opt = root / "opt" / NAME
-    shutil.copytree(bundle, opt, symlinks=True)
+    opt.parent.mkdir(parents=True)
+    subprocess.run(["cp", "-a", str(bundle), str(opt)], check=True)  # keeps the models' hard links
     (root / "usr" / "bin").mkdir(parents=True)
     for cmd in ("eddy", "eddy-gui"):
         (root / "usr" / "bin" / cmd).symlink_to(f"../../opt/{NAME}/{NAME}")  # relative: works in any root
@@ -153,7 +170,8 @@ def build_deb(bundle: Path, out: Path, work: Path) -> Path:
         "Description: chat with local language models that never run out of context\n"
         " Eddy is a desktop chat client for local language models (StreamingLLM on IREE).\n"
         " This package runs offline and ships SmolLM2-135M-Instruct precompiled for x86-64-v3\n"
-        " (AVX2) CPUs; it cannot compile other models (pip install 'eddy[compile]' can).\n")
+        " (AVX2) and x86-64-v4 (AVX-512) CPUs; it cannot compile other models\n"
+        " (pip install 'eddy[compile]' can).\n")
     for d in [root, *root.rglob("*")]:
         if d.is_dir() and not d.is_symlink():
             d.chmod(0o755)
@@ -169,7 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=str(ROOT / "dist"), help="where the bundle and the .deb go (default dist/)")
     p.add_argument("--work", default=None, help="scratch folder (default build/package)")
-    p.add_argument("--target-cpu", default="x86-64-v3", help="CPU the model is compiled for (default x86-64-v3)")
+    p.add_argument("--target-cpus", default="x86-64-v3,x86-64-v4",
+                   help="CPU levels the model is compiled for, comma-separated; at start the app takes the highest "
+                        "one the CPU supports (default x86-64-v3,x86-64-v4: AVX2, and AVX-512 where present)")
     p.add_argument("--no-deb", action="store_true", help="build the bundle only")
     a = p.parse_args(argv)
     out, work = Path(a.out).resolve(), Path(a.work or ROOT / "build" / "package").resolve()
@@ -177,13 +197,18 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
 
-    log(f"default model for {a.target_cpu}")
-    model = build_model(a.target_cpu)
-    log(f"model: {model}")
+    targets = [t.strip() for t in a.target_cpus.split(",") if t.strip()]
+    if not targets or "host" in targets:
+        p.error("--target-cpus needs portable CPU levels (a host build may not run on another machine)")
+    models = []
+    for target in targets:
+        log(f"default model for {target}")
+        models.append(build_model(target))
+        log(f"model: {models[-1]}")
     t = time.perf_counter()
     bundle = pyinstaller(out, work)
     trim(bundle)
-    dest = add_model(bundle, model)
+    dest = add_models(bundle, models)
     log(f"bundle: {bundle} ({du(bundle) / 1e6:.0f} MB, model {du(dest) / 1e6:.0f} MB, "
         f"PyInstaller {time.perf_counter() - t:.0f} s)")
     bad = forbidden_in(bundle)

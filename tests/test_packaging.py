@@ -66,13 +66,18 @@ def test_bundle_holds_the_runtime_and_the_model_and_no_build_tools(package):
     names = {p.name for p in paths}
     assert any(n.startswith("_runtime.cpython") for n in names)  # the IREE runtime
     assert any(n.startswith("libQt6Widgets") for n in names) and any(n.startswith("tokenizers") for n in names)
-    models = list((bundle / "_internal" / "models").iterdir())
-    assert len(models) == 1
-    manifest = json.loads((models[0] / "manifest.json").read_text())
-    assert manifest["model"] == "smollm2-135m-instruct"
-    assert manifest["settings"]["target_cpu"] != "host"  # portable: runs on other x86-64 machines
-    assert set(manifest["files"]) == {"module.vmfb", "weights.irpa", "tokenizer.json", "chat.json"}
-    assert all("sha256" in f for f in manifest["files"].values())
+    entries = sorted((bundle / "_internal" / "models").iterdir())
+    targets = set()
+    for entry in entries:
+        manifest = json.loads((entry / "manifest.json").read_text())
+        assert manifest["model"] == "smollm2-135m-instruct"
+        targets.add(manifest["settings"]["target_cpu"])
+        assert set(manifest["files"]) == {"module.vmfb", "weights.irpa", "tokenizer.json", "chat.json"}
+        assert all("sha256" in f for f in manifest["files"].values())
+    # Portable levels only (a host build can die of illegal instructions elsewhere), AVX2 as the baseline.
+    assert "x86-64-v3" in targets and "host" not in targets
+    # The weights are the same for every level: stored once.
+    assert len({(entry / "weights.irpa").stat().st_ino for entry in entries}) == 1
     assert package["bundle_bytes"] < MAX_BUNDLE_BYTES
 
 
@@ -85,11 +90,11 @@ def test_damaged_bundle_names_the_file(package, tmp_path):
     bundle = Path(package["bundle"])
     copy = tmp_path / "eddy"
     shutil.copytree(bundle, copy, copy_function=os.link, symlinks=True)  # hard links: instant, no extra space
-    weights = next((copy / "_internal" / "models").glob("*/weights.irpa"))
-    data = bytearray(weights.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    weights.unlink()  # break the hard link before writing: the original bundle stays intact
-    weights.write_bytes(bytes(data))
+    for weights in (copy / "_internal" / "models").glob("*/weights.irpa"):  # every CPU level's entry
+        data = bytearray(weights.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        weights.unlink()  # break the hard link before writing: the original bundle stays intact
+        weights.write_bytes(bytes(data))
     proc = ask(copy / "eddy", tmp_path)
     assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]
     assert "weights.irpa" in proc.stderr and "damaged" in proc.stderr, proc.stderr[-3000:]
