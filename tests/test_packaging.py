@@ -129,3 +129,20 @@ def test_deb_installs_into_a_fresh_root_and_answers(package, tmp_path):
     assert (root / "usr" / "share" / "icons" / "hicolor" / "scalable" / "apps" / "eddy.svg").is_file()
     # Through the /usr/bin symlink, as a user would start it.
     check_answer(ask(exe, tmp_path), tmp_path)
+
+
+def test_target_cpu_is_a_checked_build_setting_in_the_key():
+    from engine.artefacts import artefact_key
+    from engine.checkpoint import resolve_model
+    from engine.config import BuildSettings
+    from engine.export import compile_flags
+
+    with pytest.raises(ValueError, match="target CPU"):
+        BuildSettings(target_cpu="pentium-4")
+    source = resolve_model(None)
+    assert artefact_key(source, BuildSettings()) != artefact_key(source, BuildSettings(target_cpu="x86-64-v3"))
+    assert "--iree-llvmcpu-target-cpu=x86-64-v3" in compile_flags("cpu", "x86-64-v3")
+    assert "--iree-llvmcpu-target-cpu=host" in compile_flags("cpu")
+    proc = subprocess.run([sys.executable, "-m", "engine.cli", "compile", "--target-cpu", "pentium-4"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--target-cpu" in proc.stderr
