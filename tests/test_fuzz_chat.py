@@ -202,3 +202,21 @@ def test_long_run_of_short_turns_past_many_window_capacities(tiny, rec):
     assert refused == 0
     assert tiny.engine.position > 10 * cap, "the run should slide the window past many capacities"
     assert len(session.messages) == 2 * 150  # every turn kept (no system prompt set: the template adds its own)
+
+
+def test_cli_answers_lines_that_are_not_utf8(tiny):
+    # Python reads stdin with surrogateescape, so bytes that are not UTF-8 arrive as lone surrogates; they used
+    # to end `eddy chat` with a TypeError traceback from the tokenizer.
+    import json
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    run = subprocess.run([sys.executable, "-m", "engine.cli", "chat", "--model", "tiny-random", "--sinks", "4",
+                          "--window", "60", "--dtype", "f32", "--max-new-tokens", "3", "--json"],
+                         cwd=ROOT, input=b"caf\xe9 \xff\xfe bad bytes\nnext line\n", capture_output=True,
+                         timeout=900, env={**__import__("os").environ, "LC_ALL": "C.UTF-8"})
+    assert run.returncode == 0 and b"Traceback" not in run.stderr, run.stderr[-2000:]
+    events = [json.loads(line) for line in run.stdout.decode().splitlines() if line.startswith("{")]
+    assert [e["event"] for e in events if e["event"] in ("prefill", "error")] == ["prefill", "prefill"]
