@@ -151,7 +151,7 @@ def test_a_database_locked_by_another_process_is_not_treated_as_damaged(tmp_path
 def test_writes_while_another_process_holds_the_lock_are_a_clear_error_then_work(tmp_path):
     store = Store.open(tmp_path)
     conv = store.create_conversation("c")
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path / DB_FILE), "6"],
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path / DB_FILE), "8"],
                               stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "locked"
