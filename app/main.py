@@ -86,7 +86,7 @@ def main(argv: Sequence[str] | None = None, on_window: Callable[["MainWindow"], 
 
 def _main(args: argparse.Namespace, on_window: Callable[["MainWindow"], None] | None, ask) -> int:
     import qasync
-    from PySide6.QtWidgets import QApplication, QMessageBox
+    from PySide6.QtWidgets import QApplication
 
     app = QApplication.instance() or QApplication([sys.argv[0] if sys.argv else "eddy-gui"])
     app.setApplicationName(APP_NAME)  # the data folder is then ~/.local/share/Eddy (or the OS's equivalent)
@@ -99,7 +99,7 @@ def _main(args: argparse.Namespace, on_window: Callable[["MainWindow"], None] | 
         data_dir.mkdir(parents=True, exist_ok=True)
         _setup_logging(data_dir)
     except OSError as e:
-        QMessageBox.critical(None, APP_NAME, f"Cannot use the data folder {data_dir}: {e.strerror or e}")
+        _fatal(f"Cannot use the data folder {data_dir}: {e.strerror or e}", ask is not None)
         return 1
 
     from .icons import logo
@@ -112,7 +112,7 @@ def _main(args: argparse.Namespace, on_window: Callable[["MainWindow"], None] | 
     try:
         window = MainWindow(data_dir, args.model)
     except StoreError as e:
-        QMessageBox.critical(None, APP_NAME, str(e))
+        _fatal(str(e), ask is not None)
         return 1
     _close_on_signals(window)
     if ask is not None:
@@ -213,6 +213,16 @@ def _seconds_since_process_start() -> float | None:
         return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError):
         return None
+
+
+def _fatal(message: str, headless: bool) -> None:
+    """A start-up failure: a dialog, or (--ask, where nobody could close one) a line on stderr."""
+    if headless:
+        print(f"eddy-gui: error: {message}", file=sys.stderr, flush=True)
+        return
+    from PySide6.QtWidgets import QMessageBox
+
+    QMessageBox.critical(None, APP_NAME, message)
 
 
 async def _run(window: "MainWindow") -> None:
