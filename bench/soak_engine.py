@@ -77,9 +77,10 @@ def main() -> int:
     blocks: list[dict] = []
     print(f"model {a.model}  settings {settings.to_dict()}  prompt {len(prompt)} tokens  "
           f"RSS {rss_start:.0f} MB at start, {rss_loaded:.0f} MB loaded", flush=True)
-    print(f"{'tokens':>8} {'position':>9} {'evicted':>8} {'tok/s':>7} {'RSS MB':>8}", flush=True)
+    print(f"{'tokens':>8} {'position':>9} {'evicted':>8} {'tok/s':>7} {'CPU ms/tok':>10} {'RSS MB':>8} {'load':>5}",
+          flush=True)
     t0 = time.perf_counter()
-    block_start = t0
+    block_start, cpu_start = t0, time.process_time()
     for i in range(1, a.tokens + 1):
         logits = logits.copy()
         logits[stop] = -np.inf  # streaming mode: the text never ends on its own
@@ -93,10 +94,14 @@ def main() -> int:
             now = time.perf_counter()
             st = engine.stats
             row = {"tokens": i, "position": st.position, "evicted": st.evicted,
-                   "tok_s": round(BLOCK / (now - block_start), 2), "rss_mb": round(rss_mb(), 1)}
+                   "tok_s": round(BLOCK / (now - block_start), 2), "rss_mb": round(rss_mb(), 1),
+                   "cpu_ms_per_token": round(1e3 * (time.process_time() - cpu_start) / BLOCK, 3),
+                   "load1": round(os.getloadavg()[0], 2)}
             blocks.append(row)
-            print(f"{i:>8} {st.position:>9} {st.evicted:>8} {row['tok_s']:>7.1f} {row['rss_mb']:>8.1f}", flush=True)
-            block_start = time.perf_counter()
+            print(f"{i:>8} {st.position:>9} {st.evicted:>8} {row['tok_s']:>7.1f} {row['cpu_ms_per_token']:>10.2f} "
+                  f"{row['rss_mb']:>8.1f} "
+                  f"{row['load1']:>5.2f}", flush=True)
+            block_start, cpu_start = time.perf_counter(), time.process_time()
     chars += len(decoder.flush())
     total_s = time.perf_counter() - t0
 
@@ -104,13 +109,15 @@ def main() -> int:
     steady = blocks[warm:] or blocks
     rss = spread([b["rss_mb"] for b in steady])
     tps = spread([b["tok_s"] for b in steady])
+    cpu = spread([b["cpu_ms_per_token"] for b in steady])
     result = {
         "model": a.model, "settings": settings.to_dict(), "tokens": a.tokens, "block": BLOCK,
         "warmup_blocks": warm, "total_s": round(total_s, 1), "text_chars": chars,
         "rss_mb_start": round(rss_start, 1), "rss_mb_loaded": round(rss_loaded, 1),
-        "rss_steady": rss, "tok_s_steady": tps,
+        "rss_steady": rss, "tok_s_steady": tps, "cpu_ms_per_token_steady": cpu,
         "rss_flat_within_5pct": rss["max_dev_pct"] <= 5.0,
         "tok_s_flat_within_10pct": tps["max_dev_pct"] <= 10.0,
+        "cpu_per_token_flat_within_10pct": cpu["max_dev_pct"] <= 10.0,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                     "note": "2-core machine shared with other work: tok/s is noisy"},
         "blocks": blocks,
@@ -120,6 +127,8 @@ def main() -> int:
           f"first->last {rss['first']} -> {rss['last']} ({rss['first_to_last_pct']:+}%)")
     print(f"  tok/s   median {tps['median']}  min {tps['min']}  max {tps['max']}  max dev {tps['max_dev_pct']}%  "
           f"first->last {tps['first']} -> {tps['last']} ({tps['first_to_last_pct']:+}%)")
+    print(f"  CPU ms/token  median {cpu['median']}  min {cpu['min']}  max {cpu['max']}  max dev {cpu['max_dev_pct']}%  "
+          f"first->last {cpu['first']} -> {cpu['last']} ({cpu['first_to_last_pct']:+}%)")
     print(f"  RSS flat within 5%: {result['rss_flat_within_5pct']}   tok/s flat within 10%: "
           f"{result['tok_s_flat_within_10pct']}   total {total_s:.0f} s")
     out.parent.mkdir(parents=True, exist_ok=True)
