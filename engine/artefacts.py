@@ -252,21 +252,20 @@ def ensure_artefacts(source: "ModelSource", settings: BuildSettings,
     if not compiler_available():
         raise no_compiler_error(f'The model "{source.name}" with these settings (sinks {settings.sinks}, window '
                                 f"{settings.window}, {settings.dtype}, {settings.device})")
-    from . import export  # torch and the compiler are needed only from here on
-    from .checkpoint import read_config, save_tokenizer
+    from .build_process import build_in_child
+    from .checkpoint import read_config
 
-    cfg = ModelConfig.from_hf(read_config(source))
+    ModelConfig.from_hf(read_config(source))  # an unsupported model is refused here, before a build starts
     staging = folder.with_name(f"{folder.name}.building-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
-        save_tokenizer(source, staging)
-        times = export.build(source, cfg, settings, staging, progress, should_cancel)
+        built = build_in_child(source, settings, staging, progress, should_cancel)
         manifest = {
             "model": source.name,
-            "config": cfg.to_dict(),
+            "config": built["config"],
             "settings": settings.to_dict(),
-            "build_seconds": times,
+            "build_seconds": built["seconds"],
             "files": {n: {"size": (staging / n).stat().st_size, "digest": file_digest(staging / n)} for n in BUILT_FILES},
         }
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=1))

@@ -1,0 +1,143 @@
+"""Builds a model's artefacts in a child process.
+
+Why a child: Cancel stops a build at once whatever stage it is in (the torch export holds the GIL for tens
+of seconds and cannot be interrupted from another thread); an exporter or compiler crash cannot take the
+app down; and the gigabyte or so that torch needs for the export goes back to the system when the build
+ends, so the app that asked for it never holds torch at all.
+
+The parent passes the model and settings as JSON on the command line; the child answers one JSON object
+per line on stdout: {"progress": [stage, fraction]}, then {"done": {"config": ..., "seconds": ...}} or
+{"error": {"type": ..., "message": ...}}.
+"""
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+from . import errors
+from .config import BuildSettings
+from .errors import ArtefactError, BuildCancelled
+
+if TYPE_CHECKING:
+    from .checkpoint import ModelSource
+
+POLL_S = 0.1
+
+
+def build_in_child(source: "ModelSource", settings: BuildSettings, out_dir: Path,
+                   progress: Callable[[str, float], None] | None = None,
+                   should_cancel: Callable[[], bool] | None = None) -> dict:
+    """Writes the tokenizer files, module.vmfb and weights.irpa into out_dir from a child process.
+
+    Returns {"config": ModelConfig dict, "seconds": per-stage times}. Raises the child's EddyError as the
+    same class, BuildCancelled as soon as should_cancel() says so, ArtefactError if the child dies."""
+    report = progress or (lambda stage, fraction: None)
+    cancelled = should_cancel or (lambda: False)
+    job = {"source": {"name": source.name, "kind": source.kind, "path": str(source.path) if source.path else None},
+           "settings": settings.to_dict(), "out": str(out_dir)}
+    env = dict(os.environ)
+    # The child imports `engine` from where this one came from, installed or not.
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH")]))
+    with tempfile.TemporaryFile() as log:
+        # A session of its own, so Cancel can end the child and the iree-compile it started in one go.
+        child = subprocess.Popen([sys.executable, "-m", "engine.build_process", json.dumps(job)],
+                                 stdout=subprocess.PIPE, stderr=log, env=env, start_new_session=True)
+        lines: queue.Queue[str | None] = queue.Queue()
+        reader = threading.Thread(target=_pump, args=(child.stdout, lines), daemon=True)
+        reader.start()
+        result: dict | None = None
+        try:
+            while True:
+                if cancelled():
+                    raise BuildCancelled("the build was cancelled")
+                try:
+                    line = lines.get(timeout=POLL_S)
+                except queue.Empty:
+                    continue
+                if line is None:
+                    break
+                msg = _parse(line)
+                if "progress" in msg:
+                    report(*msg["progress"])
+                elif "done" in msg:
+                    result = msg["done"]
+                elif "error" in msg:
+                    err = msg["error"]
+                    cls = getattr(errors, str(err.get("type")), None)
+                    if not (isinstance(cls, type) and issubclass(cls, errors.EddyError)):
+                        cls = ArtefactError
+                    raise cls(err.get("message", "the build failed"))
+            child.wait()
+        finally:
+            if child.poll() is None:
+                _kill(child)
+            reader.join(timeout=5)
+        if result is None or child.returncode:
+            log.seek(0)
+            tail = log.read().decode(errors="replace").strip().splitlines()[-15:]
+            raise ArtefactError(f"building the model failed (the build process ended with code {child.returncode})"
+                                + (":\n" + "\n".join(tail) if tail else ""))
+    return result
+
+
+def _pump(stream, lines: "queue.Queue[str | None]") -> None:
+    for raw in stream:
+        lines.put(raw.decode(errors="replace"))
+    lines.put(None)
+
+
+def _parse(line: str) -> dict:
+    try:
+        msg = json.loads(line)
+    except ValueError:
+        return {}  # something else wrote to stdout (a library's print); not ours
+    return msg if isinstance(msg, dict) else {}
+
+
+def _kill(child: subprocess.Popen) -> None:
+    try:
+        os.killpg(child.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    child.wait()
+
+
+def _child(job: dict) -> None:
+    from . import export
+    from .checkpoint import ModelSource, read_config, save_tokenizer
+    from .config import ModelConfig
+
+    out = sys.stdout
+    sys.stdout = sys.stderr  # library prints must not mix with the answers
+
+    def say(msg: dict) -> None:
+        out.write(json.dumps(msg) + "\n")
+        out.flush()
+
+    try:
+        s = job["source"]
+        source = ModelSource(s["name"], s["kind"], Path(s["path"]) if s["path"] else None)
+        settings = BuildSettings(**job["settings"])
+        out_dir = Path(job["out"])
+        cfg = ModelConfig.from_hf(read_config(source))
+        save_tokenizer(source, out_dir)
+        seconds = export.build(source, cfg, settings, out_dir, lambda stage, f: say({"progress": [stage, f]}))
+        say({"done": {"config": cfg.to_dict(), "seconds": seconds}})
+    except errors.EddyError as e:
+        say({"error": {"type": type(e).__name__, "message": str(e)}})
+        sys.exit(1)
+    except MemoryError:
+        say({"error": {"type": "ArtefactError", "message": "building the model ran out of memory"}})
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    _child(json.loads(sys.argv[1]))
