@@ -58,17 +58,16 @@ class ChatSession:
         system = self.settings.system_prompt
         return [{"role": "system", "content": valid_text(system)}] if system else []
 
-    def _turn_tokens(self, user_text: str) -> list[int]:
+    def _turn_tokens(self, history: list[dict], user_text: str) -> tuple[list[int], bool]:
+        """The ids this turn feeds, and whether the cache must be cleared first (nothing is changed here)."""
         user = {"role": "user", "content": user_text}
         if self.engine.position == 0:
             # A fresh cache (or one rebuilt for a restored chat): render everything so far.
-            return self.tokenizer.encode_chat([*self.messages, user], add_generation_prompt=True)
-        delta = self.tokenizer.chat_delta(self.messages, [user], add_generation_prompt=True)
+            return self.tokenizer.encode_chat([*history, user], add_generation_prompt=True), False
+        delta = self.tokenizer.chat_delta(history, [user], add_generation_prompt=True)
         if delta is None:  # a template whose earlier turns change as the chat grows: rebuild from scratch
-            self.engine.reset()
-            self._owed = []
-            return self.tokenizer.encode_chat([*self.messages, user], add_generation_prompt=True)
-        return self._owed + delta
+            return self.tokenizer.encode_chat([*history, user], add_generation_prompt=True), True
+        return self._owed + delta, False
 
     # --- one turn ------------------------------------------------------------------------------------------
 
@@ -77,15 +76,18 @@ class ChatSession:
         emit = on_event or (lambda event: None)
         user_text = valid_text(user_text)  # what is fed is what is kept in the history (and saved)
         self.stop_flag.clear()
-        if not self.messages:
-            self.messages = self._opening()
-        ids = self._turn_tokens(user_text)
+        history = self.messages or self._opening()
+        ids, rebuild = self._turn_tokens(history, user_text)
         room = self.engine.settings.window
-        if len(ids) > room:
+        if len(ids) > room:  # refused before anything changes: messages, cache and owed tokens stay as they were
             raise PromptTooLongError(
                 f"this message is {len(ids)} tokens but the cache window holds {room}; "
                 f"shorten it or rebuild with a larger --window"
             )
+        if rebuild:
+            self.engine.reset()
+            self._owed = []
+        self.messages = history
         start = time.perf_counter()
         logits = self.engine.prefill(ids)
         prefill_ms = (time.perf_counter() - start) * 1e3
