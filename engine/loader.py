@@ -1,6 +1,7 @@
 """From a model name and build settings to a ready chat: find or build the artefacts, then open them."""
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -9,7 +10,7 @@ from .artefacts import (bundled_entries, check_cpu, compiler_available, ensure_a
                         no_compiler_error)
 from .checkpoint import DEFAULT_MODEL, TINY_RANDOM, ModelSource, resolve_model
 from .config import BuildSettings
-from .errors import ModelError
+from .errors import ArtefactError, ModelError
 from .runtime import StreamingEngine, load_artefacts
 from .session import ChatSession, ChatSettings
 from .tokenizer import Tokenizer
@@ -56,4 +57,10 @@ def open_model(spec: str | None, settings: BuildSettings | None = None,
             raise no_compiler_error(f'The model "{name}"') from None
         raise
     folder = ensure_artefacts(source, settings, progress, should_cancel)
-    return open_folder(folder, source)
+    try:
+        return open_folder(folder, source)
+    except ArtefactError:
+        # The files passed the manifest's size and sampled-hash check yet do not load (damaged where the
+        # sample does not look, or replaced with matching sizes): rebuild the entry once.
+        shutil.rmtree(folder, ignore_errors=True)
+        return open_folder(ensure_artefacts(source, settings, progress, should_cancel), source)

@@ -236,7 +236,7 @@ def test_compiler_version_change_means_a_new_entry(tiny, private_cache, monkeypa
     assert not list(folder.parent.glob("*.building-*"))
 
 
-def test_cli_with_a_damaged_entry_that_passes_the_manifest_says_so_in_one_line(tiny, tmp_path):
+def test_cli_with_a_damaged_entry_that_passes_the_manifest_rebuilds_it(tiny, tmp_path):
     cache = tmp_path / "cache"
     env = {"EDDY_CACHE_DIR": str(cache)}
     old = os.environ.get("EDDY_CACHE_DIR")
@@ -251,6 +251,8 @@ def test_cli_with_a_damaged_entry_that_passes_the_manifest_says_so_in_one_line(t
     _forge_manifest(folder)
     run = eddy("chat", "--model", "tiny-random", "--sinks", "4", "--window", "60", "--dtype", "f32",
                "--prompt", "hi", env=env)
-    lines = [line for line in run.stderr.splitlines() if line.strip()]
-    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr[-2000:]
-    assert len(lines) == 1 and "cannot load the compiled module" in lines[0], lines
+    # The module does not load although the manifest matched: the entry is rebuilt once and answers.
+    assert run.returncode == 0 and "Traceback" not in run.stderr, run.stderr[-2000:]
+    assert run.stdout.strip(), "no reply after the rebuild"
+    read_manifest(folder)
+    assert (folder / "weights.irpa").stat().st_size == (tiny.folder / "weights.irpa").stat().st_size
