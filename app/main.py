@@ -171,7 +171,7 @@ def _ask_class():
         @Slot(str)
         def _on_token(self, text: str) -> None:
             if self.first_token_s is None:
-                self.first_token_s = _seconds_since_process_start()
+                self.first_token_s = seconds_since_process_start()
             sys.stdout.write(text)
             sys.stdout.flush()
 
@@ -203,7 +203,7 @@ def _ask_class():
     return AskRun
 
 
-def _seconds_since_process_start() -> float | None:
+def seconds_since_process_start() -> float | None:
     """From /proc (10 ms resolution; psutil's create_time rounds the boot time to whole seconds)."""
     try:
         with open("/proc/self/stat", encoding="ascii") as f:

@@ -61,13 +61,6 @@ def summarise(lateness_ms: list[float]) -> dict:
             "over_20ms": sum(1 for x in lateness_ms if x > 20)}
 
 
-def _process_age_s() -> float:
-    """Seconds since this process started, from /proc (psutil's create_time rounds the boot time)."""
-    start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
-    uptime = float(Path("/proc/uptime").read_text().split()[0])
-    return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
-
-
 def _runqueue_ms() -> float:
     """Milliseconds this thread has spent ready to run but waiting for a core (Linux schedstat)."""
     try:
@@ -124,7 +117,7 @@ def run(model: str | None, max_new_tokens: int, idle_s: float, paste_words: int,
     from PySide6.QtCore import QTimer
     from PySide6.QtGui import QGuiApplication
 
-    from app.main import main
+    from app.main import main, seconds_since_process_start
     from app.settings import AppSettings, save_settings
 
     prompts = PROMPTS + [_paste_text(paste_words)]
@@ -172,7 +165,7 @@ def run(model: str | None, max_new_tokens: int, idle_s: float, paste_words: int,
         def on_state(s: str) -> None:
             if s == "ready":
                 # From the process's start (as the OS recorded it) to a window ready to chat.
-                result["ready_after_start_s"] = _process_age_s()
+                result["ready_after_start_s"] = seconds_since_process_start()
                 probe.start()
                 probe.set_phase("idle")
                 QTimer.singleShot(int(idle_s * 1000), send_next)
