@@ -9,7 +9,7 @@ import time
 from PySide6.QtCore import QTimer, Signal
 from PySide6.QtWidgets import QDialog, QDialogButtonBox, QLabel, QProgressBar, QVBoxLayout, QWidget
 
-# The engine's build stages, in order (engine.export.build reports these names).
+# The engine's build stages, in order (engine.build.export.build reports these names).
 STAGES = ("loading weights", "exporting", "saving weights", "compiling")
 STAGE_TEXT = {
     "loading weights": "Reading the model's weights",

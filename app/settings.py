@@ -12,8 +12,8 @@ from typing import Any
 from PySide6.QtCore import QSettings
 
 from engine.config import DEVICES, DTYPES, BuildSettings
-from engine.sampling import SamplingParams
-from engine.session import ChatSettings
+from engine.run.sampling import SamplingParams
+from engine.run.session import ChatSettings
 
 BUILD_FIELDS = ("model", "sinks", "window", "dtype", "device", "max_chunk")
 SETTINGS_FILE = "settings.ini"

@@ -17,7 +17,7 @@ from typing import Any
 from PySide6.QtCore import QObject, QThread, Signal, Slot
 
 from engine.errors import BuildCancelled, EddyError, PromptTooLongError
-from engine.session import ChatSettings
+from engine.run.session import ChatSettings
 
 from .history import fit_history
 
@@ -241,7 +241,7 @@ class EngineWorker(QObject):
 
 
 def _chat_settings(chat: dict) -> ChatSettings:
-    from engine.sampling import SamplingParams
+    from engine.run.sampling import SamplingParams
 
     sampling = SamplingParams(**chat.get("sampling", {}))
     return ChatSettings(system_prompt=chat.get("system_prompt") or None,

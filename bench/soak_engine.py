@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 from engine.config import BuildSettings  # noqa: E402
 from engine.loader import open_model  # noqa: E402
-from engine.sampling import Sampler, SamplingParams  # noqa: E402
+from engine.run.sampling import Sampler, SamplingParams  # noqa: E402
 
 BLOCK = 1000
 

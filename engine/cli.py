@@ -9,7 +9,7 @@ from typing import Callable, Sequence
 
 from .config import DTYPES, TARGET_CPUS, BuildSettings
 from .errors import EddyError
-from .sampling import SamplingParams
+from .run.sampling import SamplingParams
 
 
 def _build_options(p: argparse.ArgumentParser) -> None:
@@ -92,8 +92,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "chat":
             return _chat(args)
         if args.command == "compile":
-            from .artefacts import ensure_artefacts
-            from .checkpoint import resolve_model
+            from .build.artefacts import ensure_artefacts
+            from .build.checkpoint import resolve_model
 
             print(ensure_artefacts(resolve_model(args.model), _settings(args), _progress_printer(False)))
             return 0
@@ -122,7 +122,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _chat(args: argparse.Namespace) -> int:
     from .loader import open_model
-    from .session import ChatSettings
+    from .run.session import ChatSettings
 
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                               repeat_penalty=args.repeat_penalty, seed=args.seed)

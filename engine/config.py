@@ -31,7 +31,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> "ModelConfig":
-        """From a Hugging Face LlamaConfig-style dict (as engine.checkpoint.read_config returns)."""
+        """From a Hugging Face LlamaConfig-style dict (as engine.build.checkpoint.read_config returns)."""
         heads = int(d["num_attention_heads"])
         cfg = cls(
             vocab_size=int(d["vocab_size"]),

@@ -6,14 +6,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .artefacts import (bundled_entries, check_cpu, compiler_available, ensure_artefacts, find_bundled,
-                        no_compiler_error)
-from .checkpoint import DEFAULT_MODEL, TINY_RANDOM, ModelSource, resolve_model
-from .config import BuildSettings
+from .build.artefacts import (bundled_entries, check_cpu, compiler_available, ensure_artefacts, find_bundled,
+                              no_compiler_error, read_manifest)
+from .build.checkpoint import DEFAULT_MODEL, TINY_RANDOM, ModelSource, resolve_model
+from .config import BuildSettings, ModelConfig
 from .errors import ArtefactError, ModelError
-from .runtime import StreamingEngine, load_artefacts
-from .session import ChatSession, ChatSettings
-from .tokenizer import Tokenizer
+from .run.runtime import CompiledModule, StreamingEngine
+from .run.session import ChatSession, ChatSettings
+from .run.tokenizer import Tokenizer
 
 
 @dataclass
@@ -25,6 +25,13 @@ class LoadedModel:
 
     def chat(self, settings: ChatSettings | None = None) -> ChatSession:
         return ChatSession(self.engine, self.tokenizer, settings)
+
+
+def load_artefacts(folder: Path) -> tuple[CompiledModule, ModelConfig, BuildSettings]:
+    """Opens a built artefact folder (checked against its manifest)."""
+    manifest = read_manifest(folder)
+    settings = BuildSettings(**manifest["settings"])
+    return CompiledModule(folder, settings.device), ModelConfig(**manifest["config"]), settings
 
 
 def open_folder(folder: Path, source: ModelSource | None = None) -> LoadedModel:

@@ -141,12 +141,12 @@ def score_recompute(engine, ids: list[int], positions: np.ndarray, context: int,
 def tokenizer_for(source):
     """The model's runtime tokenizer, kept in the cache next to the artefacts (written once per model)."""
     from .paths import cache_dir
-    from .tokenizer import Tokenizer
+    from .run.tokenizer import Tokenizer
 
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in source.name)[-40:]
     folder = cache_dir() / "tokenizers" / f"{safe}-{source.fingerprint()[:20]}"
     if not ((folder / "tokenizer.json").is_file() and (folder / "chat.json").is_file()):
-        from .checkpoint import save_tokenizer
+        from .build.checkpoint import save_tokenizer
 
         staging = folder.with_name(f"{folder.name}.building-{os.getpid()}")
         shutil.rmtree(staging, ignore_errors=True)
@@ -169,8 +169,8 @@ def run_ppl(model: str | None, text_file: str | os.PathLike, mode: str, sinks: i
             json_file: str | os.PathLike | None = None, stream: TextIO | None = sys.stderr,
             build_progress: Callable[[str, float], None] | None = None) -> dict:
     """Scores the text in one mode; returns the summary (and writes it with per-position losses to json_file)."""
-    from .artefacts import ensure_artefacts
-    from .checkpoint import read_config, resolve_model
+    from .build.artefacts import ensure_artefacts
+    from .build.checkpoint import read_config, resolve_model
     from .loader import open_folder
 
     if mode not in MODES:

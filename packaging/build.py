@@ -30,7 +30,7 @@ EXCLUDED = [
     "triton", "sympy", "networkx", "scipy", "pandas", "matplotlib", "PIL", "IPython",
     "pytest", "pytestqt", "hypothesis", "tkinter", "_tkinter",
     # The export half of the engine and what only benchmarks and tests use.
-    "engine.export", "engine.model",
+    "engine.build.export", "engine.build.model",
 ]
 # Paths (relative to the bundle) that must not exist: the check the smoke test repeats.
 FORBIDDEN = ("torch", "transformers", "iree/compiler", "iree/turbine", "libtorch", "libtorch_cpu.so",
@@ -65,8 +65,8 @@ def du(path: Path) -> int:
 
 def build_model(target_cpu: str) -> Path:
     """The default model's artefacts for a portable CPU target (found in the cache, or built: ~2-4 min)."""
-    from engine.artefacts import ensure_artefacts
-    from engine.checkpoint import resolve_model
+    from engine.build.artefacts import ensure_artefacts
+    from engine.build.checkpoint import resolve_model
     from engine.config import BuildSettings
 
     settings = BuildSettings(target_cpu=target_cpu)
@@ -110,7 +110,7 @@ def trim(bundle: Path) -> None:
 def add_models(bundle: Path, folders: list[Path]) -> Path:
     """Copies the entries into the bundle and seals them; files equal across entries (the weights are the
     same for every CPU target: only module.vmfb differs) are stored once, as hard links."""
-    from engine.artefacts import BUILT_FILES, MANIFEST, seal
+    from engine.build.artefacts import BUILT_FILES, MANIFEST, seal
 
     models = bundle / "_internal" / "models"
     shutil.rmtree(models, ignore_errors=True)

@@ -31,7 +31,7 @@ def tiny():
 @pytest.fixture(scope="session")
 def tiny_reference():
     """(HF config dict, float32 state dict) of tiny-random, for torch references."""
-    from engine.checkpoint import load_state_dict, read_config, resolve_model
+    from engine.build.checkpoint import load_state_dict, read_config, resolve_model
 
     source = resolve_model("tiny-random")
     return read_config(source), load_state_dict(source)

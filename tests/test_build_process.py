@@ -25,8 +25,8 @@ def _children() -> list[psutil.Process]:
 
 @pytest.mark.parametrize("stage", ["exporting", "compiling"])
 def test_cancel_stops_the_build_at_once_in_any_stage(tmp_path: Path, monkeypatch, stage: str) -> None:
-    from engine.artefacts import artefact_dir, ensure_artefacts
-    from engine.checkpoint import resolve_model
+    from engine.build.artefacts import artefact_dir, ensure_artefacts
+    from engine.build.checkpoint import resolve_model
 
     monkeypatch.setenv("EDDY_CACHE_DIR", str(tmp_path))
     source = resolve_model("tiny-random")
@@ -48,8 +48,8 @@ def test_cancel_stops_the_build_at_once_in_any_stage(tmp_path: Path, monkeypatch
 
 
 def test_an_engine_error_in_the_child_arrives_as_the_same_class(tmp_path: Path) -> None:
-    from engine.build_process import build_in_child
-    from engine.checkpoint import ModelSource
+    from engine.build.process import build_in_child
+    from engine.build.checkpoint import ModelSource
 
     with pytest.raises(ModelError, match="unknown checkpoint kind"):
         build_in_child(ModelSource("nonsense", "no-such-kind", None), SETTINGS, tmp_path)
@@ -59,8 +59,8 @@ def test_an_engine_error_in_the_child_arrives_as_the_same_class(tmp_path: Path) 
 def test_the_process_that_asks_for_a_build_never_imports_torch(tmp_path: Path) -> None:
     code = (
         "import sys\n"
-        "from engine.artefacts import ensure_artefacts\n"
-        "from engine.checkpoint import resolve_model\n"
+        "from engine.build.artefacts import ensure_artefacts\n"
+        "from engine.build.checkpoint import resolve_model\n"
         "from engine.config import BuildSettings\n"
         f"ensure_artefacts(resolve_model('tiny-random'), BuildSettings(sinks=2, window=22, dtype='f32', max_chunk=8))\n"
         "loaded = [m for m in ('torch', 'iree.turbine', 'iree.compiler', 'transformers') if m in sys.modules]\n"

@@ -22,8 +22,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # plain `pytest` only puts tests/ on sys.path
     sys.path.insert(0, str(REPO))
 
-import engine.checkpoint as ckpt  # noqa: E402
-from engine.checkpoint import (  # noqa: E402
+import engine.build.checkpoint as ckpt  # noqa: E402
+from engine.build.checkpoint import (  # noqa: E402
     ModelSource,
     load_state_dict,
     read_config,
@@ -210,7 +210,7 @@ def test_import_and_warm_start_do_not_load_torch(tmp_path):
         """
         import sys, time
         t0 = time.perf_counter()
-        import engine.checkpoint as c
+        import engine.build.checkpoint as c
         assert "torch" not in sys.modules and "transformers" not in sys.modules
         src = c.resolve_model(None)
         c.read_config(src)

@@ -100,20 +100,27 @@ def test_mirror_tracks_sinks_and_recent_tokens(tiny):
 
 
 def test_runtime_path_imports_no_torch(tiny):
-    """Opening built artefacts and chatting imports neither torch, transformers nor the compiler."""
+    """Every module under engine/run/, and opening built artefacts and chatting, import neither torch,
+    transformers nor the compiler."""
     code = f"""
-import sys, json
+import importlib, pkgutil, sys, json
 sys.path.insert(0, {str(ROOT)!r})
+import engine.run
+run_modules = [m.name for m in pkgutil.iter_modules(engine.run.__path__)]
+for name in run_modules:
+    importlib.import_module("engine.run." + name)
 from engine.loader import open_model
 from engine.config import BuildSettings
 m = open_model("tiny-random", BuildSettings(**{TINY_SETTINGS.to_dict()!r}))
 m.chat().send("hello")
 heavy = [n for n in ("torch", "transformers", "iree.turbine", "iree.compiler") if n in sys.modules]
-print(json.dumps(heavy))
+print(json.dumps({{"run": run_modules, "heavy": heavy}}))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert {"runtime", "session", "tokenizer", "sampling", "rope"} <= set(result["run"])
+    assert result["heavy"] == []
 
 
 @pytest.mark.parametrize("dtype,tol", [("f16", 2e-3), ("q8", 5e-2)])

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from engine.errors import PromptTooLongError
-from engine.session import ChatSession, ChatSettings
+from engine.run.session import ChatSession, ChatSettings
 
 WATCHDOG_S = 900  # far above this file's normal run time: only a hang reaches it
 

@@ -9,7 +9,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from engine.sampling import Sampler, SamplingParams  # noqa: E402
+from engine.run.sampling import Sampler, SamplingParams  # noqa: E402
 
 VOCAB = 49152
 
@@ -104,7 +104,7 @@ def test_top_p_on_flat_large_vocab_looks_past_first_candidates():
 
 @pytest.mark.parametrize("top_p", [0.3, 0.9, 0.99])
 def test_top_p_support_matches_full_sort(top_p):
-    from engine.sampling import _nucleus
+    from engine.run.sampling import _nucleus
 
     for seed in range(3):
         probs = softmax(random_logits(seed).astype(np.float64), 0.8)

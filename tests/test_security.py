@@ -14,10 +14,10 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 
 from conftest import ROOT
-from engine.checkpoint import resolve_model, save_tokenizer
+from engine.build.checkpoint import resolve_model, save_tokenizer
 from engine.errors import ModelError
-from engine.session import ChatSession, ChatSettings
-from engine.tokenizer import Tokenizer
+from engine.run.session import ChatSession, ChatSettings
+from engine.run.tokenizer import Tokenizer
 
 LLAMA3 = ("{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = "
           "'<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + "

@@ -6,7 +6,7 @@ import threading
 import pytest
 
 from engine.errors import PromptTooLongError
-from engine.session import ChatSession, ChatSettings
+from engine.run.session import ChatSession, ChatSettings
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ if str(ROOT) not in sys.path:
 from conftest_tokenizer_helper import build_tokenizer_dir  # noqa: E402
 
 from engine.errors import ModelError  # noqa: E402
-from engine.tokenizer import StreamDecoder, Tokenizer  # noqa: E402
+from engine.run.tokenizer import StreamDecoder, Tokenizer  # noqa: E402
 
 MIXED = "Hello 👋🏽 世界! 🇫🇷 naïve café — 日本語のテキスト 😀😀"
 
@@ -64,7 +64,7 @@ def test_vocab_and_special_ids(tok, hf):
 
 
 def test_runtime_modules_do_not_import_torch_or_transformers():
-    code = ("import sys, engine.tokenizer, engine.sampling; "
+    code = ("import sys, engine.run.tokenizer, engine.run.sampling; "
             "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
 

@@ -13,10 +13,10 @@ import numpy as np
 import iree.runtime as rt
 
 from . import rope
-from .config import BuildSettings, ModelConfig
-from .errors import ArtefactError
+from ..config import BuildSettings, ModelConfig
+from ..errors import ArtefactError
 
-EMPTY_SLOT = 2**62  # must equal engine.model.EMPTY_SLOT: later than every token, so always masked
+EMPTY_SLOT = 2**62  # must equal engine.build.model.EMPTY_SLOT: later than every token, so always masked
 DRIVERS = {"cpu": "local-task", "vulkan": "vulkan", "cuda": "cuda"}
 
 
@@ -164,11 +164,3 @@ class StreamingEngine:
             done += len(chunk)
         return np.concatenate(out)
 
-
-def load_artefacts(folder: Path) -> tuple[CompiledModule, ModelConfig, BuildSettings]:
-    """Opens a built artefact folder (checked against its manifest)."""
-    from .artefacts import read_manifest
-
-    manifest = read_manifest(folder)
-    settings = BuildSettings(**manifest["settings"])
-    return CompiledModule(folder, settings.device), ModelConfig(**manifest["config"]), settings

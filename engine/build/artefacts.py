@@ -19,9 +19,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from .config import BuildSettings, ModelConfig
-from .errors import ArtefactError, ModelError
-from .paths import cache_dir
+from ..config import BuildSettings, ModelConfig
+from ..errors import ArtefactError, ModelError
+from ..paths import cache_dir
 
 if TYPE_CHECKING:
     from .checkpoint import ModelSource
@@ -252,7 +252,7 @@ def ensure_artefacts(source: "ModelSource", settings: BuildSettings,
     if not compiler_available():
         raise no_compiler_error(f'The model "{source.name}" with these settings (sinks {settings.sinks}, window '
                                 f"{settings.window}, {settings.dtype}, {settings.device})")
-    from .build_process import build_in_child
+    from .process import build_in_child
     from .checkpoint import read_config
 
     ModelConfig.from_hf(read_config(source))  # an unsupported model is refused here, before a build starts

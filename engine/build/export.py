@@ -12,8 +12,8 @@ import torch
 
 import iree.turbine.aot as aot
 
-from .config import BuildSettings, ModelConfig
-from .errors import ArtefactError, BuildCancelled
+from ..config import BuildSettings, ModelConfig
+from ..errors import ArtefactError, BuildCancelled
 from .model import StreamingLlama
 
 if TYPE_CHECKING:

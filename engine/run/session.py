@@ -12,7 +12,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .errors import PromptTooLongError
+from ..errors import PromptTooLongError
 from .runtime import StreamingEngine
 from .sampling import Sampler, SamplingParams
 from .tokenizer import Tokenizer, valid_text

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import BuildSettings, ModelConfig
+from ..config import BuildSettings, ModelConfig
 
 TORCH_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 EMPTY_SLOT = 2**62  # slot_pos of an empty slot: later than any token, so masked for every query

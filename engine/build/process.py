@@ -22,9 +22,9 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from . import errors
-from .config import BuildSettings
-from .errors import ArtefactError, BuildCancelled
+from .. import errors
+from ..config import BuildSettings
+from ..errors import ArtefactError, BuildCancelled
 
 if TYPE_CHECKING:
     from .checkpoint import ModelSource
@@ -45,10 +45,10 @@ def build_in_child(source: "ModelSource", settings: BuildSettings, out_dir: Path
            "settings": settings.to_dict(), "out": str(out_dir)}
     env = dict(os.environ)
     # The child imports `engine` from where this one came from, installed or not.
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH")]))
     with tempfile.TemporaryFile() as log:
         # A session of its own, so Cancel can end the child and the iree-compile it started in one go.
-        child = subprocess.Popen([sys.executable, "-m", "engine.build_process", json.dumps(job)],
+        child = subprocess.Popen([sys.executable, "-m", "engine.build.process", json.dumps(job)],
                                  stdout=subprocess.PIPE, stderr=log, env=env, start_new_session=True)
         lines: queue.Queue[str | None] = queue.Queue()
         reader = threading.Thread(target=_pump, args=(child.stdout, lines), daemon=True)
@@ -113,7 +113,7 @@ def _kill(child: subprocess.Popen) -> None:
 def _child(job: dict) -> None:
     from . import export
     from .checkpoint import ModelSource, read_config, save_tokenizer
-    from .config import ModelConfig
+    from ..config import ModelConfig
 
     out = sys.stdout
     sys.stdout = sys.stderr  # library prints must not mix with the answers

@@ -21,7 +21,7 @@ from jinja2.exceptions import SecurityError, TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
-from .errors import ModelError
+from ..errors import ModelError
 
 TOKENIZER_FILE = "tokenizer.json"
 CHAT_FILE = "chat.json"

@@ -9,8 +9,8 @@ import math
 
 import numpy as np
 
-from .config import ModelConfig
-from .errors import ModelError
+from ..config import ModelConfig
+from ..errors import ModelError
 
 
 def inv_freq(cfg: ModelConfig) -> np.ndarray:
