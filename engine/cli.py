@@ -7,7 +7,7 @@ import sys
 import threading
 from typing import Callable, Sequence
 
-from .config import DTYPES, TARGET_CPUS, BuildSettings
+from .config import DEVICES, DTYPES, TARGET_CPUS, BuildSettings
 from .errors import EddyError
 from .run.sampling import SamplingParams
 
@@ -18,7 +18,7 @@ def _build_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sinks", type=int, default=d.sinks, help=f"attention-sink tokens kept forever (default {d.sinks})")
     p.add_argument("--window", type=int, default=d.window, help=f"recent tokens kept (default {d.window})")
     p.add_argument("--dtype", choices=DTYPES, default=d.dtype, help=f"weight type; q8 = int8 with per-row scales (default {d.dtype})")
-    p.add_argument("--device", choices=["cpu", "vulkan", "cuda"], default=d.device)
+    p.add_argument("--device", choices=DEVICES, default=d.device)
     p.add_argument("--target-cpu", choices=TARGET_CPUS, default=d.target_cpu,
                    help="cpu device: the CPU to compile for; host (default) is fastest but runs only on CPUs like "
                         "this one, x86-64-v3 (AVX2) is the portable choice for packages")

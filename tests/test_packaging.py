@@ -135,7 +135,7 @@ def test_target_cpu_is_a_checked_build_setting_in_the_key():
     from engine.build.artefacts import artefact_key
     from engine.build.checkpoint import resolve_model
     from engine.config import BuildSettings
-    from engine.build.export import compile_flags
+    from engine.devices import compile_flags
 
     with pytest.raises(ValueError, match="target CPU"):
         BuildSettings(target_cpu="pentium-4")

@@ -28,8 +28,9 @@ if TYPE_CHECKING:
 
 MANIFEST = "manifest.json"
 BUILT_FILES = ("module.vmfb", "weights.irpa", "tokenizer.json", "chat.json")
-# Source files whose content decides what gets compiled: editing them invalidates every entry.
-EXPORT_SOURCES = ("model.py", "export.py")
+# Source files (under engine/) whose content decides what gets compiled: editing them invalidates every entry.
+# devices.py holds the iree-compile flags.
+EXPORT_SOURCES = ("build/model.py", "build/export.py", "devices.py")
 SAMPLE = 1 << 20  # bytes hashed at each end of a large file: catches truncation and foreign files cheaply
 BUNDLED_ENV = "EDDY_BUNDLED_MODELS"  # os.pathsep-separated folders holding precompiled entries
 # Modules that building an entry needs; a packaged Eddy leaves them out.
@@ -46,7 +47,7 @@ def _version(dist: str) -> str:
 
 
 def export_code_hash() -> str:
-    here = Path(__file__).parent
+    here = Path(__file__).parents[1]
     h = hashlib.sha256()
     for name in EXPORT_SOURCES:
         h.update((here / name).read_bytes())

@@ -13,6 +13,7 @@ import torch
 import iree.turbine.aot as aot
 
 from ..config import BuildSettings, ModelConfig
+from ..devices import compile_flags
 from ..errors import ArtefactError, BuildCancelled
 from .model import StreamingLlama
 
@@ -20,32 +21,6 @@ if TYPE_CHECKING:
     from .checkpoint import ModelSource
 
 Progress = Callable[[str, float], None]
-
-COMPILE_FLAGS = {
-    "cpu": [
-        "--iree-hal-target-device=local",
-        "--iree-hal-local-target-device-backends=llvm-cpu",
-        "--iree-llvmcpu-target-cpu=host",
-        # The llvm-cpu defaults prefill ~8x slower: data tiling with microkernels is what makes it fast
-        # (data tiling without microkernels is slower than the defaults).
-        "--iree-opt-level=O3",
-        "--iree-opt-data-tiling",
-        "--iree-llvmcpu-enable-ukernels=all",
-    ],
-    "vulkan": ["--iree-hal-target-device=vulkan", "--iree-vulkan-target=host"],
-    # iree-compile 3.13 does not know sm_90 by name; sm_89 code runs on Hopper too.
-    "cuda": ["--iree-hal-target-device=cuda", "--iree-cuda-target=sm_89"],
-}
-
-
-def compile_flags(device: str, target_cpu: str = "host") -> list[str]:
-    """iree-compile flags for a device; on cpu, `target_cpu` replaces "host" (portable packages)."""
-    flags = list(COMPILE_FLAGS[device])
-    if device == "cpu":
-        flags = [f"--iree-llvmcpu-target-cpu={target_cpu}" if f.startswith("--iree-llvmcpu-target-cpu=") else f
-                 for f in flags]
-    return flags
-
 
 def build_model(cfg: ModelConfig, settings: BuildSettings, state: dict[str, torch.Tensor]) -> StreamingLlama:
     model = StreamingLlama(cfg, settings)

@@ -14,10 +14,10 @@ import iree.runtime as rt
 
 from . import rope
 from ..config import BuildSettings, ModelConfig
+from ..devices import driver
 from ..errors import ArtefactError
 
 EMPTY_SLOT = 2**62  # must equal engine.build.model.EMPTY_SLOT: later than every token, so always masked
-DRIVERS = {"cpu": "local-task", "vulkan": "vulkan", "cuda": "cuda"}
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class CompiledModule:
                 raise ArtefactError(f"compiled artefact missing: {f}")
         try:
             self.instance = rt.VmInstance()
-            self.device = rt.get_device(DRIVERS[device])
+            self.device = rt.get_device(driver(device))
             index = rt.ParameterIndex()
             index.load(str(irpa))
             params = rt.create_io_parameters_module(self.instance, index.create_provider(scope="model"))
