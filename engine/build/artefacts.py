@@ -29,8 +29,8 @@ if TYPE_CHECKING:
 MANIFEST = "manifest.json"
 BUILT_FILES = ("module.vmfb", "weights.irpa", "tokenizer.json", "chat.json")
 # Source files (under engine/) whose content decides what gets compiled: editing them invalidates every entry.
-# devices.py holds the iree-compile flags.
-EXPORT_SOURCES = ("build/model.py", "build/export.py", "devices.py")
+# devices.py holds the iree-compile flags, arch.py the families the model is built from.
+EXPORT_SOURCES = ("build/model.py", "build/export.py", "devices.py", "arch.py")
 SAMPLE = 1 << 20  # bytes hashed at each end of a large file: catches truncation and foreign files cheaply
 BUNDLED_ENV = "EDDY_BUNDLED_MODELS"  # os.pathsep-separated folders holding precompiled entries
 # Modules that building an entry needs; a packaged Eddy leaves them out.
@@ -256,7 +256,8 @@ def ensure_artefacts(source: "ModelSource", settings: BuildSettings,
     from .process import build_in_child
     from .checkpoint import read_config
 
-    ModelConfig.from_hf(read_config(source))  # an unsupported model is refused here, before a build starts
+    # An unsupported model or build is refused here, before a build starts.
+    ModelConfig.from_hf(read_config(source)).check_build(settings)
     staging = folder.with_name(f"{folder.name}.building-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)

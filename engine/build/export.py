@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 Progress = Callable[[str, float], None]
 
 def build_model(cfg: ModelConfig, settings: BuildSettings, state: dict[str, torch.Tensor]) -> StreamingLlama:
+    cfg.check_build(settings)
     model = StreamingLlama(cfg, settings)
     model.load_hf(state)
     return model.eval()

@@ -1,6 +1,9 @@
-"""A compact Llama whose KV cache is a StreamingLLM window, written to be exported by iree-turbine.
+"""A compact Llama-style transformer whose KV cache is a StreamingLLM window, written to be exported by
+iree-turbine.
 
-One file in the spirit of gpt-fast's model.py. Export-side only (needs torch).
+One file in the spirit of gpt-fast's model.py: a config (ModelConfig), a table of families (engine/arch.py: which
+projections have biases, q/k norms, norm style, activation, tensor names) and the cache as buffers. Export-side
+only (needs torch).
 
 The cache is one buffer [layers, 2, kv_heads, sinks + window, head_dim] (plus the sinks' original keys: see
 Attention.write_cache). The host decides which slot each
@@ -22,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..arch import Family, family
 from ..config import BuildSettings, ModelConfig
 
 TORCH_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
@@ -29,13 +33,16 @@ EMPTY_SLOT = 2**62  # slot_pos of an empty slot: later than any token, so masked
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    """Scales by (offset + weight): Gemma stores its norms as w with the 1 implied."""
+
+    def __init__(self, dim: int, eps: float, offset: float = 0.0) -> None:
         super().__init__()
-        self.eps = eps
+        self.eps, self.offset = eps, offset
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        scale = self.weight + self.offset if self.offset else self.weight
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * scale
 
 
 class Linear(nn.Module):
@@ -49,10 +56,12 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.scale: nn.Parameter | None = None
+        self.bias: nn.Parameter | None = None  # float32 whatever the weights' type: it is tiny
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight.float())
-        return y if self.scale is None else y * self.scale
+        y = y if self.scale is None else y * self.scale
+        return y if self.bias is None else y + self.bias
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows as float32 (the embedding lookup of a tied matrix)."""
@@ -69,6 +78,9 @@ class Linear(nn.Module):
             self.weight = nn.Parameter(w.to(TORCH_DTYPES[dtype]), requires_grad=False)
             self.scale = None
 
+    def load_bias(self, b: torch.Tensor) -> None:
+        self.bias = nn.Parameter(b.float(), requires_grad=False)
+
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding in the Hugging Face (rotate-half) layout. x [n, heads, D], cos/sin [n, D/2]."""
@@ -82,9 +94,13 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, settings: BuildSettings, layer: int) -> None:
         super().__init__()
         self.cfg, self.sinks, self.layer, self.capacity = cfg, settings.sinks, layer, settings.capacity
+        fam = family(cfg.arch)
         # q, k and v as one matrix: one matmul reads x once.
         self.wqkv = Linear((cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, cfg.dim)
         self.wo = Linear(cfg.dim, cfg.n_heads * cfg.head_dim)
+        # Per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3).
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, fam.norm_offset) if fam.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, fam.norm_offset) if fam.qk_norm else None
 
     def forward(self, x: torch.Tensor, cache: torch.Tensor, sink_keys: torch.Tensor | None, slots: torch.Tensor,
                 rope: torch.Tensor, shift: torch.Tensor, mask: torch.Tensor, single: bool) -> torch.Tensor:
@@ -94,7 +110,10 @@ class Attention(nn.Module):
         # head counts breaks torch.export's shape constraints.
         qkv = self.wqkv(x)
         q = qkv[:, : cfg.n_heads * d].view(n, cfg.n_heads, d)
-        k = rotate(qkv[:, cfg.n_heads * d : (cfg.n_heads + kvh) * d].view(n, kvh, d), rope[0], rope[1])
+        k = qkv[:, cfg.n_heads * d : (cfg.n_heads + kvh) * d].view(n, kvh, d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        k = rotate(k, rope[0], rope[1])
         v = qkv[:, (cfg.n_heads + kvh) * d :].view(n, kvh, d)
         keys, values = self.write_cache(cache, sink_keys, slots, k.to(cache.dtype), v.to(cache.dtype), shift)
         scale = d ** -0.5
@@ -136,39 +155,53 @@ class Attention(nn.Module):
         return cache[self.layer, 0].float(), cache[self.layer, 1].float()
 
 
+ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
 class FeedForward(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """The gated MLP: down(act(gate) * up), SwiGLU or GeGLU."""
+
+    def __init__(self, cfg: ModelConfig, fam: Family) -> None:
         super().__init__()
         self.intermediate = cfg.intermediate
+        self.act = ACTIVATIONS[fam.activation]
         self.w_gate_up = Linear(2 * cfg.intermediate, cfg.dim)
         self.w_down = Linear(cfg.dim, cfg.intermediate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.w_gate_up(x)
         gate, up = gate_up[:, : self.intermediate], gate_up[:, self.intermediate :]
-        return self.w_down(F.silu(gate) * up)
+        return self.w_down(self.act(gate) * up)
 
 
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, settings: BuildSettings, layer: int) -> None:
         super().__init__()
-        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        fam = family(cfg.arch)
+        norm = lambda role: RMSNorm(cfg.dim, cfg.norm_eps, fam.norm_offset) if role in fam.norms else None  # noqa: E731
+        self.attention_norm, self.post_attention_norm = norm("attn"), norm("post_attn")
         self.attention = Attention(cfg, settings, layer)
-        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg)
+        self.ffn_norm, self.post_ffn_norm = norm("ffn"), norm("post_ffn")
+        self.feed_forward = FeedForward(cfg, fam)
 
     def forward(self, x, cache, sink_keys, slots, rope, shift, mask, single):
-        x = x + self.attention(self.attention_norm(x), cache, sink_keys, slots, rope, shift, mask, single)
-        return x + self.feed_forward(self.ffn_norm(x))
+        h = self.attention(self.attention_norm(x), cache, sink_keys, slots, rope, shift, mask, single)
+        x = x + (h if self.post_attention_norm is None else self.post_attention_norm(h))
+        h = self.feed_forward(self.ffn_norm(x))
+        return x + (h if self.post_ffn_norm is None else self.post_ffn_norm(h))
 
 
 class StreamingLlama(nn.Module):
+    """The whole model (any family in engine/arch.py; the name is the one it started with)."""
+
     def __init__(self, cfg: ModelConfig, settings: BuildSettings) -> None:
         super().__init__()
         self.cfg, self.settings = cfg, settings
+        self.family = fam = family(cfg.arch)
+        self.embed_scale = cfg.dim ** 0.5 if fam.embed_scale else None
         self.tok_embeddings = Linear(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(Block(cfg, settings, i) for i in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, fam.norm_offset)
         self.output = None if cfg.tie_embeddings else Linear(cfg.vocab_size, cfg.dim)
         # One cache global for all layers: with many per-layer globals a zero-splat initialiser gave wrong
         # logits in IREE. float32, since 16-bit buffers do not initialise reliably in turbine.
@@ -182,6 +215,8 @@ class StreamingLlama(nn.Module):
 
     def hidden(self, tokens, slots, rope, shift, slot_pos, token_pos, single: bool) -> torch.Tensor:
         x = self.tok_embeddings.rows(tokens)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
         neg = torch.full((), float("-inf"))
         mask = torch.where(slot_pos.unsqueeze(0) <= token_pos.unsqueeze(1), torch.zeros(()), neg)  # [n, C]
         for block in self.layers:
@@ -215,8 +250,9 @@ class StreamingLlama(nn.Module):
         return self.cache[0, 0, 0, 0, :1] + 0.0
 
     def load_hf(self, state: dict[str, torch.Tensor]) -> None:
-        """Copies a Hugging Face Llama state dict in, casting matrices to the build's weight dtype."""
-        dt = self.settings.dtype
+        """Copies a Hugging Face state dict of this family in (names from engine/arch.py), casting matrices to
+        the build's weight dtype."""
+        dt, fam = self.settings.dtype, self.family
         with torch.no_grad():
             self.tok_embeddings.load(state["model.embed_tokens.weight"], dt)
             if self.output is not None:
@@ -225,9 +261,16 @@ class StreamingLlama(nn.Module):
             for i, block in enumerate(self.layers):
                 p = f"model.layers.{i}."
                 a, f = block.attention, block.feed_forward
-                a.wqkv.load(torch.cat([state[f"{p}self_attn.{key}_proj.weight"] for key in "qkv"]), dt)
+                a.wqkv.load(torch.cat([state[f"{p}{name}.weight"] for name in fam.qkv]), dt)
+                if fam.qkv_bias:
+                    a.wqkv.load_bias(torch.cat([state[f"{p}{name}.bias"] for name in fam.qkv]))
+                if fam.qk_norm:
+                    a.q_norm.weight.copy_(state[f"{p}self_attn.q_norm.weight"])
+                    a.k_norm.weight.copy_(state[f"{p}self_attn.k_norm.weight"])
                 a.wo.load(state[f"{p}self_attn.o_proj.weight"], dt)
-                f.w_gate_up.load(torch.cat([state[f"{p}mlp.gate_proj.weight"], state[f"{p}mlp.up_proj.weight"]]), dt)
+                f.w_gate_up.load(torch.cat([state[f"{p}{name}.weight"] for name in fam.gate_up]), dt)
                 f.w_down.load(state[f"{p}mlp.down_proj.weight"], dt)
-                block.attention_norm.weight.copy_(state[f"{p}input_layernorm.weight"])
-                block.ffn_norm.weight.copy_(state[f"{p}post_attention_layernorm.weight"])
+                roles = {"attn": block.attention_norm, "post_attn": block.post_attention_norm,
+                         "ffn": block.ffn_norm, "post_ffn": block.post_ffn_norm}
+                for role, name in fam.norms.items():
+                    roles[role].weight.copy_(state[p + name])

@@ -134,6 +134,25 @@ def _compile_template(source: str, where: Path) -> jinja2.Template:
         raise ModelError(f"{where}: chat_template does not compile: {exc}") from exc
 
 
+def _render_budgeted(template: jinja2.Template, **context: Any) -> str:
+    _budget.left = _MAX_ITEMS
+    try:
+        return template.render(**context)
+    except SecurityError as exc:
+        raise ModelError(f"chat template is unsafe: {exc}") from exc
+    except (Exception, RecursionError, MemoryError) as exc:  # a template may fail in any way
+        raise ModelError(f"chat template failed: {str(exc) or type(exc).__name__}") from exc
+
+
+def render_template(source: str, messages: list[dict], add_generation_prompt: bool, bos_token: str = "",
+                    eos_token: str = "", where: Path = Path("chat_template")) -> str:
+    """Renders an untrusted chat template once, in the same sandbox and work budget as a Tokenizer's.
+
+    ModelError if it does not compile, is unsafe or fails."""
+    return _render_budgeted(_compile_template(source, where), messages=messages,
+                            add_generation_prompt=add_generation_prompt, bos_token=bos_token, eos_token=eos_token)
+
+
 def _load_chat_config(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ModelError(f"{path}: file is missing")
@@ -314,14 +333,8 @@ class Tokenizer:
         return ids + self.encode_text(run)
 
     def _run_template(self, messages: list[dict], add_generation_prompt: bool) -> str:
-        _budget.left = _MAX_ITEMS
-        try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         bos_token=self._bos_token or "", eos_token=self._eos_token or "")
-        except SecurityError as exc:
-            raise ModelError(f"chat template is unsafe: {exc}") from exc
-        except (Exception, RecursionError, MemoryError) as exc:  # a template may fail in any way
-            raise ModelError(f"chat template failed: {str(exc) or type(exc).__name__}") from exc
+        return _render_budgeted(self._template, messages=messages, add_generation_prompt=add_generation_prompt,
+                                bos_token=self._bos_token or "", eos_token=self._eos_token or "")
 
     def _render(self, messages: list[dict], add_generation_prompt: bool) -> list[tuple[str, int | None]]:
         # Pieces tagged with the index of the message whose content they are (None: template text). Contents

@@ -1,0 +1,420 @@
+"""GGUF files: the header (read with struct over an mmap, no torch), the config and the weights.
+
+gguf.GGUFReader builds numpy views for every metadata item (each of the ~100k tokenizer strings), which costs
+~2 s for the default model; a struct-based walk over an mmap does the same job in a fraction of that, which
+matters because resolve runs on every start.
+"""
+from __future__ import annotations
+
+import math
+import mmap
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from engine import arch
+from engine.errors import ModelError
+
+if TYPE_CHECKING:
+    import torch
+
+    from .source import ModelSource
+
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+@dataclass(frozen=True)
+class _GGUFTensorInfo:
+    shape: tuple[int, ...]  # ggml order: shape[0] is the contiguous (input) dimension
+    ggml_type: int
+    offset: int  # absolute file offset
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class _GGUFInfo:
+    path: Path
+    fields: dict[str, Any]
+    tensors: dict[str, _GGUFTensorInfo]
+
+
+class _Truncated(Exception):
+    pass
+
+
+_gguf_cache: dict[tuple[str, int, int], _GGUFInfo] = {}
+
+
+def _read_gguf(path: Path) -> _GGUFInfo:
+    try:
+        st = path.stat()
+    except OSError as exc:
+        raise ModelError(f"{path}: cannot read the file ({exc.strerror}).") from None
+    key = (str(path), st.st_size, st.st_mtime_ns)
+    cached = _gguf_cache.get(key)
+    if cached is not None:
+        return cached
+    if st.st_size < 24:
+        raise ModelError(f"{path.name}: not a GGUF file (only {st.st_size} bytes).")
+    try:
+        with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            if mm[:4] != b"GGUF":
+                raise ModelError(f"{path.name}: not a GGUF file (bad magic bytes).")
+            info = _parse_gguf(path, mm)
+    except (_Truncated, struct.error, UnicodeDecodeError, OverflowError, MemoryError):
+        raise ModelError(
+            f"{path.name}: the GGUF file is truncated or corrupt (its header could not be read). "
+            f"Download it again."
+        ) from None
+    except OSError as exc:
+        raise ModelError(f"{path}: cannot read the file ({exc}).") from None
+    _gguf_cache.clear()  # one entry is all a session needs; avoid holding big token lists
+    _gguf_cache[key] = info
+    return info
+
+
+def _parse_gguf(path: Path, mm: mmap.mmap) -> _GGUFInfo:
+    size = len(mm)
+    (version,) = struct.unpack_from("<I", mm, 4)
+    # Big-endian files exist (for s390x); their version reads byte-swapped.
+    e = "<"
+    if version & 0xFFFF == 0:
+        e = ">"
+        (version,) = struct.unpack_from(">I", mm, 4)
+    if version not in (2, 3):
+        raise ModelError(f"{path.name}: GGUF version {version} is not supported (need 2 or 3).")
+    n_tensors, n_kv = struct.unpack_from(e + "QQ", mm, 8)
+    pos = 24
+
+    def need(n: int) -> None:
+        if n < 0 or pos + n > size:
+            raise _Truncated
+
+    def read_str() -> str:
+        nonlocal pos
+        need(8)
+        (n,) = struct.unpack_from(e + "Q", mm, pos)
+        pos += 8
+        need(n)
+        s = mm[pos : pos + n].decode("utf-8", errors="replace")
+        pos += n
+        return s
+
+    def read_value(vtype: int) -> Any:
+        nonlocal pos
+        if vtype in _GGUF_SCALARS:
+            fmt = e + _GGUF_SCALARS[vtype]
+            need(struct.calcsize(fmt))
+            (v,) = struct.unpack_from(fmt, mm, pos)
+            pos += struct.calcsize(fmt)
+            return v
+        if vtype == _GGUF_STRING:
+            return read_str()
+        if vtype == _GGUF_ARRAY:
+            need(12)
+            item_type, count = struct.unpack_from(e + "IQ", mm, pos)
+            pos += 12
+            if item_type in _GGUF_SCALARS:
+                fmt = f"{e}{count}{_GGUF_SCALARS[item_type]}"
+                width = struct.calcsize(e + _GGUF_SCALARS[item_type])
+                need(width * count)
+                values = list(struct.unpack_from(fmt, mm, pos))
+                pos += width * count
+                return values
+            need(8 * count)  # every string or array item takes at least 8 bytes
+            return [read_value(item_type) for _ in range(count)]
+        raise _Truncated
+
+    fields: dict[str, Any] = {}
+    for _ in range(n_kv):
+        name = read_str()
+        need(4)
+        (vtype,) = struct.unpack_from(e + "I", mm, pos)
+        pos += 4
+        fields[name] = read_value(vtype)
+
+    raw_tensors: list[tuple[str, tuple[int, ...], int, int]] = []
+    for _ in range(n_tensors):
+        name = read_str()
+        need(4)
+        (n_dims,) = struct.unpack_from(e + "I", mm, pos)
+        pos += 4
+        if n_dims > 8:
+            raise _Truncated
+        need(8 * n_dims + 12)
+        dims = struct.unpack_from(f"{e}{n_dims}Q", mm, pos)
+        pos += 8 * n_dims
+        ggml_type, offset = struct.unpack_from(e + "IQ", mm, pos)
+        pos += 12
+        raw_tensors.append((name, tuple(int(d) for d in dims), ggml_type, offset))
+
+    alignment = int(fields.get("general.alignment", 32)) or 32
+    data_start = pos + (-pos) % alignment
+
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    tensors: dict[str, _GGUFTensorInfo] = {}
+    end = data_start
+    for name, dims, ggml_type, offset in raw_tensors:
+        try:
+            block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+        except (ValueError, KeyError):
+            raise ModelError(
+                f"{path.name}: tensor {name} uses GGML type {ggml_type}, which Eddy cannot read."
+            ) from None
+        n_elems = math.prod(dims)
+        nbytes = n_elems // block * type_size
+        start = data_start + offset
+        tensors[name] = _GGUFTensorInfo(dims, ggml_type, start, nbytes)
+        end = max(end, start + nbytes)
+    if end > size:
+        raise ModelError(
+            f"{path.name}: the GGUF file is truncated ({size} bytes, but its tensors need {end}). "
+            f"Download it again."
+        )
+    return _GGUFInfo(path, fields, tensors)
+
+
+
+def read_gguf(path: Path) -> _GGUFInfo:
+    """The parsed header of a GGUF file (memoised while the file is unchanged)."""
+    return _read_gguf(path)
+
+
+def family_of(source: "ModelSource", info: _GGUFInfo) -> arch.Family:
+    return arch.for_gguf(source.name, info.fields.get("general.architecture"))
+
+
+def check_gguf(source: "ModelSource") -> _GGUFInfo:
+    """The header of a GGUF model Eddy can run; ModelError naming what is wrong otherwise."""
+    assert source.path is not None
+    info = _read_gguf(source.path)
+    fam = family_of(source, info)
+    fam.check_supported(source.name)
+    prefix = info.fields["general.architecture"]
+    if info.fields.get(f"{prefix}.expert_count", 0):
+        raise ModelError(
+            f"{source.name}: mixture-of-experts models ({prefix}.expert_count = "
+            f"{info.fields[f'{prefix}.expert_count']}) are not supported (Eddy supports dense "
+            f"{arch.supported_names()})."
+        )
+    if "tokenizer.ggml.tokens" not in info.fields or "tokenizer.ggml.model" not in info.fields:
+        raise ModelError(f"{source.name}: missing tokenizer (the GGUF file has no tokenizer.ggml.* data).")
+    tok_model = info.fields["tokenizer.ggml.model"]
+    if tok_model not in ("gpt2", "llama"):
+        raise ModelError(
+            f'{source.name}: tokenizer type "{tok_model}" is not supported '
+            f'(need "gpt2" BPE or "llama" SentencePiece).'
+        )
+    gguf_config(source, info)
+    return info
+
+
+def gguf_config(source: "ModelSource", info: _GGUFInfo) -> dict[str, Any]:
+    """The model's shape from the GGUF metadata, as read_config reports it."""
+    f = info.fields
+    name = source.name
+    fam = family_of(source, info)
+    prefix = f["general.architecture"]  # metadata keys are named after the architecture
+
+    def get(key: str, default: Any = None, required: bool = False) -> Any:
+        value = f.get(f"{prefix}.{key}", default)
+        if value is None and required:
+            raise ModelError(f"{name}: GGUF metadata {prefix}.{key} is missing.")
+        if isinstance(value, list):
+            # Some converters write per-layer lists; a uniform list is still a plain model.
+            if not value or any(v != value[0] for v in value):
+                raise ModelError(f"{name}: {prefix}.{key} differs between layers, which is not supported.")
+            value = value[0]
+        return value
+
+    embed = info.tensors.get("token_embd.weight")
+    if embed is None or len(embed.shape) != 2:
+        raise ModelError(f"{name}: the GGUF file has no usable token_embd.weight tensor.")
+    hidden = int(get("embedding_length", required=True))
+    heads = int(get("attention.head_count", required=True))
+    kv_heads = int(get("attention.head_count_kv", heads))
+    if heads <= 0 or kv_heads <= 0 or heads % kv_heads:
+        raise ModelError(
+            f"{name}: inconsistent head counts ({heads} heads, {kv_heads} kv heads, hidden {hidden})."
+        )
+    head_dim = get("attention.key_length") or get("rope.dimension_count") or hidden // heads
+    head_dim = int(head_dim)
+    value_len = get("attention.value_length")
+    rope_dims = get("rope.dimension_count")
+    if any(v is not None and int(v) != head_dim for v in (value_len, rope_dims)):
+        raise ModelError(f"{name}: partial rotary or unequal key/value head sizes are not supported.")
+    rope_theta = float(get("rope.freq_base", 10000.0))
+    window = get("attention.sliding_window")
+    config = {
+        "model_type": fam.name,
+        "vocab_size": int(embed.shape[1]),
+        "hidden_size": hidden,
+        "intermediate_size": int(get("feed_forward_length", required=True)),
+        "num_hidden_layers": int(get("block_count", required=True)),
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "rope_theta": rope_theta,
+        "rope_scaling": _gguf_rope_scaling(source, info, prefix, head_dim, rope_theta),
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        "tie_word_embeddings": "output.weight" not in info.tensors,
+        "max_position_embeddings": int(get("context_length", 2048)),
+        "sliding_window": int(window) if window else None,
+    }
+    return config
+
+
+def _gguf_rope_scaling(source: "ModelSource", info: _GGUFInfo, prefix: str, head_dim: int,
+                       theta: float) -> dict | None:
+    f = info.fields
+    kind = f.get(f"{prefix}.rope.scaling.type")
+    factor = f.get(f"{prefix}.rope.scaling.factor")
+    if any(t.startswith("rope_factors_") for t in info.tensors):
+        raise ModelError(f'{source.name}: LongRoPE scaling (rope_factors_* tensors) is not supported '
+                         f'(only linear and llama3).')
+    if "rope_freqs.weight" in info.tensors:
+        return _llama3_rope_from_freqs(source, info, prefix, head_dim, theta)
+    if kind in (None, "none") or (kind == "linear" and factor in (None, 1.0)):
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(factor)}
+    raise ModelError(f'{source.name}: rope scaling "{kind}" is not supported (only linear and llama3).')
+
+
+def _llama3_rope_from_freqs(source: "ModelSource", info: _GGUFInfo, prefix: str, head_dim: int,
+                            theta: float) -> dict | None:
+    """llama.cpp stores Llama 3.1-style rope scaling only as a per-frequency factor tensor
+    (rope_freqs.weight); recover the HF parameters from it and check they reproduce it."""
+    import numpy as np
+
+    t = info.tensors["rope_freqs.weight"]
+    if t.ggml_type != 0 or math.prod(t.shape) != head_dim // 2:
+        raise ModelError(f"{source.name}: rope_freqs.weight has an unexpected type or size.")
+    with open(info.path, "rb") as fh:
+        fh.seek(t.offset)
+        raw = fh.read(t.nbytes)
+    factors = np.frombuffer(raw, dtype="<f4").astype(np.float64)
+    if np.allclose(factors, 1.0):
+        return None
+    freqs = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    # llama.cpp's converter falls back to 8192 when the HF config does not say.
+    old_ctx = float(info.fields.get(f"{prefix}.rope.scaling.original_context_length") or 8192)
+    factor = float(factors.max())
+    x = old_ctx * freqs / (2 * math.pi)  # = old_ctx / wavelength
+    middle = (factors > 1.0 + 1e-6) & (factors < factor * (1 - 1e-6))
+    lo, hi = 1.0, 4.0  # Llama 3.x's values; only used when the tensor cannot pin them down
+    if middle.sum() >= 2:
+        smooth = (1.0 / factors[middle] - 1.0 / factor) / (1.0 - 1.0 / factor)
+        slope, intercept = np.polyfit(x[middle], smooth, 1)
+        if slope > 0:
+            lo = -intercept / slope
+            hi = lo + 1.0 / slope
+    lo, hi, factor = (_tidy_float(v) for v in (lo, hi, factor))
+    params = {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": lo,
+        "high_freq_factor": hi,
+        "original_max_position_embeddings": int(old_ctx),
+    }
+    if not np.allclose(_llama3_factors(freqs, params), factors, rtol=1e-3, atol=1e-4):
+        raise ModelError(
+            f"{source.name}: its rope_freqs.weight does not match Llama 3 rope scaling; this rope "
+            f"variant is not supported."
+        )
+    return params
+
+
+def _llama3_factors(freqs: Any, p: dict) -> Any:
+    import numpy as np
+
+    wavelen = 2 * math.pi / freqs
+    low_wl = p["original_max_position_embeddings"] / p["low_freq_factor"]
+    high_wl = p["original_max_position_embeddings"] / p["high_freq_factor"]
+    smooth = (p["original_max_position_embeddings"] / wavelen - p["low_freq_factor"]) / (
+        p["high_freq_factor"] - p["low_freq_factor"]
+    )
+    mid = 1.0 / ((1 - smooth) / p["factor"] + smooth)
+    return np.where(wavelen < high_wl, 1.0, np.where(wavelen > low_wl, p["factor"], mid))
+
+
+def _tidy_float(v: float) -> float:
+    # Factors come back through float32 and a fit; snap 3.9999996 back to 4.0.
+    r = round(v, 3)
+    return float(r) if abs(v - r) < 1e-3 * max(1.0, abs(v)) else float(v)
+
+
+
+# Tensors that are not weights: rope factors are read into rope_scaling by gguf_config.
+_GGUF_SKIP = {"rope_freqs.weight"}
+_BLK = re.compile(r"blk\.(\d+)\.(.+)")
+
+
+def _unpermute(w: Any, n_head: int) -> Any:
+    # llama.cpp's converter interleaves each head's rotary halves of llama-arch q/k (for its rope kernel);
+    # HF keeps them as [first half | second half]. This inverts llama.cpp's
+    # reshape(n_head, 2, d, ...).swapaxes(1, 2).
+    d = w.shape[0] // n_head // 2
+    return w.reshape(n_head, d, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _hf_name(fam: arch.Family, layer_names: dict[str, str], gname: str) -> str | None:
+    if gname in arch.TOP_TENSORS:
+        return arch.TOP_TENSORS[gname]
+    m = _BLK.fullmatch(gname)
+    if m and m.group(2) in layer_names:
+        return f"model.layers.{m.group(1)}.{layer_names[m.group(2)]}"
+    return None
+
+
+def gguf_state_dict(source: "ModelSource", cfg: dict[str, Any]) -> dict[str, "torch.Tensor"]:
+    """float32 weights under HF names, undoing what llama.cpp's converter does to each family's tensors."""
+    import numpy as np
+    import torch
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    assert source.path is not None
+    info = check_gguf(source)
+    fam = family_of(source, info)
+    layer_names = fam.gguf_to_hf_layer()
+    sd: dict[str, torch.Tensor] = {}
+    with open(source.path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        for gname, t in info.tensors.items():
+            if gname in _GGUF_SKIP:
+                continue
+            hf_name = _hf_name(fam, layer_names, gname)
+            if hf_name is None:
+                raise ModelError(f"{source.name}: unexpected tensor {gname} for a {fam.title} model.")
+            qtype = GGMLQuantizationType(t.ggml_type)
+            block, type_size = GGML_QUANT_SIZES[qtype]
+            # numpy order is ggml's reversed; rows of raw bytes are what dequantize expects.
+            np_shape = tuple(reversed(t.shape))
+            if t.shape[0] % block:
+                raise ModelError(
+                    f"{source.name}: tensor {gname} has a row size that does not fit {qtype.name} blocks."
+                )
+            row_bytes = t.shape[0] // block * type_size
+            raw = np.frombuffer(mm, dtype=np.uint8, count=t.nbytes, offset=t.offset)
+            raw = raw.reshape(*np_shape[:-1], row_bytes)
+            try:
+                w = dequantize(raw, qtype)
+            except NotImplementedError:
+                raise ModelError(
+                    f"{source.name}: tensor {gname} uses {qtype.name}, which Eddy cannot dequantise."
+                ) from None
+            w = np.asarray(w, dtype=np.float32).reshape(np_shape)
+            if fam.gguf_permute_qk and hf_name.endswith("self_attn.q_proj.weight"):
+                w = _unpermute(w, cfg["num_attention_heads"])
+            elif fam.gguf_permute_qk and hf_name.endswith("self_attn.k_proj.weight"):
+                w = _unpermute(w, cfg["num_key_value_heads"])
+            if fam.norm_offset and gname.endswith("norm.weight"):
+                w = w - fam.norm_offset  # llama.cpp stores Gemma's (1 + w) norms with the 1 added
+            # Copy: the mmap closes when we return, and torch wants writable memory.
+            sd[hf_name] = torch.from_numpy(np.array(w, dtype=np.float32, order="C", copy=True))
+            del raw, w
+    return sd

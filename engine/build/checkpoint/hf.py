@@ -1,0 +1,189 @@
+"""Hugging Face folders: config.json, safetensors shards (header checks without torch, then the weights) and
+where the tokenizer is."""
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from engine import arch
+from engine.errors import ModelError
+
+if TYPE_CHECKING:
+    import torch
+
+    from .source import ModelSource
+
+
+class _Truncated(Exception):
+    pass
+
+
+def load_json(path: Path, what: str) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ModelError(f"{path.parent}: missing {path.name}.") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelError(f"{path}: {what} is not valid JSON ({exc}).") from None
+
+
+def hf_config(source: "ModelSource") -> dict[str, Any]:
+    """The model's shape from config.json, as read_config reports it; ModelError if Eddy cannot run it."""
+    assert source.path is not None
+    raw = load_json(source.path / "config.json", "config.json")
+    if not isinstance(raw, dict):
+        raise ModelError(f"{source.path / 'config.json'}: expected a JSON object.")
+    fam = arch.for_hf(source.name, raw.get("model_type"), raw.get("architectures") or [])
+    fam.check_supported(source.name)
+    flags = ("mlp_bias",) if fam.qkv_bias else ("attention_bias", "mlp_bias")
+    for flag in flags:
+        if raw.get(flag):
+            raise ModelError(f"{source.name}: {flag} = true is not supported ({fam.title} as Eddy builds it "
+                             f"has no such biases).")
+    act = raw.get("hidden_act", fam.act_names[0])
+    if act not in fam.act_names:
+        raise ModelError(f'{source.name}: activation "{act}" is not supported ({fam.title} uses {fam.act_names[0]}).')
+    partial = raw.get("partial_rotary_factor") or (raw.get("rope_parameters") or {}).get("partial_rotary_factor")
+    if float(partial or 1.0) != 1.0:
+        raise ModelError(f"{source.name}: partial rotary embeddings (partial_rotary_factor {partial}) are "
+                         f"not supported.")
+    if raw.get("use_sliding_window"):
+        raise ModelError(f"{source.name}: use_sliding_window = true (sliding-window layers beside full ones) "
+                         f"is not supported for {fam.title}.")
+
+    # Defaults are LlamaConfig's, so a sparse config.json means what transformers thinks it means.
+    hidden = int(raw.get("hidden_size", 4096))
+    heads = int(raw.get("num_attention_heads", 32))
+    kv_heads = int(raw.get("num_key_value_heads") or heads)
+    if heads <= 0 or kv_heads <= 0 or heads % kv_heads:
+        raise ModelError(f"{source.name}: inconsistent head counts ({heads} heads, {kv_heads} kv heads).")
+    head_dim = int(raw.get("head_dim") or hidden // heads)
+
+    # transformers 5 writes rope_parameters (theta inside); older configs use rope_theta + rope_scaling.
+    params = raw.get("rope_parameters") or {}
+    scaling = raw.get("rope_scaling")
+    theta = raw.get("rope_theta", params.get("rope_theta", 10000.0))
+    if scaling is None and params:
+        scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "partial_rotary_factor")}
+    if scaling is not None:
+        scaling = dict(scaling)
+        rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
+        scaling.pop("type", None)
+        scaling.pop("rope_theta", None)
+        scaling = None if rope_type == "default" else {"rope_type": rope_type, **scaling}
+    # Mistral's and Phi-3's window; Qwen's sliding_window only counts with use_sliding_window (refused above).
+    window = raw.get("sliding_window") if fam.name in ("mistral", "phi3") else None
+
+    return {
+        "model_type": fam.name,
+        "vocab_size": int(raw.get("vocab_size", 32000)),
+        "hidden_size": hidden,
+        "intermediate_size": int(raw.get("intermediate_size", 11008)),
+        "num_hidden_layers": int(raw.get("num_hidden_layers", 32)),
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "rope_theta": float(theta),
+        "rope_scaling": scaling,
+        "rms_norm_eps": float(raw.get("rms_norm_eps", fam.norm_eps_default)),
+        "tie_word_embeddings": bool(raw.get("tie_word_embeddings", fam.tie_default)),
+        "max_position_embeddings": int(raw.get("max_position_embeddings", 2048)),
+        "sliding_window": int(window) if window else None,
+    }
+
+
+def hf_weight_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        data = load_json(index, "the safetensors index")
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ModelError(f"{index}: has no weight_map.")
+        shards = sorted(set(weight_map.values()))
+        missing = [s for s in shards if not (folder / s).is_file()]
+        if missing:
+            raise ModelError(f"{folder}: weight shard {missing[0]} listed in {index.name} is missing.")
+        return [folder / s for s in shards]
+    single = folder / "model.safetensors"
+    if single.is_file():
+        return [single]
+    return sorted(folder.glob("*.safetensors"))
+
+
+def check_safetensors(path: Path) -> None:
+    """Validate the header and size without reading the tensors, so a truncated download is
+    caught when the model is chosen rather than halfway through an export."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                raise _Truncated
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8 or n > 100 * 1024 * 1024:
+                raise _Truncated
+            header = json.loads(fh.read(n))
+        end = 0
+        for key, entry in header.items():
+            if key == "__metadata__":
+                continue
+            begin, stop = entry["data_offsets"]
+            end = max(end, int(stop))
+    except (_Truncated, ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
+        raise ModelError(
+            f"{path.name}: the .safetensors file is truncated or corrupt (bad header)."
+        ) from None
+    except OSError as exc:
+        raise ModelError(f"{path}: cannot read the file ({exc}).") from None
+    if 8 + n + end != size:
+        raise ModelError(
+            f"{path.name}: the .safetensors file is truncated or corrupt ({size} bytes, but its "
+            f"header describes {8 + n + end})."
+        )
+
+
+def hf_tokenizer_file(source: "ModelSource") -> Path:
+    assert source.path is not None
+    for name in ("tokenizer.json", "tokenizer.model"):
+        if (source.path / name).is_file():
+            return source.path / name
+    raise ModelError(
+        f"{source.name}: missing tokenizer (no tokenizer.json or tokenizer.model in {source.path})."
+    )
+
+
+
+def hf_state_dict(source: "ModelSource", cfg: dict[str, Any]) -> dict[str, "torch.Tensor"]:
+    import torch
+    from safetensors import SafetensorError, safe_open
+
+    assert source.path is not None
+    files = hf_weight_files(source.path)
+    if not files:
+        from .source import raise_no_weights
+
+        raise_no_weights(source)
+    sd: dict[str, torch.Tensor] = {}
+    for shard in files:
+        check_safetensors(shard)
+        try:
+            with safe_open(str(shard), framework="pt") as f:
+                for key in f.keys():
+                    if key.endswith("rotary_emb.inv_freq"):
+                        continue  # a derived buffer some old checkpoints saved
+                    name = key if key.startswith(("model.", "lm_head.")) else "model." + key
+                    if name in sd:
+                        raise ModelError(
+                            f"{source.name}: tensor {key} appears in more than one .safetensors file."
+                        )
+                    sd[name] = f.get_tensor(key).to(torch.float32).contiguous()
+        except SafetensorError as exc:
+            raise ModelError(
+                f"{shard.name}: the .safetensors file is truncated or corrupt ({exc})."
+            ) from None
+    if cfg["tie_word_embeddings"]:
+        # from_pretrained ties lm_head to embed_tokens and ignores a stored copy.
+        sd.pop("lm_head.weight", None)
+    return sd

@@ -1,0 +1,80 @@
+"""read_config and load_state_dict over every checkpoint kind, and the shape check between them."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from engine import arch
+from engine.errors import ModelError
+
+from .gguf import check_gguf, gguf_config, gguf_state_dict, read_gguf
+from .hf import hf_config, hf_state_dict
+from .source import ModelSource, default_source
+from .tiny import tiny_config, tiny_state_dict
+
+if TYPE_CHECKING:
+    import torch
+
+
+def read_config(source: ModelSource) -> dict[str, Any]:
+    """The model's shape as an HF-config-style dict: model_type (Eddy's family name), vocab_size, hidden_size,
+    intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim, rope_theta,
+    rope_scaling, rms_norm_eps, tie_word_embeddings, max_position_embeddings, sliding_window."""
+    if source.kind == "gguf":
+        return gguf_config(source, check_gguf(source))
+    if source.kind == "hf":
+        return hf_config(source)
+    if source.kind == "tiny-random":
+        default = default_source()
+        vocab = gguf_config(default, read_gguf(default.path))["vocab_size"]  # type: ignore[arg-type]
+        return tiny_config(source.name, vocab)
+    raise ModelError(f'Model "{source.name}": unknown checkpoint kind "{source.kind}".')
+
+
+def expected_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    fam = arch.family(cfg.get("model_type", "llama"))
+    h, v = cfg["hidden_size"], cfg["vocab_size"]
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
+    per_layer = arch.layer_shapes(fam, cfg)
+    for n in range(cfg["num_hidden_layers"]):
+        for name, shape in per_layer.items():
+            shapes[f"model.layers.{n}.{name}"] = shape
+    if not cfg["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (v, h)
+    return shapes
+
+
+def _check_state_dict(source: ModelSource, cfg: dict[str, Any], sd: dict[str, Any]) -> None:
+    expected = expected_shapes(cfg)
+    missing = [k for k in expected if k not in sd]
+    if missing:
+        raise ModelError(
+            f"{source.name}: weights are missing {len(missing)} tensor(s), e.g. {', '.join(missing[:3])}."
+        )
+    extra = [k for k in sd if k not in expected]
+    if extra:
+        title = arch.family(cfg.get("model_type", "llama")).title
+        raise ModelError(
+            f"{source.name}: unexpected tensor(s) for a plain {title} model, "
+            f"e.g. {', '.join(sorted(extra)[:3])}."
+        )
+    for k, shape in expected.items():
+        if tuple(sd[k].shape) != shape:
+            raise ModelError(
+                f"{source.name}: tensor {k} has shape {tuple(sd[k].shape)} but the config implies {shape}."
+            )
+
+
+def load_state_dict(source: ModelSource) -> dict[str, "torch.Tensor"]:
+    """float32 weights under Hugging Face names, equal to what the family's transformers class would hold after
+    from_pretrained (lm_head only when untied)."""
+    cfg = read_config(source)
+    if source.kind == "gguf":
+        sd = gguf_state_dict(source, cfg)
+    elif source.kind == "hf":
+        sd = hf_state_dict(source, cfg)
+    elif source.kind == "tiny-random":
+        sd = tiny_state_dict(cfg)
+    else:
+        raise ModelError(f'Model "{source.name}": unknown checkpoint kind "{source.kind}".')
+    _check_state_dict(source, cfg, sd)
+    return sd
