@@ -100,8 +100,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            {"self_attn.qkv_proj.weight": "attn_qkv.weight", "self_attn.o_proj.weight": "attn_output.weight",
             # llama.cpp keeps Phi-3's fused gate|up matrix whole, as ffn_up.
             "mlp.gate_up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight", **_PRE_NORMS},
-           qkv=("self_attn.qkv_proj",), gate_up=("mlp.gate_up_proj",), norm_eps_default=1e-5,
-           tiny={"pad_token_id": 0}),
+           qkv=("self_attn.qkv_proj",), gate_up=("mlp.gate_up_proj",), norm_eps_default=1e-5),
     Family("gemma2", "Gemma 2", ("gemma2",), "Gemma2ForCausalLM", ("gemma2",),
            {**_LLAMA_ATTN, **_LLAMA_MLP, **_SANDWICH_NORMS},
            norms={"attn": "input_layernorm.weight", "post_attn": "post_attention_layernorm.weight",

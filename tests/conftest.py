@@ -1,4 +1,4 @@
-"""Shared fixtures: one real compiled tiny-random module per build setting, built once per test session."""
+"""Shared fixtures: one real compiled tiny random module per family and build setting, built once per session."""
 from __future__ import annotations
 
 import os
@@ -35,3 +35,57 @@ def tiny_reference():
 
     source = resolve_model("tiny-random")
     return read_config(source), load_state_dict(source)
+
+
+# The families Eddy runs, each with its tiny random model (tests/test_engine.py runs its parity and eviction
+# tests on every one). Llama's is the `tiny` module above.
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+
+
+def tiny_name(family: str) -> str:
+    return "tiny-random" if family == "llama" else f"tiny-random-{family}"
+
+
+@pytest.fixture(scope="session", params=FAMILIES)
+def family(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="session")
+def family_model(family, request):
+    """LoadedModel of the family's tiny random model, TINY_SETTINGS (one build per family and session)."""
+    if family == "llama":
+        return request.getfixturevalue("tiny")
+    from engine.loader import open_model
+
+    return open_model(tiny_name(family), TINY_SETTINGS)
+
+
+@pytest.fixture(scope="session")
+def family_reference(family, request):
+    """(read_config dict, float32 HF state dict) of the family's tiny random model."""
+    if family == "llama":
+        return request.getfixturevalue("tiny_reference")
+    from engine.build.checkpoint import load_state_dict, read_config, resolve_model
+
+    source = resolve_model(tiny_name(family))
+    return read_config(source), load_state_dict(source)
+
+
+@pytest.fixture(scope="session")
+def family_hf(family_reference):
+    """transformers' own model class of the family (e.g. Qwen2ForCausalLM) holding the same weights."""
+    return transformers_model(*family_reference)
+
+
+def transformers_model(cfg: dict, state: dict):
+    import transformers
+
+    from engine.arch import family as family_of
+    from engine.build.checkpoint.tiny import transformers_config
+
+    model = getattr(transformers, family_of(cfg["model_type"]).hf_class)(transformers_config(cfg)).eval()
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert set(missing) <= {"lm_head.weight"} and not unexpected
+    model.tie_weights()
+    return model

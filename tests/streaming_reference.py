@@ -1,7 +1,9 @@
 """A plain torch StreamingLLM reference, written independently of engine/build/model.py.
 
 It keeps an explicit ordered list of cached entries per layer, stores keys *before* RoPE and rotates every
-key by its index in the cache at each step (the textbook formulation), on Hugging Face Llama weights.
+key by its index in the cache at each step (the textbook formulation), on Hugging Face weights of the
+Llama-style families: Llama and Mistral, Qwen2 (q/k/v biases), Qwen3 (per-head q/k RMSNorm before RoPE) and Phi-3
+(fused qkv_proj and gate_up_proj). Which of these a model has is read off its tensor names, not engine/arch.py.
 A chunk of n tokens first makes room for itself (the oldest window entries leave), then each of its tokens
 attends to every cached entry not later than itself.
 """
@@ -29,6 +31,24 @@ class StreamingReference:
     def norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.c["rms_norm_eps"]) * w
 
+    def linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        y = x @ self.w[name + ".weight"].T
+        return y + self.w[name + ".bias"] if name + ".bias" in self.w else y
+
+    def qkv(self, h: torch.Tensor, p: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if p + "self_attn.qkv_proj.weight" in self.w:  # Phi-3: one matrix, rows q | k | v
+            c = self.c
+            q_rows, kv_rows = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
+            return self.linear(h, p + "self_attn.qkv_proj").split([q_rows, kv_rows, kv_rows], dim=-1)
+        return tuple(self.linear(h, f"{p}self_attn.{x}_proj") for x in "qkv")
+
+    def mlp(self, h: torch.Tensor, p: str) -> torch.Tensor:
+        if p + "mlp.gate_up_proj.weight" in self.w:  # Phi-3: one matrix, rows gate | up
+            gate, up = self.linear(h, p + "mlp.gate_up_proj").chunk(2, dim=-1)
+        else:
+            gate, up = self.linear(h, p + "mlp.gate_proj"), self.linear(h, p + "mlp.up_proj")
+        return self.linear(torch.nn.functional.silu(gate) * up, p + "mlp.down_proj")
+
     @torch.no_grad()
     def feed(self, ids: list[int]) -> torch.Tensor:
         """Feeds a chunk; returns logits for each of its tokens [n, vocab]."""
@@ -40,9 +60,10 @@ class StreamingReference:
         for li, entries in enumerate(self.layers):
             p = f"model.layers.{li}."
             h = self.norm(x, w[p + "input_layernorm.weight"])
-            q = (h @ w[p + "self_attn.q_proj.weight"].T).view(n, H, D)
-            k = (h @ w[p + "self_attn.k_proj.weight"].T).view(n, KVH, D)
-            v = (h @ w[p + "self_attn.v_proj.weight"].T).view(n, KVH, D)
+            q, k, v = self.qkv(h, p)
+            q, k, v = q.reshape(n, H, D), k.reshape(n, KVH, D), v.reshape(n, KVH, D)
+            if p + "self_attn.q_norm.weight" in w:  # Qwen3: each head normalised, before RoPE
+                q, k = self.norm(q, w[p + "self_attn.q_norm.weight"]), self.norm(k, w[p + "self_attn.k_norm.weight"])
             entries.extend((a, k[i], v[i]) for i, a in enumerate(abs_pos))
             while len(entries) > self.capacity:
                 del entries[self.sinks]
@@ -59,10 +80,8 @@ class StreamingReference:
                 s = torch.einsum("hd,chd->hc", qi, kk) / D**0.5
                 s = s.masked_fill(~visible[None], float("-inf")).softmax(-1)
                 outs.append(torch.einsum("hc,chd->hd", s, vv).reshape(H * D))
-            x = x + torch.stack(outs) @ w[p + "self_attn.o_proj.weight"].T
-            h = self.norm(x, w[p + "post_attention_layernorm.weight"])
-            g = torch.nn.functional.silu(h @ w[p + "mlp.gate_proj.weight"].T) * (h @ w[p + "mlp.up_proj.weight"].T)
-            x = x + g @ w[p + "mlp.down_proj.weight"].T
+            x = x + self.linear(torch.stack(outs), p + "self_attn.o_proj")
+            x = x + self.mlp(self.norm(x, w[p + "post_attention_layernorm.weight"]), p)
         x = self.norm(x, w["model.norm.weight"])
         head = w.get("lm_head.weight", w["model.embed_tokens.weight"])
         return x @ head.T

@@ -1,4 +1,7 @@
-"""The compiled tiny-random module against transformers and a plain torch StreamingLLM reference."""
+"""The compiled tiny random modules against transformers and a plain torch StreamingLLM reference.
+
+Parity and eviction run on every family's tiny model (the `family_*` fixtures in conftest.py); the rest on
+the Llama one."""
 from __future__ import annotations
 
 import json
@@ -9,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, TINY_SETTINGS
+from conftest import ROOT, TINY_SETTINGS, transformers_model
 from streaming_reference import StreamingReference
 
 TOL = 1e-4
@@ -17,14 +20,7 @@ TOL = 1e-4
 
 @pytest.fixture(scope="module")
 def hf_model(tiny_reference):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg, state = tiny_reference
-    model = LlamaForCausalLM(LlamaConfig(**cfg)).eval()
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    assert set(missing) <= {"lm_head.weight"} and not unexpected  # tied head
-    model.tie_weights()
-    return model
+    return transformers_model(*tiny_reference)
 
 
 def hf_logits(model, ids: list[int]) -> np.ndarray:
@@ -36,14 +32,14 @@ def random_ids(n: int, seed: int, vocab: int = 49152) -> list[int]:
     return np.random.RandomState(seed).randint(0, vocab, n).tolist()
 
 
-def test_prefill_decode_and_second_turn_match_transformers(tiny, hf_model):
-    eng = tiny.engine
+def test_prefill_decode_and_second_turn_match_transformers(family_model, family_hf):
+    eng = family_model.engine
     eng.reset()
     ids = random_ids(40, 0)
     got = [eng.prefill(ids[:12])]
     got += [eng.decode(t) for t in ids[12:18]]
     got.append(eng.prefill(ids[18:40]))  # a second turn appended to the cache
-    ref = hf_logits(hf_model, ids)
+    ref = hf_logits(family_hf, ids)
     want = [ref[11], *ref[12:18], ref[39]]
     for g, w in zip(got, want):
         assert np.abs(g - w).max() < TOL
@@ -64,10 +60,10 @@ def test_cached_turns_equal_recomputing_from_scratch(tiny):
 
 
 @pytest.mark.parametrize("chunks", [[1] * 192, [16, 3, 16, 9, 16, 16, 1, 1, 16, 7, 16, 16, 16, 11, 16, 12, 5]])
-def test_eviction_matches_torch_streaming_reference(tiny, tiny_reference, chunks):
+def test_eviction_matches_torch_streaming_reference(family_model, family_reference, chunks):
     """Three times the capacity, one token at a time, and in prefill chunks that wrap the window ring."""
-    cfg, state = tiny_reference
-    eng = tiny.engine
+    cfg, state = family_reference
+    eng = family_model.engine
     eng.reset()
     ref = StreamingReference(state, cfg, TINY_SETTINGS.sinks, TINY_SETTINGS.window)
     rng = np.random.RandomState(7)
@@ -82,12 +78,12 @@ def test_eviction_matches_torch_streaming_reference(tiny, tiny_reference, chunks
     assert worst < TOL
 
 
-def test_prompt_longer_than_compiled_bound(tiny, hf_model):
-    eng = tiny.engine
+def test_prompt_longer_than_compiled_bound(family_model, family_hf):
+    eng = family_model.engine
     eng.reset()
     ids = random_ids(50, 3)  # bound is 16: four calls
     assert len(ids) > TINY_SETTINGS.chunk
-    assert np.abs(eng.prefill(ids) - hf_logits(hf_model, ids)[-1]).max() < TOL
+    assert np.abs(eng.prefill(ids) - hf_logits(family_hf, ids)[-1]).max() < TOL
 
 
 def test_mirror_tracks_sinks_and_recent_tokens(tiny):

@@ -1,0 +1,100 @@
+"""Each family's checkpoint formats: a GGUF written the llama.cpp way and a safetensors folder of the same tiny
+weights read to the same model, whose compiled logits match transformers' own GGUF load; and the limits a family
+brings (sliding windows, rope variants) refused before a build."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import TINY_SETTINGS
+from gguf_writer import GGUF_ARCH, write_gguf
+
+TOL = 1e-4
+
+
+def _hf_folder(folder, family_model, cfg, state):
+    from conftest import transformers_model
+
+    transformers_model(cfg, state).save_pretrained(folder, safe_serialization=True)
+    # The tiny models share the default model's tokenizer: the built entry holds it.
+    shutil.copyfile(family_model.folder / "tokenizer.json", folder / "tokenizer.json")
+    chat = json.loads((family_model.folder / "chat.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": chat["bos_token"], "eos_token": chat["eos_token"], "chat_template": chat["chat_template"]}))
+    return folder
+
+
+def test_gguf_and_safetensors_folder_give_the_same_logits(family, family_model, family_reference, tmp_path):
+    import transformers
+
+    from engine.build.checkpoint import load_state_dict, read_config, resolve_model
+    from engine.build.checkpoint.tiny import transformers_config
+
+    cfg, state = family_reference
+    folder = _hf_folder(tmp_path / f"{family}-hf", family_model, cfg, state)
+    gguf_path = write_gguf(tmp_path / f"{family}.gguf", family, cfg, {k: v.numpy() for k, v in state.items()})
+
+    hf_src, gguf_src = resolve_model(str(folder)), resolve_model(str(gguf_path))
+    assert (hf_src.kind, gguf_src.kind) == ("hf", "gguf")
+    hf_cfg, gguf_cfg = read_config(hf_src), read_config(gguf_src)
+    assert hf_cfg == cfg
+    assert gguf_cfg["rms_norm_eps"] == pytest.approx(cfg["rms_norm_eps"])  # GGUF stores float32
+    want = {**cfg, "rms_norm_eps": gguf_cfg["rms_norm_eps"]}
+    if GGUF_ARCH[family] != family:
+        # llama.cpp writes Mistral as a Llama and keeps no sliding window: Eddy then reads a Llama.
+        want.update(model_type=GGUF_ARCH[family], sliding_window=None)
+    assert gguf_cfg == want
+    hf_sd, gguf_sd = load_state_dict(hf_src), load_state_dict(gguf_src)
+    assert set(hf_sd) == set(gguf_sd) == set(state)
+    assert all(torch.equal(hf_sd[k], state[k]) and torch.equal(gguf_sd[k], state[k]) for k in state)
+
+    # Independently of Eddy's readers: transformers loads the same GGUF (its own name map and q/k
+    # un-permutation) and agrees with the compiled module built from these weights. The config is passed
+    # because transformers' GGUF config map lacks Qwen3's attention.key_length (head_dim).
+    from_gguf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file=gguf_path.name, config=transformers_config(gguf_cfg), dtype=torch.float32).eval()
+    ids = np.random.RandomState(11).randint(0, cfg["vocab_size"], 24).tolist()
+    with torch.no_grad():
+        ref = from_gguf(torch.tensor([ids])).logits[0].numpy()
+    eng = family_model.engine
+    eng.reset()
+    got = [eng.prefill(ids[:20])] + [eng.decode(t) for t in ids[20:]]
+    for g, w in zip(got, [ref[19], *ref[20:]]):
+        assert np.abs(g - w).max() < TOL
+
+
+def test_each_family_builds_its_own_features(family, family_model):
+    """The compiled entry records the family it was built as (a Qwen2 built as a Llama would drop its biases)."""
+    from engine.arch import FAMILIES
+
+    manifest = json.loads((family_model.folder / "manifest.json").read_text())
+    assert manifest["config"]["arch"] == family and not FAMILIES[family].missing
+    assert family_model.engine.cfg.arch == family
+
+
+def test_a_window_wider_than_the_models_sliding_window_is_refused(tmp_path, tiny):
+    from engine.build.checkpoint import load_state_dict, read_config, resolve_model
+    from engine.errors import ModelError
+    from engine.loader import open_model
+
+    src = resolve_model("tiny-random-mistral")
+    cfg = {**read_config(src), "sliding_window": TINY_SETTINGS.window - 1}
+    folder = _hf_folder(tmp_path / "narrow-mistral", tiny, cfg, load_state_dict(src))
+    with pytest.raises(ModelError, match=rf"at most {TINY_SETTINGS.window - 1} recent tokens"):
+        open_model(str(folder), TINY_SETTINGS)
+
+
+def test_unsupported_rope_variant_is_refused_before_a_build():
+    from engine.config import ModelConfig
+    from engine.errors import ModelError
+
+    cfg = {"model_type": "phi3", "vocab_size": 10, "hidden_size": 64, "num_hidden_layers": 1,
+           "num_attention_heads": 4, "intermediate_size": 8,
+           "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}}
+    with pytest.raises(ModelError, match="'longrope' is not supported"):
+        ModelConfig.from_hf(cfg)
+    assert ModelConfig.from_hf({**cfg, "rope_scaling": None}).arch == "phi3"
