@@ -200,6 +200,13 @@ def _split_at(pieces: list[tuple[str, bool]], pos: int) -> tuple[list[tuple[str,
     return _merge(head), _merge(tail)
 
 
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
 class Tokenizer:
     """Text <-> ids, and chat rendering that never lets user-typed text become control tokens."""
 
@@ -278,17 +285,43 @@ class Tokenizer:
         # its own; when the seam is not at a special token a merge across it is lost, which the model tolerates
         # far better than a full rebuild (ChatML's seam is always "\n" | "<|im_start|>", so it is exact there).
         if head != base:
-            return None
+            return self._delta_after_closing(history, base, full)
         return self._encode_pieces(tail)
 
+    def _delta_after_closing(self, history: list[dict], base: list[tuple[str, bool]],
+                             full: list[tuple[str, bool]]) -> list[int] | None:
+        """Some templates end a conversation with text they write only at its very end (Phi-3 adds eos_token when
+        there is no generation prompt). After an assistant turn the cache holds its closing text only up to where
+        that ending and the continuation part (in tokens: what turn_suffix gives), so the delta starts there.
+        None if anything earlier differs, or the history does not end with the assistant's reply."""
+        if len(base) < 2 or base[-1][1] or history[-1].get("role") != "assistant":
+            return None
+        head, rest = _split_at(full, sum(len(t) for t, _ in base[:-1]))
+        if head != base[:-1]:
+            return None
+        ending, going_on = self._encode_pieces(base[-1:]), self._encode_pieces(rest)
+        return going_on[_common_prefix(ending, going_on):]
+
     def turn_suffix(self, history: list[dict]) -> str:
-        """Template text that closes an assistant turn (ChatML: "<|im_end|>\\n"), or "" if it cannot be told."""
+        """Template text that closes an assistant turn (ChatML: "<|im_end|>\\n"), or "" if it cannot be told.
+
+        Only what the template writes whether or not the conversation goes on: Phi-3's closes the last turn of a
+        conversation with "<|end|>\\n<|endoftext|>" but a turn followed by another with "<|end|>\\n"."""
         probe = [*history, {"role": "assistant", "content": _PROBE_CONTENT}]
+        ending = self._closing_text(probe)
+        going_on = self._closing_text([*probe, {"role": "user", "content": _PROBE_CONTENT}])
+        if not going_on or going_on.startswith(ending):
+            return ending
+        ids = self.encode_template(ending)
+        return self.decode(ids[:_common_prefix(ids, self.encode_template(going_on))])
+
+    def _closing_text(self, probe: list[dict]) -> str | None:
+        """The template text right after the content of probe's last assistant message (None: no render)."""
         try:
             pieces = self._render(probe, False)
         except ModelError:
-            return ""
-        last = len(probe) - 1
+            return None if probe[-1]["role"] != "assistant" else ""
+        last = max(i for i, m in enumerate(probe) if m["role"] == "assistant")
         positions = [i for i, (_, idx) in enumerate(pieces) if idx == last]
         if not positions:
             return ""
