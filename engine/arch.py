@@ -71,6 +71,9 @@ class Family:
     tie_default: bool = False  # tie_word_embeddings when config.json does not say
     norm_eps_default: float = 1e-6
     act_names: tuple[str, ...] = ("silu",)  # hidden_act values that mean `activation`
+    # Local sliding-window layers (config layer_types) beside global ones, with attention / final logit soft-caps
+    # and query_pre_attn_scalar (Gemma 2). Local layers attend to the last sliding_window tokens.
+    local_layers: bool = False
     tiny: dict[str, Any] = field(default_factory=dict)  # tiny-random-<name>: config beyond the shared shape
     missing: str | None = None  # why Eddy cannot run this family yet (None: it can)
 
@@ -106,17 +109,19 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            norms={"attn": "input_layernorm.weight", "post_attn": "post_attention_layernorm.weight",
                   "ffn": "pre_feedforward_layernorm.weight", "post_ffn": "post_feedforward_layernorm.weight"},
            norm_offset=1.0, activation="gelu_tanh", embed_scale=True, tie_default=True,
-           act_names=("gelu_pytorch_tanh", "gelu"),
-           missing="local sliding-window layers (each with its own small ring beside the global StreamingLLM "
-                   "cache) and attention-logit soft-capping"),
+           act_names=("gelu_pytorch_tanh",), local_layers=True,
+           # Soft caps far below Gemma 2's 50 / 30 and a local window shorter than the tests' prompts, so a
+           # missing cap or window shows in the logits of a tiny random model.
+           tiny={"query_pre_attn_scalar": 16, "sliding_window": 8, "attn_logit_softcapping": 5.0,
+                 "final_logit_softcapping": 2.0, "layer_types": ["sliding_attention", "full_attention"]}),
     Family("gemma3", "Gemma 3", ("gemma3", "gemma3_text"), "Gemma3ForCausalLM", ("gemma3",),
            {**_LLAMA_ATTN, **_QK_NORM, **_LLAMA_MLP, **_SANDWICH_NORMS},
            norms={"attn": "input_layernorm.weight", "post_attn": "post_attention_layernorm.weight",
                   "ffn": "pre_feedforward_layernorm.weight", "post_ffn": "post_feedforward_layernorm.weight"},
            qk_norm=True, norm_offset=1.0, activation="gelu_tanh", embed_scale=True, tie_default=True,
-           act_names=("gelu_pytorch_tanh", "gelu"),
-           missing="local sliding-window layers (each with its own small ring beside the global StreamingLLM "
-                   "cache) with their own RoPE base"),
+           act_names=("gelu_pytorch_tanh",), local_layers=True,
+           missing="a second RoPE table for its local layers (their own base, rope_local_base_freq, beside the "
+                   "scaled global one)"),
 )}
 
 # Families in the wild that Eddy knows by name but has no entry for.

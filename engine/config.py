@@ -32,6 +32,12 @@ class ModelConfig:
     max_positions: int = 2048
     arch: str = "llama"  # the family in engine/arch.py
     sliding_window: int | None = None  # the model attends at most this many recent tokens (Mistral, Phi-3)
+    # Gemma 2: layers that attend only to the last local_window tokens, soft caps, query scaling.
+    local_layers: tuple[int, ...] = ()
+    local_window: int | None = None
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    query_scalar: float | None = None  # scores scaled by query_scalar ** -0.5 instead of head_dim ** -0.5
 
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> "ModelConfig":
@@ -53,7 +59,10 @@ class ModelConfig:
             tie_embeddings=bool(d.get("tie_word_embeddings", False)),
             max_positions=int(d.get("max_position_embeddings") or 2048),
             arch=fam.name,
-            sliding_window=int(d["sliding_window"]) if d.get("sliding_window") else None,
+            **cls._windows(d),
+            attn_softcap=float(d["attn_logit_softcapping"]) if d.get("attn_logit_softcapping") else None,
+            final_softcap=float(d["final_logit_softcapping"]) if d.get("final_logit_softcapping") else None,
+            query_scalar=float(d["query_pre_attn_scalar"]) if d.get("query_pre_attn_scalar") else None,
         )
         if cfg.n_heads % cfg.n_kv_heads:
             raise ModelError(f"{cfg.n_heads} attention heads are not a multiple of {cfg.n_kv_heads} KV heads")
@@ -62,6 +71,16 @@ class ModelConfig:
         if kind not in ROPE_TYPES:
             raise ModelError(f"rope scaling type {kind!r} is not supported (Eddy supports {', '.join(ROPE_TYPES)})")
         return cfg
+
+    @staticmethod
+    def _windows(d: dict[str, Any]) -> dict[str, Any]:
+        window = int(d["sliding_window"]) if d.get("sliding_window") else None
+        types = d.get("layer_types")
+        if not types:
+            return {"sliding_window": window}
+        # With layer_types the window is that of the local layers only; global layers see the whole cache.
+        local = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+        return {"local_layers": local, "local_window": window if local else None}
 
     def check_build(self, settings: "BuildSettings") -> None:
         """Refuses build settings under which the compiled model would attend further back than the model does."""

@@ -11,7 +11,8 @@ from typing import Any
 import numpy as np
 
 # llama.cpp converts Mistral (dense, HF MistralForCausalLM) with its Llama class: general.architecture = llama.
-GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
+GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
+             "gemma2": "gemma2"}
 
 
 def llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -38,8 +39,11 @@ def write_gguf(path: Path, family: str, cfg: dict[str, Any], sd: dict[str, Any])
         w.add_rope_dimension_count(cfg["head_dim"])
     w.add_rope_freq_base(cfg["rope_theta"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    if family == "phi3" and cfg.get("sliding_window"):
+    if family in ("phi3", "gemma2") and cfg.get("sliding_window"):
         w.add_sliding_window(cfg["sliding_window"])
+    if family == "gemma2":
+        w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
+        w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
     w.add_tokenizer_model("gpt2")
     w.add_token_list([f"<t{i}>" for i in range(cfg["vocab_size"])])
     for hf_name, t in sd.items():
@@ -51,6 +55,8 @@ def write_gguf(path: Path, family: str, cfg: dict[str, Any], sd: dict[str, Any])
             arr = llamacpp_permute(arr, cfg["num_attention_heads"])
         elif arch == "llama" and base.endswith("self_attn.k_proj") and suffix == "weight":
             arr = llamacpp_permute(arr, cfg["num_key_value_heads"])
+        if family == "gemma2" and base.endswith("norm"):
+            arr = arr + 1  # llama.cpp's Gemma converter stores (1 + w) norms with the 1 added
         w.add_tensor(f"{gname}.{suffix}", arr)
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -3,7 +3,10 @@
 It keeps an explicit ordered list of cached entries per layer, stores keys *before* RoPE and rotates every
 key by its index in the cache at each step (the textbook formulation), on Hugging Face weights of the
 Llama-style families: Llama and Mistral, Qwen2 (q/k/v biases), Qwen3 (per-head q/k RMSNorm before RoPE) and Phi-3
-(fused qkv_proj and gate_up_proj). Which of these a model has is read off its tensor names, not engine/arch.py.
+(fused qkv_proj and gate_up_proj), Gemma 2 (embeddings scaled by sqrt(hidden), (1 + w) norms before and after
+attention and MLP, GeGLU, soft-capped scores and logits, query_pre_attn_scalar, and local layers that see only
+the last sliding_window tokens). Which of these a model has is read off its tensor names and config, not
+engine/arch.py.
 A chunk of n tokens first makes room for itself (the oldest window entries leave), then each of its tokens
 attends to every cached entry not later than itself.
 """
@@ -21,6 +24,9 @@ class StreamingReference:
         self.position = 0
         d = hf_cfg["head_dim"]
         self.inv_freq = 1.0 / (hf_cfg["rope_theta"] ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+        self.gemma = hf_cfg.get("model_type") == "gemma2"
+        self.local = [t == "sliding_attention" for t in hf_cfg.get("layer_types") or []] or [False] * len(self.layers)
+        self.scale = (hf_cfg.get("query_pre_attn_scalar") or d) ** -0.5
 
     def rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         ang = pos.double()[:, None] * self.inv_freq[None]
@@ -29,7 +35,11 @@ class StreamingReference:
         return torch.cat([x[..., :h] * cos - x[..., h:] * sin, x[..., h:] * cos + x[..., :h] * sin], -1)
 
     def norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.c["rms_norm_eps"]) * w
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.c["rms_norm_eps"]) * (1 + w if self.gemma else w)
+
+    @staticmethod
+    def cap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+        return x if not cap else torch.tanh(x / cap) * cap
 
     def linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
         y = x @ self.w[name + ".weight"].T
@@ -47,7 +57,8 @@ class StreamingReference:
             gate, up = self.linear(h, p + "mlp.gate_up_proj").chunk(2, dim=-1)
         else:
             gate, up = self.linear(h, p + "mlp.gate_proj"), self.linear(h, p + "mlp.up_proj")
-        return self.linear(torch.nn.functional.silu(gate) * up, p + "mlp.down_proj")
+        act = torch.nn.functional.gelu(gate, approximate="tanh") if self.gemma else torch.nn.functional.silu(gate)
+        return self.linear(act * up, p + "mlp.down_proj")
 
     @torch.no_grad()
     def feed(self, ids: list[int]) -> torch.Tensor:
@@ -57,6 +68,8 @@ class StreamingReference:
         abs_pos = list(range(self.position, self.position + n))
         self.position += n
         x = w["model.embed_tokens.weight"][torch.tensor(ids)]
+        if self.gemma:
+            x = x * c["hidden_size"] ** 0.5
         for li, entries in enumerate(self.layers):
             p = f"model.layers.{li}."
             h = self.norm(x, w[p + "input_layernorm.weight"])
@@ -74,14 +87,21 @@ class StreamingReference:
             outs = []
             for i, a in enumerate(abs_pos):
                 qi = self.rope(q[i : i + 1], torch.tensor([where[a]]))[0]  # [H, D]
-                visible = torch.tensor([e[0] <= a for e in entries])
+                window = c["sliding_window"] if self.local[li] else None
+                visible = torch.tensor([e[0] <= a and (window is None or e[0] > a - window) for e in entries])
                 kk = keys.repeat_interleave(H // KVH, dim=1)  # [C, H, D]
                 vv = vals.repeat_interleave(H // KVH, dim=1)
-                s = torch.einsum("hd,chd->hc", qi, kk) / D**0.5
+                s = self.cap(torch.einsum("hd,chd->hc", qi, kk) * self.scale, c.get("attn_logit_softcapping"))
                 s = s.masked_fill(~visible[None], float("-inf")).softmax(-1)
                 outs.append(torch.einsum("hc,chd->hd", s, vv).reshape(H * D))
-            x = x + self.linear(torch.stack(outs), p + "self_attn.o_proj")
-            x = x + self.mlp(self.norm(x, w[p + "post_attention_layernorm.weight"]), p)
+            out = self.linear(torch.stack(outs), p + "self_attn.o_proj")
+            if self.gemma:  # sandwich norms: after attention, and before and after the MLP
+                x = x + self.norm(out, w[p + "post_attention_layernorm.weight"])
+                h = self.mlp(self.norm(x, w[p + "pre_feedforward_layernorm.weight"]), p)
+                x = x + self.norm(h, w[p + "post_feedforward_layernorm.weight"])
+            else:
+                x = x + out
+                x = x + self.mlp(self.norm(x, w[p + "post_attention_layernorm.weight"]), p)
         x = self.norm(x, w["model.norm.weight"])
         head = w.get("lm_head.weight", w["model.embed_tokens.weight"])
-        return x @ head.T
+        return self.cap(x @ head.T, c.get("final_logit_softcapping"))

@@ -418,7 +418,7 @@ def test_unsupported_architecture_hf(tmp_path):
     config = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}
     (folder / "config.json").write_text(json.dumps(config))
     pattern = (r'gpt2-model: unsupported architecture "gpt2" \(GPT-2\) \(Eddy supports Llama, Mistral, '
-               r'Qwen2 / Qwen2.5, Qwen3, Phi-3\)')
+               r'Qwen2 / Qwen2.5, Qwen3, Phi-3, Gemma 2\)')
     with pytest.raises(ModelError, match=pattern):
         resolve_model(str(folder))
 
@@ -429,13 +429,13 @@ def test_unsupported_architecture_gguf(tmp_path, tiny_source):
         resolve_model(str(path))
 
 
-@pytest.mark.parametrize("model_type,title", [("gemma2", "Gemma 2"), ("gemma3_text", "Gemma 3")])
+@pytest.mark.parametrize("model_type,title", [("gemma3", "Gemma 3"), ("gemma3_text", "Gemma 3")])
 def test_known_family_not_yet_supported_names_what_is_missing(tmp_path, model_type, title):
     folder = tmp_path / model_type
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({"model_type": model_type}))
-    with pytest.raises(ModelError, match=rf"{model_type}: {title} models are not supported yet: .*lacks local "
-                                         rf"sliding-window layers"):
+    with pytest.raises(ModelError, match=rf"{model_type}: {title} models are not supported yet: .*lacks a second "
+                                         rf"RoPE table for its local layers"):
         resolve_model(str(folder))
     gguf_path = _write_gguf(tmp_path / f"{model_type}.gguf", {**SMOLLM2_CONFIG, "num_hidden_layers": 1,
                                                               "vocab_size": 8, "rms_norm_eps": 1e-6},

@@ -50,7 +50,11 @@ def test_gguf_and_safetensors_folder_give_the_same_logits(family, family_model, 
     assert gguf_cfg == want
     hf_sd, gguf_sd = load_state_dict(hf_src), load_state_dict(gguf_src)
     assert set(hf_sd) == set(gguf_sd) == set(state)
-    assert all(torch.equal(hf_sd[k], state[k]) and torch.equal(gguf_sd[k], state[k]) for k in state)
+    assert all(torch.equal(hf_sd[k], state[k]) for k in state)
+    # Exact, but for Gemma's norms: llama.cpp stores 1 + w in float32, and taking the 1 off again rounds.
+    shifted = {k for k in state if family.startswith("gemma") and k.endswith("norm.weight")}
+    assert all(torch.equal(gguf_sd[k], state[k]) for k in set(state) - shifted)
+    assert all(torch.allclose(gguf_sd[k], state[k], rtol=0, atol=1e-6) for k in shifted)
 
     # Independently of Eddy's readers: transformers loads the same GGUF (its own name map and q/k
     # un-permutation) and agrees with the compiled module built from these weights. The config is passed

@@ -1,8 +1,8 @@
 """Each family's chat template and stop tokens through the runtime's sandboxed template path.
 
-The templates are the families' own (Llama 3 Instruct, Qwen2.5 Instruct, Phi-3 mini, Mistral Instruct), on the
-default model's vocabulary with the family's control tokens added; transformers' apply_chat_template renders the
-reference text."""
+The templates are the families' own (Llama 3 Instruct, Qwen2.5 Instruct, Phi-3 mini, Gemma 2 it, Mistral
+Instruct), on the default model's vocabulary with the family's control tokens added; transformers'
+apply_chat_template renders the reference text."""
 from __future__ import annotations
 
 import json
@@ -28,6 +28,14 @@ PHI3 = (
     "{% elif message['role'] == 'assistant' %}{{'<|assistant|>\n' + message['content'] + '<|end|>\n'}}{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}"
 )
+GEMMA2 = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+    "{% endif %}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if (message['role'] == 'assistant') %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}"
+    "{% endif %}{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{'<start_of_turn>model\n'}}{% endif %}"
+)
 MISTRAL = (
     "{{ bos_token }}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
     "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
@@ -45,6 +53,8 @@ CASES = {
     "qwen2.5": (QWEN25, None, "<|im_end|>", [], "<|im_end|>", None, "<|im_end|>\n", True),
     "phi3": (PHI3, "<s>", "<|endoftext|>", ["<s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"],
              "<|end|>", "<|end|>", "<|end|>\n", True),
+    "gemma2": (GEMMA2, "<bos>", "<eos>", ["<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"], "<end_of_turn>",
+               "<end_of_turn>", "<end_of_turn>\n", False),
     "mistral": (MISTRAL, "<s>", "</s>", ["<s>", "</s>", "[INST]", "[/INST]"], "</s>", None, "</s>", False),
 }
 

@@ -94,6 +94,9 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, settings: BuildSettings, layer: int) -> None:
         super().__init__()
         self.cfg, self.sinks, self.layer, self.capacity = cfg, settings.sinks, layer, settings.capacity
+        self.local = layer in cfg.local_layers  # attends to the last local_window tokens only (Gemma 2)
+        self.scale = (cfg.query_scalar or cfg.head_dim) ** -0.5
+        self.softcap = cfg.attn_softcap
         fam = family(cfg.arch)
         # q, k and v as one matrix: one matmul reads x once.
         self.wqkv = Linear((cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, cfg.dim)
@@ -103,7 +106,8 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, fam.norm_offset) if fam.qk_norm else None
 
     def forward(self, x: torch.Tensor, cache: torch.Tensor, sink_keys: torch.Tensor | None, slots: torch.Tensor,
-                rope: torch.Tensor, shift: torch.Tensor, mask: torch.Tensor, single: bool) -> torch.Tensor:
+                rope: torch.Tensor, shift: torch.Tensor, mask: tuple[torch.Tensor, torch.Tensor],
+                single: bool) -> torch.Tensor:
         cfg, n = self.cfg, x.shape[0]
         kvh, rep, d = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
         # Grouped-query attention through views and broadcasting: a reshape mixing the dynamic length with
@@ -116,19 +120,24 @@ class Attention(nn.Module):
         k = rotate(k, rope[0], rope[1])
         v = qkv[:, (cfg.n_heads + kvh) * d :].view(n, kvh, d)
         keys, values = self.write_cache(cache, sink_keys, slots, k.to(cache.dtype), v.to(cache.dtype), shift)
-        scale = d ** -0.5
+        scale = self.scale
+        mask = mask[1] if self.local else mask[0]
         q = rotate(q, rope[0], rope[1]).view(n, kvh, rep, d)
         if single:
             # One query: multiply-and-sum reads the cache in place (a matmul would repack it every step).
-            scores = (q.view(kvh, rep, 1, d) * keys.unsqueeze(1)).sum(-1) * scale  # [kvh, rep, C]
+            scores = self.capped((q.view(kvh, rep, 1, d) * keys.unsqueeze(1)).sum(-1) * scale)  # [kvh, rep, C]
             probs = torch.softmax(scores + mask.view(1, 1, -1), dim=-1)
             # As a matmul: a multiply-and-sum over the slot axis vectorises past the CPU stack limit.
             out = torch.matmul(probs, values)  # [kvh, rep, d]
             return self.wo(out.reshape(1, cfg.n_heads * d))
         scores = torch.matmul(q.permute(1, 2, 0, 3), keys.transpose(1, 2).unsqueeze(1)) * scale  # [kvh, rep, n, C]
-        probs = torch.softmax(scores + mask, dim=-1)
+        probs = torch.softmax(self.capped(scores) + mask, dim=-1)
         out = torch.matmul(probs, values.unsqueeze(1))  # [kvh, rep, n, d]
         return self.wo(out.permute(2, 0, 1, 3).reshape(n, cfg.n_heads * d))
+
+    def capped(self, scores: torch.Tensor) -> torch.Tensor:
+        """Gemma 2's soft cap on attention scores, before the mask."""
+        return scores if self.softcap is None else torch.tanh(scores / self.softcap) * self.softcap
 
     def write_cache(self, cache: torch.Tensor, sink_keys: torch.Tensor | None, slots: torch.Tensor,
                     k: torch.Tensor, v: torch.Tensor, shift: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -219,12 +228,21 @@ class StreamingLlama(nn.Module):
             x = x * self.embed_scale
         neg = torch.full((), float("-inf"))
         mask = torch.where(slot_pos.unsqueeze(0) <= token_pos.unsqueeze(1), torch.zeros(()), neg)  # [n, C]
+        local = mask
+        if self.cfg.local_layers:
+            # Local layers also drop slots local_window or more tokens back (sinks included, once that far). The
+            # shared cache serves them: a local layer attends to a subset of what a global one does.
+            recent = slot_pos.unsqueeze(0) > token_pos.unsqueeze(1) - self.cfg.local_window
+            local = torch.where(recent, mask, neg)
+        mask = (mask, local)
         for block in self.layers:
             x = block(x, self.cache, self.sink_keys, slots, rope, shift, mask, single)
         return self.norm(x)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
-        return (self.tok_embeddings if self.output is None else self.output)(x)
+        logits = (self.tok_embeddings if self.output is None else self.output)(x)
+        cap = self.cfg.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def prefill(self, tokens, slots, rope, shift, slot_pos, token_pos) -> torch.Tensor:
         """Appends n tokens to the cache; returns the logits after the last one [1, vocab]."""

@@ -249,12 +249,24 @@ def gguf_config(source: "ModelSource", info: _GGUFInfo) -> dict[str, Any]:
         raise ModelError(f"{name}: partial rotary or unequal key/value head sizes are not supported.")
     rope_theta = float(get("rope.freq_base", 10000.0))
     window = get("attention.sliding_window")
+    layers = int(get("block_count", required=True))
+    local = {}
+    if fam.local_layers:
+        caps = {k: f.get(f"{prefix}.{k}") for k in ("attn_logit_softcapping", "final_logit_softcapping")}
+        local = {
+            # llama.cpp's Gemma 2 layout: even layers local. GGUF has no query_pre_attn_scalar: llama.cpp scales
+            # queries by head_dim, except in the 27B model (46 layers) by hidden / heads.
+            "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+            "query_pre_attn_scalar": hidden // heads if layers == 46 else head_dim,
+            **{k: float(v) if v is not None else None for k, v in caps.items()},
+        }
     config = {
+        **local,
         "model_type": fam.name,
         "vocab_size": int(embed.shape[1]),
         "hidden_size": hidden,
         "intermediate_size": int(get("feed_forward_length", required=True)),
-        "num_hidden_layers": int(get("block_count", required=True)),
+        "num_hidden_layers": layers,
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,

@@ -42,7 +42,7 @@ def hf_config(source: "ModelSource") -> dict[str, Any]:
         if raw.get(flag):
             raise ModelError(f"{source.name}: {flag} = true is not supported ({fam.title} as Eddy builds it "
                              f"has no such biases).")
-    act = raw.get("hidden_act", fam.act_names[0])
+    act = raw.get("hidden_activation") or raw.get("hidden_act") or fam.act_names[0]
     if act not in fam.act_names:
         raise ModelError(f'{source.name}: activation "{act}" is not supported ({fam.title} uses {fam.act_names[0]}).')
     partial = raw.get("partial_rotary_factor") or (raw.get("rope_parameters") or {}).get("partial_rotary_factor")
@@ -73,15 +73,18 @@ def hf_config(source: "ModelSource") -> dict[str, Any]:
         scaling.pop("type", None)
         scaling.pop("rope_theta", None)
         scaling = None if rope_type == "default" else {"rope_type": rope_type, **scaling}
-    # Mistral's and Phi-3's window; Qwen's sliding_window only counts with use_sliding_window (refused above).
-    window = raw.get("sliding_window") if fam.name in ("mistral", "phi3") else None
+    # Mistral's and Phi-3's window (every layer), Gemma's (its local layers); Qwen's sliding_window only counts
+    # with use_sliding_window (refused above).
+    window = raw.get("sliding_window") if fam.name in ("mistral", "phi3") or fam.local_layers else None
+    layers = int(raw.get("num_hidden_layers", 32))
 
     return {
+        **(_local_layer_config(raw, layers) if fam.local_layers else {}),
         "model_type": fam.name,
         "vocab_size": int(raw.get("vocab_size", 32000)),
         "hidden_size": hidden,
         "intermediate_size": int(raw.get("intermediate_size", 11008)),
-        "num_hidden_layers": int(raw.get("num_hidden_layers", 32)),
+        "num_hidden_layers": layers,
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
@@ -91,6 +94,17 @@ def hf_config(source: "ModelSource") -> dict[str, Any]:
         "tie_word_embeddings": bool(raw.get("tie_word_embeddings", fam.tie_default)),
         "max_position_embeddings": int(raw.get("max_position_embeddings", 2048)),
         "sliding_window": int(window) if window else None,
+    }
+
+
+def _local_layer_config(raw: dict[str, Any], layers: int) -> dict[str, Any]:
+    # Gemma2Config's defaults: every other layer local, starting with the first.
+    types = raw.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+    return {
+        "layer_types": list(types),
+        "query_pre_attn_scalar": raw.get("query_pre_attn_scalar", 256),
+        "attn_logit_softcapping": raw.get("attn_logit_softcapping", 50.0),
+        "final_logit_softcapping": raw.get("final_logit_softcapping", 30.0),
     }
 
 
