@@ -32,6 +32,8 @@ def softmax(x: np.ndarray, t: float = 1.0) -> np.ndarray:
     {"temperature": -0.1}, {"temperature": float("nan")}, {"temperature": float("inf")},
     {"top_k": -1}, {"top_k": 2.5}, {"top_p": 0.0}, {"top_p": 1.5}, {"top_p": -0.2},
     {"repeat_penalty": 0.0}, {"repeat_penalty": -1.0}, {"repeat_last_n": -1}, {"seed": -3}, {"seed": 1.5},
+    {"min_p": -0.1}, {"min_p": 1.0}, {"min_p": float("nan")}, {"presence_penalty": 2.5},
+    {"frequency_penalty": float("nan")}, {"frequency_penalty": -3.0},
 ])
 def test_invalid_params_rejected(kwargs):
     name = next(iter(kwargs))
@@ -137,6 +139,52 @@ def test_repeat_penalty_window():
     assert Sampler(SamplingParams(repeat_penalty=1.3, repeat_last_n=0)).sample(logits, recent) == 3
     assert Sampler(SamplingParams(repeat_penalty=1.3, repeat_last_n=11)).sample(logits, deque(recent)) == 5
     assert Sampler(SamplingParams(repeat_penalty=1.3)).sample(logits, np.array(recent)) == 5
+
+
+def test_min_p_keeps_tokens_near_the_best():
+    # Probabilities at temperature 1: 0.5, 0.25, 0.125, 0.0625, 0.0625. min-p 0.2 keeps p >= 0.1: the first three.
+    probs = np.array([0.5, 0.25, 0.125, 0.0625, 0.0625])
+    logits = np.log(probs).astype(np.float32)
+    n = 12000
+    counts = np.bincount(draws(SamplingParams(temperature=1.0, min_p=0.2, seed=3), logits, n), minlength=5)
+    assert counts[3] == counts[4] == 0
+    expected = np.array([0.5, 0.25, 0.125]) / 0.875  # what is kept is renormalised
+    chi2 = ((counts[:3] - n * expected) ** 2 / (n * expected)).sum()
+    assert chi2 < 13.8, counts  # 99.9th percentile, 2 degrees of freedom
+    # Either side of the third token's ratio to the best (0.125 / 0.5 = 0.25):
+    assert set(draws(SamplingParams(temperature=1.0, min_p=0.249, seed=0), logits, 3000)) == {0, 1, 2}
+    assert set(draws(SamplingParams(temperature=1.0, min_p=0.251, seed=0), logits, 3000)) == {0, 1}
+
+
+def test_min_p_follows_temperature_and_combines_with_top_k_and_top_p():
+    probs = np.array([0.4, 0.3, 0.2, 0.1])
+    logits = np.log(probs).astype(np.float32)
+    # Cooler: ratios to the best shrink (0.3/0.4 -> 0.5625 at T=0.5), so min-p 0.6 keeps only the best.
+    assert set(draws(SamplingParams(temperature=0.5, min_p=0.6, seed=1), logits, 2000)) == {0}
+    assert set(draws(SamplingParams(temperature=1.0, min_p=0.6, seed=1), logits, 2000)) == {0, 1}
+    # With top-k the kept ids are still the original ones, not positions in the shortlist.
+    shuffled = logits[[2, 0, 3, 1]]  # ids 1 and 3 are now the best two
+    assert set(draws(SamplingParams(temperature=1.0, top_k=3, min_p=0.6, seed=1), shuffled, 2000)) == {1, 3}
+    # top-p 0.75 keeps {0, 1, 2}; min-p 0.6 then drops 2 (0.2 / 0.4 = 0.5).
+    assert set(draws(SamplingParams(temperature=1.0, top_p=0.75, min_p=0.6, seed=1), logits, 2000)) == {0, 1}
+    # The best token always survives, however high min-p is.
+    assert set(draws(SamplingParams(temperature=1.0, min_p=0.99, seed=1), logits, 200)) == {0}
+
+
+def test_presence_and_frequency_penalties():
+    logits = np.zeros(10, dtype=np.float32)
+    logits[3], logits[5] = 2.0, 1.5
+    recent = [3, 3, 3, 8]
+    # presence: 2.0 - 0.6 = 1.4 < 1.5, whatever the count
+    assert Sampler(SamplingParams(presence_penalty=0.6)).sample(logits, recent) == 5
+    assert Sampler(SamplingParams(presence_penalty=0.4)).sample(logits, recent) == 3
+    # frequency: per occurrence, 2.0 - 3 * 0.2 = 1.4 < 1.5, but one occurrence (1.8) is not enough
+    assert Sampler(SamplingParams(frequency_penalty=0.2)).sample(logits, recent) == 5
+    assert Sampler(SamplingParams(frequency_penalty=0.2)).sample(logits, [3]) == 3
+    # counted within repeat_last_n only; a negative penalty encourages repetition
+    assert Sampler(SamplingParams(frequency_penalty=0.2, repeat_last_n=2)).sample(logits, recent) == 3
+    assert Sampler(SamplingParams(presence_penalty=-1.0)).sample(logits, [5]) == 5
+    assert logits[3] == 2.0  # the caller's array is untouched
 
 
 @pytest.mark.parametrize("temperature, top_k", [(1.0, 0), (0.5, 0), (1.5, 4)])

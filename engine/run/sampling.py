@@ -1,4 +1,9 @@
-"""Next-token sampling from a logits vector: greedy, temperature, top-k, top-p and a llama.cpp-style repeat penalty."""
+"""Next-token sampling from a logits vector: greedy, temperature, top-k, top-p, min-p, a llama.cpp-style repeat
+penalty and OpenAI-style presence/frequency penalties.
+
+The order is transformers' (penalties, then top-k, temperature, top-p, min-p): min-p compares probabilities
+after temperature, as its MinPLogitsWarper does, so a hotter temperature lets more tokens through.
+"""
 
 from __future__ import annotations
 
@@ -19,8 +24,11 @@ class SamplingParams:
     temperature: float = 0.0     # 0 => greedy
     top_k: int = 0               # 0 => off
     top_p: float = 1.0           # 1 => off
+    min_p: float = 0.0           # 0 => off; drop tokens less likely than min_p x the most likely one
     repeat_penalty: float = 1.0  # 1 => off; logits of tokens in `recent` divided by penalty if >0 else multiplied
-    repeat_last_n: int = 64
+    presence_penalty: float = 0.0   # 0 => off; subtracted once from the logit of every token in `recent`
+    frequency_penalty: float = 0.0  # 0 => off; subtracted per occurrence in `recent`
+    repeat_last_n: int = 64      # how many recent tokens every penalty looks at
     seed: int | None = None
 
     def __post_init__(self) -> None:
@@ -33,6 +41,12 @@ class SamplingParams:
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if not (0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
+        if not (0 <= self.min_p < 1):
+            raise ValueError(f"min_p must be in [0, 1) (0 = off), got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and -2 <= value <= 2):  # the OpenAI API's range
+                raise ValueError(f"{name} must be in [-2, 2] (0 = off), got {value}")
         if not (math.isfinite(self.repeat_penalty) and self.repeat_penalty > 0):
             raise ValueError(f"repeat_penalty must be a finite number > 0 (1 = off), got {self.repeat_penalty}")
         if isinstance(self.repeat_last_n, bool) or not isinstance(self.repeat_last_n, int) or self.repeat_last_n < 0:
@@ -64,6 +78,11 @@ class Sampler:
             keep = _nucleus(probs, p.top_p)
             ids = keep if ids is None else ids[keep]
             probs = probs[keep]
+        if p.min_p > 0:
+            # Relative to the best token, so renormalising after top-p changes nothing; the best always stays.
+            keep = np.flatnonzero(probs >= p.min_p * probs.max())
+            ids = keep if ids is None else ids[keep]
+            probs = probs[keep]
 
         cum = np.cumsum(probs)
         pick = min(int(np.searchsorted(cum, self._rng.random() * cum[-1], side="right")), len(cum) - 1)
@@ -71,14 +90,19 @@ class Sampler:
 
     def _penalise(self, logits: np.ndarray, recent: Sequence[int]) -> np.ndarray:
         p = self.params
-        if p.repeat_penalty == 1 or p.repeat_last_n == 0 or len(recent) == 0:
+        off = p.repeat_penalty == 1 and p.presence_penalty == 0 and p.frequency_penalty == 0
+        if off or p.repeat_last_n == 0 or len(recent) == 0:
             return logits
         # reversed + islice: touches only the window, and works for a deque (which cannot be sliced) too
-        seen = np.unique(np.fromiter(islice(reversed(recent), p.repeat_last_n), dtype=np.int64))
-        seen = seen[(seen >= 0) & (seen < logits.size)]
+        window = np.fromiter(islice(reversed(recent), p.repeat_last_n), dtype=np.int64)
+        seen, counts = np.unique(window, return_counts=True)
+        inside = (seen >= 0) & (seen < logits.size)
+        seen, counts = seen[inside], counts[inside]
         out = logits.copy()  # never modify the caller's array
         vals = out[seen]
-        out[seen] = np.where(vals > 0, vals / p.repeat_penalty, vals * p.repeat_penalty)
+        if p.repeat_penalty != 1:
+            vals = np.where(vals > 0, vals / p.repeat_penalty, vals * p.repeat_penalty)
+        out[seen] = vals - p.presence_penalty - p.frequency_penalty * counts
         return out
 
 
