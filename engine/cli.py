@@ -9,7 +9,24 @@ from typing import Callable, Sequence
 
 from .config import DEVICES, DTYPES, TARGET_CPUS, BuildSettings
 from .errors import EddyError
+from .run.generation import EDDY_CHAT_DEFAULTS
 from .run.sampling import SamplingParams
+
+# (flag, type, help) of the sampling options; each maps to the SamplingParams field of the same name.
+_SAMPLING_FLAGS = (
+    ("--temperature", float, "0 = greedy"),
+    ("--top-k", int, "keep the k most likely tokens, 0 = off"),
+    ("--top-p", float, "keep the smallest set holding this probability, 1 = off"),
+    ("--min-p", float, "drop tokens less likely than this times the most likely one, 0 = off"),
+    ("--repeat-penalty", float, "divide the logits of recent tokens by this, 1 = off"),
+    ("--presence-penalty", float, "subtract this from the logits of recent tokens, 0 = off"),
+    ("--frequency-penalty", float, "subtract this per recent occurrence, 0 = off"),
+    ("--repeat-last-n", int, "how many recent tokens the penalties look at"),
+)
+
+
+def _describe(values: dict) -> str:
+    return ", ".join(f"{k.replace('_', ' ')} {v:g}" for k, v in values.items() if v)
 
 
 def _build_options(p: argparse.ArgumentParser) -> None:
@@ -46,16 +63,21 @@ def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="eddy", description="Chat with local language models that never run out of context.")
     sub = top.add_subparsers(dest="command", required=True)
 
-    chat = sub.add_parser("chat", help="chat in the terminal (each input line is a user turn)")
+    chat = sub.add_parser("chat", help="chat in the terminal (each input line is a user turn)",
+                          description="Chat in the terminal. Decoding is greedy unless --chat-defaults "
+                                      "(repeatable output for scripts and benchmarks).")
     _build_options(chat)
     chat.add_argument("--prompt", help="answer this one turn and exit")
     chat.add_argument("--system", default=None, help="system prompt")
     chat.add_argument("--max-new-tokens", type=int, default=512)
+    # Unset sampling options take the base: greedy decoding (for scripts and benchmarks) unless --chat-defaults.
+    chat.add_argument("--chat-defaults", action="store_true",
+                      help="sample as the desktop app does: the model's recommended settings, else Eddy's chat "
+                           f"defaults ({_describe(EDDY_CHAT_DEFAULTS)}); without it, decoding is greedy")
     s = SamplingParams()
-    chat.add_argument("--temperature", type=float, default=s.temperature, help="0 = greedy (default)")
-    chat.add_argument("--top-k", type=int, default=s.top_k)
-    chat.add_argument("--top-p", type=float, default=s.top_p)
-    chat.add_argument("--repeat-penalty", type=float, default=s.repeat_penalty)
+    for flag, kind, note in _SAMPLING_FLAGS:
+        name = flag[2:].replace("-", "_")
+        chat.add_argument(flag, type=kind, default=None, help=f"{note} (default {getattr(s, name):g})")
     chat.add_argument("--seed", type=int, default=None)
     chat.add_argument("--json", action="store_true", help="one JSON event per line on stdout")
 
@@ -124,9 +146,16 @@ def _chat(args: argparse.Namespace) -> int:
     from .loader import open_model
     from .run.session import ChatSettings
 
-    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                              repeat_penalty=args.repeat_penalty, seed=args.seed)
+    from dataclasses import asdict
+
+    from .run.generation import ChatDefaults, sampling_params
+
+    given = {flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_")) for flag, _, _ in _SAMPLING_FLAGS}
+    greedy = {k: v for k, v in asdict(SamplingParams()).items() if k != "seed"}
+    sampling_params(ChatDefaults(greedy), given, args.seed)  # a bad value fails here, before a long build
     model = open_model(args.model, _settings(args), _progress_printer(args.json))
+    base = model.chat_defaults if args.chat_defaults else ChatDefaults(greedy)
+    sampling = sampling_params(base, given, args.seed)
     session = model.chat(ChatSettings(system_prompt=args.system, max_new_tokens=args.max_new_tokens, sampling=sampling))
 
     def on_event(event: dict) -> None:

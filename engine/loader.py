@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -11,6 +11,7 @@ from .build.artefacts import (bundled_entries, check_cpu, compiler_available, en
 from .build.checkpoint import DEFAULT_MODEL, TINY_RANDOM, ModelSource, resolve_model
 from .config import BuildSettings, ModelConfig
 from .errors import ArtefactError, ModelError
+from .run.generation import ChatDefaults, chat_defaults, read_recommended
 from .run.runtime import CompiledModule, StreamingEngine
 from .run.session import ChatSession, ChatSettings
 from .run.tokenizer import Tokenizer
@@ -22,6 +23,7 @@ class LoadedModel:
     folder: Path
     engine: StreamingEngine
     tokenizer: Tokenizer
+    chat_defaults: ChatDefaults = field(default_factory=ChatDefaults)  # the sampling chat apps should start from
 
     def chat(self, settings: ChatSettings | None = None) -> ChatSession:
         return ChatSession(self.engine, self.tokenizer, settings)
@@ -37,7 +39,10 @@ def load_artefacts(folder: Path) -> tuple[CompiledModule, ModelConfig, BuildSett
 def open_folder(folder: Path, source: ModelSource | None = None) -> LoadedModel:
     check_cpu(folder)
     module, cfg, settings = load_artefacts(folder)
-    return LoadedModel(source, folder, StreamingEngine(module, cfg, settings), Tokenizer.from_dir(folder))
+    # Read from the checkpoint, not the artefacts: it is not part of the compiled module, so editing a
+    # folder's generation_config.json takes effect at the next start without a rebuild.
+    defaults = chat_defaults(*read_recommended(source.kind, source.path)) if source else ChatDefaults()
+    return LoadedModel(source, folder, StreamingEngine(module, cfg, settings), Tokenizer.from_dir(folder), defaults)
 
 
 def open_model(spec: str | None, settings: BuildSettings | None = None,

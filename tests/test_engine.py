@@ -115,7 +115,7 @@ print(json.dumps({{"run": run_modules, "heavy": heavy}}))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert {"runtime", "session", "tokenizer", "sampling", "rope"} <= set(result["run"])
+    assert {"runtime", "session", "tokenizer", "sampling", "generation", "rope"} <= set(result["run"])
     assert result["heavy"] == []
 
 
