@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
 from PySide6.QtCore import QObject, QTimer, Signal
+
+from engine.run.generation import ChatDefaults
 
 from .models import ChatModel, ConversationListModel, Message, TurnStatsModel
 from .settings import AppSettings, load_settings, save_settings
@@ -136,9 +138,12 @@ class ChatController(QObject):
         self.host.cancel_load()
 
     def _chat_dict(self) -> dict:
-        chat = self.settings.chat_settings()
-        return {"system_prompt": chat.system_prompt, "max_new_tokens": chat.max_new_tokens,
-                "sampling": asdict(chat.sampling)}
+        return self.settings.chat_dict()
+
+    @property
+    def chat_defaults(self) -> ChatDefaults:
+        """The loaded model's sampling defaults (Eddy's own until a model has loaded)."""
+        return ChatDefaults.from_dict(self.model_info.get("chat_defaults") or {})
 
     def _set_model_state(self, state: str) -> None:
         self.model_state = state

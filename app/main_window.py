@@ -283,7 +283,8 @@ class MainWindow(QMainWindow):
         self.statusBar().showMessage(f"Exported to {path}", 5000)
 
     def open_settings(self) -> None:
-        dialog = SettingsDialog(self.controller.settings, self, self.controller.model_override)
+        dialog = SettingsDialog(self.controller.settings, self, self.controller.model_override,
+                                self.controller.chat_defaults)
         if dialog.exec() == SettingsDialog.DialogCode.Accepted:
             new = dialog.value()
             if self.controller.settings.needs_rebuild(new):

@@ -1,6 +1,6 @@
 """Takes the README screenshots from the real app (a developer tool, not used by the app itself).
 
-    xvfb-run -a -s "-screen 0 1600x1000x24" python -m app.screenshots main-window OUT.png [--model M]
+    xvfb-run -a -s "-screen 0 1600x1000x24" python -m app.screenshots main-window|first-run|settings OUT.png [--model M]
     EDDY_CACHE_DIR=$(mktemp -d) xvfb-run -a -s "-screen 0 1600x1000x24" python -m app.screenshots first-run OUT.png
 
 Under an X server (Xvfb) the picture is the screen's own pixels, so it shows what a user would see,
@@ -23,6 +23,7 @@ from PySide6.QtWidgets import QApplication, QStyleFactory
 from .main import main
 from .main_window import MainWindow
 from .settings import AppSettings, save_settings
+from .settings_dialog import SettingsDialog
 
 PROMPTS = [
     "Hi! Who are you?",
@@ -137,7 +138,7 @@ def main_window(out: Path, model: str | None, max_turns: int, grab_after: int, d
         QTimer.singleShot(15 * 60 * 1000, window.close)  # never hang a script
 
     data = Path(tempfile.mkdtemp(prefix="eddy-shot-"))
-    save_settings(data, AppSettings(max_new_tokens=220, repeat_penalty=1.1))
+    save_settings(data, AppSettings(max_new_tokens=220, seed=1))  # the app's chat defaults, repeatable
     return main(["--data-dir", str(data)] + (["--model", model] if model else []), on_window=drive)
 
 
@@ -159,9 +160,37 @@ def first_run(out: Path, model: str) -> int:
     return main(["--data-dir", str(data), "--model", model], on_window=drive)
 
 
+def settings(out: Path, model: str | None) -> int:
+    """The Settings dialog once the model has loaded: the defaults in force, one value of the user's own."""
+    def drive(window: MainWindow) -> None:
+        window.resize(1180, 760)
+
+        def opened() -> None:
+            dialog = next(w for w in QApplication.topLevelWidgets() if isinstance(w, SettingsDialog) and w.isVisible())
+
+            def grab() -> None:
+                _save(_snapshot(window) if _on_screen() else _composite(window, dialog), out)
+                dialog.reject()
+                QTimer.singleShot(300, window.close)
+
+            QTimer.singleShot(800, grab)
+
+        def ready(state: str) -> None:
+            if state == "ready" and not getattr(drive, "done", False):
+                drive.done = True
+                QTimer.singleShot(300, opened)
+                QTimer.singleShot(0, window.open_settings)  # modal: runs its own loop until grab() closes it
+
+        window.controller.model_state_changed.connect(ready)
+
+    data = Path(tempfile.mkdtemp(prefix="eddy-shot-"))
+    save_settings(data, AppSettings(top_k=20))
+    return main(["--data-dir", str(data)] + (["--model", model] if model else []), on_window=drive)
+
+
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
-    p.add_argument("what", choices=["main-window", "first-run"])
+    p.add_argument("what", choices=["main-window", "first-run", "settings"])
     p.add_argument("out", type=Path)
     p.add_argument("--model", default=None)
     p.add_argument("--max-turns", type=int, default=14)
@@ -170,4 +199,6 @@ if __name__ == "__main__":
     a = p.parse_args()
     if a.what == "main-window":
         sys.exit(main_window(a.out, a.model, a.max_turns, a.grab_after, a.dark))
+    if a.what == "settings":
+        sys.exit(settings(a.out, a.model))
     sys.exit(first_run(a.out, a.model or "tiny-random"))

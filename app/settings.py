@@ -2,6 +2,11 @@
 
 Two groups matter to the rest of the app: the build fields change the compiled module (a rebuild), the
 chat fields only change how the next replies are generated.
+
+Only what the user chose is stored. A sampling field left as None follows the loaded model's defaults
+(engine.generation: the checkpoint's recommendation, else Eddy's chat defaults), so changing the model
+changes it; any other field equal to its default is not written either, so a later release's better
+default reaches everyone who never touched it.
 """
 from __future__ import annotations
 
@@ -12,11 +17,15 @@ from typing import Any
 from PySide6.QtCore import QSettings
 
 from engine.config import DEVICES, DTYPES, BuildSettings
+from engine.run.generation import SAMPLING_FIELDS, ChatDefaults, sampling_params
 from engine.run.sampling import SamplingParams
 from engine.run.session import ChatSettings
 
 BUILD_FIELDS = ("model", "sinks", "window", "dtype", "device", "max_chunk")
 SETTINGS_FILE = "settings.ini"
+# 1: every field saved, sampling greedy by default. 2: only the fields the user set.
+SETTINGS_VERSION = 2
+VERSION_KEY = "settings_version"
 
 
 @dataclass(frozen=True)
@@ -29,23 +38,36 @@ class AppSettings:
     max_chunk: int = BuildSettings.max_chunk
     system_prompt: str = ""
     max_new_tokens: int = 512
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    repeat_penalty: float = 1.0
-    repeat_last_n: int = 64
+    # Sampling: None = the model's default (see engine.generation).
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    repeat_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repeat_last_n: int | None = None
     seed: int = -1  # -1 = a fresh seed every reply
 
     def build_settings(self) -> BuildSettings:
         return BuildSettings(sinks=self.sinks, window=self.window, dtype=self.dtype, device=self.device,
                              max_chunk=self.max_chunk)
 
-    def chat_settings(self) -> ChatSettings:
-        sampling = SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-                                  repeat_penalty=self.repeat_penalty, repeat_last_n=self.repeat_last_n,
-                                  seed=None if self.seed < 0 else self.seed)
+    def sampling_overrides(self) -> dict[str, Any]:
+        """The sampling values the user chose (the rest follow the model)."""
+        return {name: getattr(self, name) for name in SAMPLING_FIELDS if getattr(self, name) is not None}
+
+    def chat_settings(self, defaults: ChatDefaults | None = None) -> ChatSettings:
+        sampling = sampling_params(defaults or ChatDefaults(), self.sampling_overrides(),
+                                   None if self.seed < 0 else self.seed)
         return ChatSettings(system_prompt=self.system_prompt.strip() or None,
                             max_new_tokens=self.max_new_tokens, sampling=sampling)
+
+    def chat_dict(self) -> dict[str, Any]:
+        """What the worker needs to make ChatSettings once it knows the model's defaults (plain data: it
+        crosses threads in a queued signal)."""
+        return {"system_prompt": self.system_prompt.strip() or None, "max_new_tokens": self.max_new_tokens,
+                "overrides": self.sampling_overrides(), "seed": None if self.seed < 0 else self.seed}
 
     def validate(self) -> None:
         """Raises ValueError with a message for the user if any value is out of range."""
@@ -60,40 +82,81 @@ class AppSettings:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def user_set(self) -> dict[str, Any]:
+        """The fields that differ from a fresh install's: what is stored."""
+        fresh = AppSettings()
+        return {k: v for k, v in self.to_dict().items() if v is not None and v != getattr(fresh, k)}
+
+
+# What version 1 wrote for a field nobody touched (it saved every field): such a value counts as untouched.
+_V1_DEFAULTS: dict[str, Any] = {
+    "model": "", "sinks": 4, "window": 1020, "dtype": "q8", "device": "cpu", "max_chunk": 512, "system_prompt": "",
+    "max_new_tokens": 512, "temperature": 0.0, "top_k": 0, "top_p": 1.0, "repeat_penalty": 1.0,
+    "repeat_last_n": 64, "seed": -1,
+}
+
+
+def _field_type(name: str) -> type:
+    if name in SAMPLING_FIELDS:
+        return type(getattr(SamplingParams(), name))
+    return type(getattr(AppSettings(), name))
+
 
 def load_settings(data_dir: Path) -> AppSettings:
-    """Reads the INI file; a missing or unreadable value falls back to its default (never raises)."""
+    """Reads the INI file; a missing or unreadable value falls back to its default (never raises).
+
+    A version-1 file is migrated in place: values equal to version 1's defaults are dropped, so the old
+    greedy sampling of a user who never changed it gives way to the model's defaults."""
     qs = QSettings(str(data_dir / SETTINGS_FILE), QSettings.Format.IniFormat)
-    defaults = AppSettings()
+    try:
+        version = int(qs.value(VERSION_KEY, 1))
+    except (TypeError, ValueError):
+        version = 1
     values: dict[str, Any] = {}
     for f in fields(AppSettings):
-        default = getattr(defaults, f.name)
-        raw = qs.value(f.name, default)
+        if not qs.contains(f.name):
+            continue
         try:
-            values[f.name] = type(default)(raw) if raw is not None else default
+            value = _field_type(f.name)(qs.value(f.name))
         except (TypeError, ValueError):
-            values[f.name] = default
-    settings = AppSettings(**values)
-    try:
-        settings.validate()
-    except ValueError:
-        # A hand-edited file with a bad value must not stop the app from starting: fall back field by field.
-        good = AppSettings()
-        for name, value in values.items():
-            trial = replace(good, **{name: value})
-            try:
-                trial.validate()
-                good = trial
-            except ValueError:
-                pass
-        settings = good
+            continue
+        if version < 2 and f.name in _V1_DEFAULTS and value == _V1_DEFAULTS[f.name]:
+            continue
+        values[f.name] = value
+    settings = _valid(values)
     if settings.dtype not in DTYPES or settings.device not in DEVICES:
-        settings = replace(settings, dtype=defaults.dtype, device=defaults.device)
+        settings = replace(settings, dtype=AppSettings.dtype, device=AppSettings.device)
+    if version < SETTINGS_VERSION and qs.allKeys():
+        save_settings(data_dir, settings)
     return settings
+
+
+def _valid(values: dict[str, Any]) -> AppSettings:
+    try:
+        settings = AppSettings(**values)
+        settings.validate()
+        return settings
+    except (TypeError, ValueError):
+        pass
+    # A hand-edited file with a bad value must not stop the app from starting: fall back field by field.
+    good = AppSettings()
+    for name, value in values.items():
+        trial = replace(good, **{name: value})
+        try:
+            trial.validate()
+            good = trial
+        except (TypeError, ValueError):
+            pass
+    return good
 
 
 def save_settings(data_dir: Path, settings: AppSettings) -> None:
     qs = QSettings(str(data_dir / SETTINGS_FILE), QSettings.Format.IniFormat)
-    for name, value in settings.to_dict().items():
-        qs.setValue(name, value)
+    chosen = settings.user_set()
+    for f in fields(AppSettings):
+        if f.name in chosen:
+            qs.setValue(f.name, chosen[f.name])
+        else:
+            qs.remove(f.name)
+    qs.setValue(VERSION_KEY, SETTINGS_VERSION)
     qs.sync()

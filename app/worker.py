@@ -17,6 +17,7 @@ from typing import Any
 from PySide6.QtCore import QObject, QThread, Signal, Slot
 
 from engine.errors import BuildCancelled, EddyError, PromptTooLongError
+from engine.run.generation import ChatDefaults, sampling_params
 from engine.run.session import ChatSettings
 
 from .history import fit_history
@@ -31,7 +32,7 @@ TURN_ERRORS = ("turn", "too_long")
 
 class EngineWorker(QObject):
     progress = Signal(str, float)
-    loaded = Signal(object)      # {"model", "folder", "settings", "seconds", "built", "cache"}
+    loaded = Signal(object)      # {"model", "folder", "settings", "seconds", "built", "cache", "chat_defaults"}
     prefill = Signal(object)     # the engine's prefill event, plus "kind" ("turn" or "rebuild") and "ticket"
     token = Signal(str)
     done = Signal(object)        # the engine's done event, plus "reply" (the whole text) and "ticket"
@@ -94,8 +95,9 @@ class EngineWorker(QObject):
 
         start = time.perf_counter()
         try:
-            self._chat_settings = _chat_settings(chat)
+            _chat_settings(chat, None)  # a bad value fails before a long build
             self._model = open_model(model or None, BuildSettings(**build), progress, cancelled)
+            self._chat_settings = _chat_settings(chat, self._model.chat_defaults)
             self._session = self._model.chat(self._chat_settings)
         except EddyError as e:
             was_cancelled = cancelled() or isinstance(e, BuildCancelled)
@@ -116,12 +118,13 @@ class EngineWorker(QObject):
             "seconds": round(time.perf_counter() - start, 2),
             "built": built,
             "cache": engine.stats.to_dict(),
+            "chat_defaults": self._model.chat_defaults.to_dict(),
         })
 
     @Slot(object)
     def configure(self, chat: dict) -> None:
         try:
-            self._chat_settings = _chat_settings(chat)
+            self._chat_settings = _chat_settings(chat, self._model.chat_defaults if self._model else None)
         except ValueError as e:
             self.error.emit("settings", str(e))
             return
@@ -240,10 +243,9 @@ class EngineWorker(QObject):
             pass
 
 
-def _chat_settings(chat: dict) -> ChatSettings:
-    from engine.run.sampling import SamplingParams
-
-    sampling = SamplingParams(**chat.get("sampling", {}))
+def _chat_settings(chat: dict, defaults: ChatDefaults | None) -> ChatSettings:
+    """AppSettings.chat_dict() over the loaded model's sampling defaults (Eddy's own before a model loads)."""
+    sampling = sampling_params(defaults or ChatDefaults(), chat.get("overrides"), chat.get("seed"))
     return ChatSettings(system_prompt=chat.get("system_prompt") or None,
                         max_new_tokens=int(chat.get("max_new_tokens", 512)), sampling=sampling)
 

@@ -179,7 +179,8 @@ def run(model: str | None, max_new_tokens: int, idle_s: float, paste_words: int,
         QTimer.singleShot(60 * 60 * 1000, window.close)  # never hang
 
     data = Path(tempfile.mkdtemp(prefix="eddy-guibench-"))
-    save_settings(data, AppSettings(max_new_tokens=max_new_tokens, repeat_penalty=1.1))
+    # Greedy with a repeat penalty, as before the chat defaults existed: figures stay comparable across runs.
+    save_settings(data, AppSettings(max_new_tokens=max_new_tokens, temperature=0.0, repeat_penalty=1.1))
     main(["--data-dir", str(data)] + (["--model", model] if model else []), on_window=drive)
     return result
 

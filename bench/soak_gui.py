@@ -85,7 +85,7 @@ def main() -> int:
     conv = store.create_conversation("soak")
     host = EngineHost()
     settings = BuildSettings(sinks=a.sinks, window=a.window, dtype=a.dtype)
-    chat = {"max_new_tokens": a.max_new_tokens, "sampling": {"temperature": 0.7, "top_p": 0.9, "seed": 0}}
+    chat = {"max_new_tokens": a.max_new_tokens, "overrides": {"temperature": 0.7, "top_p": 0.9}, "seed": 0}
     host.load(a.model, settings.to_dict(), chat)
     name, info = wait_for([("loaded", host.worker.loaded), ("error", host.worker.error)], 900)
     if name != "loaded":

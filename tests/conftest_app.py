@@ -23,8 +23,10 @@ TURN_TIMEOUT_MS = 30_000
 
 def write_settings(data_dir: Path, **overrides: object) -> None:
     """settings.ini with the tests' build settings, so every window reuses the one compiled module."""
-    values = {"sinks": TINY_SETTINGS.sinks, "window": TINY_SETTINGS.window, "dtype": TINY_SETTINGS.dtype,
-              "device": TINY_SETTINGS.device, "max_chunk": TINY_SETTINGS.max_chunk, "max_new_tokens": 20}
+    # Plain greedy decoding (as chosen by a user) keeps replies repeatable from run to run.
+    values = {"settings_version": 2, "sinks": TINY_SETTINGS.sinks, "window": TINY_SETTINGS.window,
+              "dtype": TINY_SETTINGS.dtype, "device": TINY_SETTINGS.device, "max_chunk": TINY_SETTINGS.max_chunk,
+              "max_new_tokens": 20, "temperature": 0.0, "repeat_penalty": 1.0}
     values.update(overrides)
     data_dir.mkdir(parents=True, exist_ok=True)
     lines = ["[General]"] + [f"{k}={v}" for k, v in values.items()]

@@ -81,7 +81,74 @@ def test_settings_round_trip_and_bad_values(tmp_path):
     loaded = load_settings(tmp_path)  # bad values fall back to defaults, good ones are kept
     defaults = BuildSettings()
     assert (loaded.window, loaded.dtype, loaded.top_p, loaded.temperature, loaded.sinks) == (
-        defaults.window, defaults.dtype, 1.0, 0.0, 8)
+        defaults.window, defaults.dtype, None, None, 8)
+
+
+def _ini(path) -> dict[str, str]:
+    lines = path.read_text().splitlines()
+    return dict(line.split("=", 1) for line in lines if "=" in line)
+
+
+# What version 1 of the app wrote on every save: every field, sampling greedy unless the user changed it.
+V1_FILE = """[General]
+model=
+sinks=4
+window={window}
+dtype=q8
+device=cpu
+max_chunk=512
+system_prompt=
+max_new_tokens=512
+temperature={temperature}
+top_k=0
+top_p=1
+repeat_penalty=1
+repeat_last_n=64
+seed=-1
+"""
+
+
+def test_version_1_settings_migrate_keeping_what_the_user_chose(tmp_path):
+    from engine.run.generation import EDDY_CHAT_DEFAULTS
+
+    (tmp_path / "settings.ini").write_text(V1_FILE.format(window=252, temperature=0.9))
+    s = load_settings(tmp_path)
+    # Chosen (different from version 1's defaults): kept. At the old greedy default: follows the model now.
+    assert (s.window, s.temperature) == (252, 0.9)
+    assert (s.top_k, s.top_p, s.repeat_penalty, s.repeat_last_n, s.min_p) == (None,) * 5
+    sampling = s.chat_settings().sampling
+    assert (sampling.temperature, sampling.top_k, sampling.repeat_penalty) == (
+        0.9, EDDY_CHAT_DEFAULTS["top_k"], EDDY_CHAT_DEFAULTS["repeat_penalty"])
+    # The file now holds only what the user set, and says it is version 2: loading again changes nothing.
+    assert _ini(tmp_path / "settings.ini") == {"window": "252", "temperature": "0.9", "settings_version": "2"}
+    assert load_settings(tmp_path) == s
+
+
+def test_untouched_version_1_settings_take_the_chat_defaults(tmp_path):
+    from engine.run.generation import EDDY_CHAT_DEFAULTS
+
+    (tmp_path / "settings.ini").write_text(V1_FILE.format(window=1020, temperature=0))
+    s = load_settings(tmp_path)
+    assert s == AppSettings()
+    sampling = s.chat_settings().sampling
+    assert {k: getattr(sampling, k) for k in EDDY_CHAT_DEFAULTS} == EDDY_CHAT_DEFAULTS
+    assert _ini(tmp_path / "settings.ini") == {"settings_version": "2"}
+
+
+def test_a_users_value_stays_theirs_when_the_model_changes(tmp_path):
+    from engine.run.generation import chat_defaults
+
+    qwen_like = chat_defaults({"temperature": 0.7, "top_p": 0.8, "top_k": 20}, "generation_config.json")
+    llama_like = chat_defaults({"temperature": 0.6, "top_p": 0.9}, "generation_config.json")
+    s = AppSettings(top_k=5)
+    save_settings(tmp_path, s)
+    s = load_settings(tmp_path)
+    a, b = s.chat_settings(qwen_like).sampling, s.chat_settings(llama_like).sampling
+    assert a.top_k == b.top_k == 5  # the user's
+    assert (a.temperature, a.top_p, b.temperature, b.top_p) == (0.7, 0.8, 0.6, 0.9)  # the model's
+    # A value set to zero is still a choice (0 = off), stored and kept.
+    save_settings(tmp_path, AppSettings(min_p=0.0))
+    assert load_settings(tmp_path).min_p == 0.0
 
 
 def test_fit_history_keeps_recent_messages_that_fit(tiny):

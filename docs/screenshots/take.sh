@@ -19,5 +19,7 @@ sleep 1
 # The main window mid-conversation on the default model, after the cache has evicted tokens.
 "$PY" -m app.screenshots main-window "$OUT/main-window.png"
 "$PY" -m app.screenshots main-window "$OUT/main-window-dark.png" --dark
+# Settings over the loaded default model: the chat defaults in force, one value of the user's own (bold).
+"$PY" -m app.screenshots settings "$OUT/settings.png"
 # The first-run build dialog: an empty artefact cache, so the model has to be compiled.
 EDDY_CACHE_DIR=$(mktemp -d) "$PY" -m app.screenshots first-run "$OUT/first-run.png" --model smollm2-135m-instruct
