@@ -4,7 +4,7 @@ Two groups matter to the rest of the app: the build fields change the compiled m
 chat fields only change how the next replies are generated.
 
 Only what the user chose is stored. A sampling field left as None follows the loaded model's defaults
-(engine.generation: the checkpoint's recommendation, else Eddy's chat defaults), so changing the model
+(engine.run.generation: the checkpoint's recommendation, else Eddy's chat defaults), so changing the model
 changes it; any other field equal to its default is not written either, so a later release's better
 default reaches everyone who never touched it.
 """
@@ -38,7 +38,7 @@ class AppSettings:
     max_chunk: int = BuildSettings.max_chunk
     system_prompt: str = ""
     max_new_tokens: int = 512
-    # Sampling: None = the model's default (see engine.generation).
+    # Sampling: None = the model's default (see engine.run.generation).
     temperature: float | None = None
     top_k: int | None = None
     top_p: float | None = None
