@@ -27,25 +27,12 @@ def write_gguf(path: Path, family: str, cfg: dict[str, Any], sd: dict[str, Any])
     arch_id = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == arch)
     names = gguf.get_tensor_name_map(arch_id, cfg["num_hidden_layers"])
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_key_length(cfg["head_dim"])
-    w.add_value_length(cfg["head_dim"])
-    if arch == "llama":
-        w.add_rope_dimension_count(cfg["head_dim"])
-    w.add_rope_freq_base(cfg["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    add_config(w, arch, cfg)
     if family in ("phi3", "gemma2") and cfg.get("sliding_window"):
         w.add_sliding_window(cfg["sliding_window"])
     if family == "gemma2":
         w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
         w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list([f"<t{i}>" for i in range(cfg["vocab_size"])])
     for hf_name, t in sd.items():
         base, suffix = hf_name.rsplit(".", 1)
         gname = names.get_name(base)
@@ -58,6 +45,28 @@ def write_gguf(path: Path, family: str, cfg: dict[str, Any], sd: dict[str, Any])
         if family == "gemma2" and base.endswith("norm"):
             arr = arr + 1  # llama.cpp's Gemma converter stores (1 + w) norms with the 1 added
         w.add_tensor(f"{gname}.{suffix}", arr)
+    return finish(w, path)
+
+
+def add_config(w: Any, arch: str, cfg: dict[str, Any]) -> None:
+    """The metadata llama.cpp's converter writes for every family, and a stand-in token list."""
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    if arch == "llama":
+        w.add_rope_dimension_count(cfg["head_dim"])
+    w.add_rope_freq_base(cfg["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([f"<t{i}>" for i in range(cfg["vocab_size"])])
+
+
+def finish(w: Any, path: Path) -> Path:
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

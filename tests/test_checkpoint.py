@@ -36,6 +36,7 @@ from engine.build.checkpoint import (  # noqa: E402
     save_tokenizer,
 )
 from engine.errors import ModelError  # noqa: E402
+from gguf_writer import add_config, finish, llamacpp_permute  # noqa: E402
 
 SMOLLM2_CONFIG = {
     "vocab_size": 49152,
@@ -133,11 +134,6 @@ def _make_hf_folder(
 # A tiny GGUF writer, doing what llama.cpp's convert_hf_to_gguf.py does for Llama.
 
 
-def _llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    # Verbatim from llama.cpp's LlamaModel.permute.
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
 def _write_gguf(
     path: Path,
     cfg: dict,
@@ -150,17 +146,7 @@ def _write_gguf(
     import gguf
 
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_rope_dimension_count(cfg["head_dim"])
-    w.add_rope_freq_base(cfg["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list([f"<t{i}>" for i in range(cfg["vocab_size"])])
+    add_config(w, "llama", cfg)  # the Llama converter's keys, under whichever architecture name
     if sd is None:
         sd = {"model.embed_tokens.weight": np.zeros((cfg["vocab_size"], cfg["hidden_size"]), np.float32)}
     names = {v: k for k, v in families.TOP_TENSORS.items()}
@@ -172,9 +158,9 @@ def _write_gguf(
             parts = hf_name.split(".")  # model.layers.{i}.{block}.{proj}.weight
             gname = f"blk.{parts[2]}." + families.FAMILIES["llama"].layer[".".join(parts[3:])]
         if ".attn_q." in gname:
-            arr = _llamacpp_permute(arr, cfg["num_attention_heads"])
+            arr = llamacpp_permute(arr, cfg["num_attention_heads"])
         elif ".attn_k." in gname:
-            arr = _llamacpp_permute(arr, cfg["num_key_value_heads"])
+            arr = llamacpp_permute(arr, cfg["num_key_value_heads"])
         if quantize_layer0_qk and gname in ("blk.0.attn_q.weight", "blk.0.attn_k.weight"):
             q8 = gguf.GGMLQuantizationType.Q8_0
             w.add_tensor(gname, gguf.quants.quantize(arr, q8), raw_dtype=q8)
@@ -182,11 +168,7 @@ def _write_gguf(
             w.add_tensor(gname, arr)
     if rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return finish(w, path)
 
 
 def _llama3_rope_freqs(head_dim, theta, factor, lo, hi, old_ctx=8192) -> np.ndarray:
@@ -291,7 +273,7 @@ def test_gguf_state_dict_equals_transformers_gguf_load(our_gguf_sd, transformers
     assert all(torch.equal(t, ref[k]) for k, t in our_gguf_sd.items())
     # The undo matters: in llama.cpp's row order this q_proj really is different.
     q = ref["model.layers.0.self_attn.q_proj.weight"]
-    assert not torch.equal(q, torch.from_numpy(_llamacpp_permute(q.numpy(), 9)))
+    assert not torch.equal(q, torch.from_numpy(llamacpp_permute(q.numpy(), 9)))
 
 
 def test_gguf_forward_matches_transformers(our_gguf_sd, transformers_gguf_model, default_source):
