@@ -74,13 +74,18 @@ class Family:
     # Local sliding-window layers (config layer_types) beside global ones, with attention / final logit soft-caps
     # and query_pre_attn_scalar (Gemma 2). Local layers attend to the last sliding_window tokens.
     local_layers: bool = False
+    local_pattern: int = 2  # without layer_types (and in GGUF), every local_pattern-th layer is global
+    softcaps: tuple[float | None, float | None] = (None, None)  # attention, final: defaults of the config class
+    local_rope_base: float | None = None  # the local layers' own RoPE base, when they have one (Gemma 3)
+    # llama.cpp scales queries by head_dim ** -0.5 but for the 27B models, of this many layers, by (hidden /
+    # heads) ** -0.5: GGUF has no query_pre_attn_scalar.
+    gguf_query_by_hidden_layers: int | None = None
     tiny: dict[str, Any] = field(default_factory=dict)  # tiny-random-<name>: config beyond the shared shape
-    missing: str | None = None  # why Eddy cannot run this family yet (None: it can)
+    hf_config_class: str | None = None  # transformers' config class, where it is not hf_class's name + Config
 
-    def check_supported(self, model: str) -> None:
-        if self.missing:
-            raise ModelError(f"{model}: {self.title} models are not supported yet: Eddy's exportable model lacks "
-                             f"{self.missing}. Supported families: {supported_names()}.")
+    @property
+    def config_class(self) -> str:
+        return self.hf_config_class or self.hf_class.replace("ForCausalLM", "Config")
 
     def gguf_to_hf_layer(self) -> dict[str, str]:
         return {g: h for h, g in self.layer.items()}
@@ -109,7 +114,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            norms={"attn": "input_layernorm.weight", "post_attn": "post_attention_layernorm.weight",
                   "ffn": "pre_feedforward_layernorm.weight", "post_ffn": "post_feedforward_layernorm.weight"},
            norm_offset=1.0, activation="gelu_tanh", embed_scale=True, tie_default=True,
-           act_names=("gelu_pytorch_tanh",), local_layers=True,
+           act_names=("gelu_pytorch_tanh",), local_layers=True, softcaps=(50.0, 30.0), gguf_query_by_hidden_layers=46,
            # Soft caps far below Gemma 2's 50 / 30 and a local window shorter than the tests' prompts, so a
            # missing cap or window shows in the logits of a tiny random model.
            tiny={"query_pre_attn_scalar": 16, "sliding_window": 8, "attn_logit_softcapping": 5.0,
@@ -119,19 +124,30 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            norms={"attn": "input_layernorm.weight", "post_attn": "post_attention_layernorm.weight",
                   "ffn": "pre_feedforward_layernorm.weight", "post_ffn": "post_feedforward_layernorm.weight"},
            qk_norm=True, norm_offset=1.0, activation="gelu_tanh", embed_scale=True, tie_default=True,
-           act_names=("gelu_pytorch_tanh",), local_layers=True,
-           missing="a second RoPE table for its local layers (their own base, rope_local_base_freq, beside the "
-                   "scaled global one)"),
+           act_names=("gelu_pytorch_tanh",), local_layers=True, local_pattern=6, local_rope_base=10000.0,
+           gguf_query_by_hidden_layers=62,
+           # Gemma 3's own layout (five local layers, then a global one) and RoPE (local base 10000, a scaled
+           # global one); a local window shorter than the tests' prompts.
+           tiny={"num_hidden_layers": 6, "query_pre_attn_scalar": 16, "sliding_window": 8,
+                 "layer_types": ["sliding_attention"] * 5 + ["full_attention"], "rope_theta": 1000000.0,
+                 "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "rope_local_base_freq": 10000.0,
+                 "attn_logit_softcapping": None, "final_logit_softcapping": None},
+           hf_config_class="Gemma3TextConfig"),  # Gemma3Config is the multimodal model's
 )}
 
-# Families in the wild that Eddy knows by name but has no entry for.
-_KNOWN_OTHERS = {"mixtral": "Mixtral (mixture of experts)", "qwen2_moe": "Qwen2-MoE (mixture of experts)",
-                 "qwen3_moe": "Qwen3-MoE (mixture of experts)", "gemma": "Gemma 1", "phi": "Phi-1/Phi-2",
+# Families in the wild that Eddy knows by name but cannot run, with what it lacks for them (HF model_type or
+# GGUF general.architecture).
+_MOE = "mixture-of-experts layers, which Eddy's model lacks"
+_KNOWN_OTHERS = {"mixtral": f"Mixtral: {_MOE}", "qwen2_moe": f"Qwen2-MoE: {_MOE}", "qwen2moe": f"Qwen2-MoE: {_MOE}",
+                 "qwen3_moe": f"Qwen3-MoE: {_MOE}", "qwen3moe": f"Qwen3-MoE: {_MOE}",
+                 "gemma": "Gemma 1: its GeGLU without sandwich norms has no entry yet",
+                 "gemma3n": "Gemma 3n: per-layer embeddings and AltUp, which Eddy's model lacks",
+                 "phi": "Phi-1/Phi-2: parallel attention and MLP with LayerNorm, which Eddy's model lacks",
                  "phi4": "Phi-4", "falcon": "Falcon", "gpt2": "GPT-2"}
 
 
 def supported_names() -> str:
-    return ", ".join(f.title for f in FAMILIES.values() if not f.missing)
+    return ", ".join(f.title for f in FAMILIES.values())
 
 
 def _unsupported(model: str, shown: str) -> ModelError:
@@ -159,6 +175,13 @@ def family(name: str) -> Family:
         return FAMILIES[name]
     except KeyError:
         raise ModelError(f'unknown model family "{name}"') from None
+
+
+def default_layer_types(fam: Family, layers: int, pattern: int | None = None) -> list[str]:
+    """Local and global layers where the checkpoint does not list them: every pattern-th layer global (the
+    config classes' rule, and llama.cpp's)."""
+    every = int(pattern or fam.local_pattern)
+    return ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(layers)]
 
 
 def layer_shapes(fam: Family, cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:

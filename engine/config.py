@@ -38,13 +38,13 @@ class ModelConfig:
     attn_softcap: float | None = None
     final_softcap: float | None = None
     query_scalar: float | None = None  # scores scaled by query_scalar ** -0.5 instead of head_dim ** -0.5
+    rope_local_theta: float | None = None  # Gemma 3: the local layers' own RoPE base (unscaled)
 
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> "ModelConfig":
         """From a Hugging Face config-style dict (as engine.build.checkpoint.read_config returns)."""
         heads = int(d["num_attention_heads"])
         fam = family(d.get("model_type") or "llama")
-        fam.check_supported(fam.title)
         cfg = cls(
             vocab_size=int(d["vocab_size"]),
             dim=int(d["hidden_size"]),
@@ -63,6 +63,7 @@ class ModelConfig:
             attn_softcap=float(d["attn_logit_softcapping"]) if d.get("attn_logit_softcapping") else None,
             final_softcap=float(d["final_logit_softcapping"]) if d.get("final_logit_softcapping") else None,
             query_scalar=float(d["query_pre_attn_scalar"]) if d.get("query_pre_attn_scalar") else None,
+            rope_local_theta=float(d["rope_local_base_freq"]) if d.get("rope_local_base_freq") else None,
         )
         if cfg.n_heads % cfg.n_kv_heads:
             raise ModelError(f"{cfg.n_heads} attention heads are not a multiple of {cfg.n_kv_heads} KV heads")
@@ -81,6 +82,32 @@ class ModelConfig:
         # With layer_types the window is that of the local layers only; global layers see the whole cache.
         local = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
         return {"local_layers": local, "local_window": window if local else None}
+
+    def rope_table(self, layer: int) -> int:
+        """Which of the host's RoPE tables a layer rotates with: 0 the model's (scaled) one, 1 the local one."""
+        return 1 if self.rope_local_theta and layer in self.local_layers else 0
+
+    @property
+    def rope_tables(self) -> int:
+        return 2 if self.rope_local_theta and self.local_layers else 1
+
+    def local_ring(self, settings: "BuildSettings") -> int:
+        """Slots of the local layers' own ring, or 0 when they read the shared cache.
+
+        A local layer attends to its last local_window tokens only. When those always fit in the window, a ring of
+        exactly that size holds them and the StreamingLLM cache (sinks + window) is kept for the global layers
+        alone: Gemma 3 at a window of 8188 then keeps 1024 slots in five layers of six. When the window is
+        narrower, local layers read the shared cache masked to their window: they keep the sinks a narrow window
+        needs, as the global layers do.
+        """
+        if self.local_layers and self.local_window and self.local_window <= settings.window:
+            return self.local_window
+        return 0
+
+    def prefill_bound(self, settings: "BuildSettings") -> int:
+        """Most tokens one prefill call may feed: a call never wraps a ring onto tokens it still reads."""
+        ring = self.local_ring(settings)
+        return min(settings.chunk, ring) if ring else settings.chunk
 
     def check_build(self, settings: "BuildSettings") -> None:
         """Refuses build settings under which the compiled model would attend further back than the model does."""

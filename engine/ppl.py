@@ -202,7 +202,7 @@ def run_ppl(model: str | None, text_file: str | os.PathLike, mode: str, sinks: i
         raise TextError(f"{text_file} has {len(ids)} token(s): at least 2 are needed (the first is not scored)")
 
     engine, capacity = loaded.engine, sinks + window
-    bound = settings.chunk
+    bound = engine.chunk
     start = time.perf_counter()
     if mode == "recompute":
         positions = np.arange(stride, len(ids), stride, dtype=np.int64)

@@ -39,7 +39,7 @@ def tiny_reference():
 
 # The families Eddy runs, each with its tiny random model (tests/test_engine.py runs its parity and eviction
 # tests on every one). Llama's is the `tiny` module above.
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
 
 
 def tiny_name(family: str) -> str:

@@ -12,7 +12,7 @@ import numpy as np
 
 # llama.cpp converts Mistral (dense, HF MistralForCausalLM) with its Llama class: general.architecture = llama.
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
-             "gemma2": "gemma2"}
+             "gemma2": "gemma2", "gemma3": "gemma3"}
 
 
 def llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -28,11 +28,15 @@ def write_gguf(path: Path, family: str, cfg: dict[str, Any], sd: dict[str, Any])
     names = gguf.get_tensor_name_map(arch_id, cfg["num_hidden_layers"])
     w = gguf.GGUFWriter(str(path), arch)
     add_config(w, arch, cfg)
-    if family in ("phi3", "gemma2") and cfg.get("sliding_window"):
+    if family in ("phi3", "gemma2", "gemma3") and cfg.get("sliding_window"):
         w.add_sliding_window(cfg["sliding_window"])
     if family == "gemma2":
         w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
         w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+    if family == "gemma3" and cfg.get("rope_scaling"):
+        # As llama.cpp's Gemma 3 converter: the global layers' linear scaling (the local base is implied).
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(cfg["rope_scaling"]["factor"])
     for hf_name, t in sd.items():
         base, suffix = hf_name.rsplit(".", 1)
         gname = names.get_name(base)
@@ -42,7 +46,7 @@ def write_gguf(path: Path, family: str, cfg: dict[str, Any], sd: dict[str, Any])
             arr = llamacpp_permute(arr, cfg["num_attention_heads"])
         elif arch == "llama" and base.endswith("self_attn.k_proj") and suffix == "weight":
             arr = llamacpp_permute(arr, cfg["num_key_value_heads"])
-        if family == "gemma2" and base.endswith("norm"):
+        if family.startswith("gemma") and base.endswith("norm"):
             arr = arr + 1  # llama.cpp's Gemma converter stores (1 + w) norms with the 1 added
         w.add_tensor(f"{gname}.{suffix}", arr)
     return finish(w, path)

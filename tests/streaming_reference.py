@@ -5,7 +5,8 @@ key by its index in the cache at each step (the textbook formulation), on Huggin
 Llama-style families: Llama and Mistral, Qwen2 (q/k/v biases), Qwen3 (per-head q/k RMSNorm before RoPE) and Phi-3
 (fused qkv_proj and gate_up_proj), Gemma 2 (embeddings scaled by sqrt(hidden), (1 + w) norms before and after
 attention and MLP, GeGLU, soft-capped scores and logits, query_pre_attn_scalar, and local layers that see only
-the last sliding_window tokens). Which of these a model has is read off its tensor names and config, not
+the last sliding_window tokens) and Gemma 3 (Gemma 2's layout with q/k norms, no soft caps, and local layers
+rotated with their own unscaled base beside the linearly scaled global one). Which of these a model has is read off its tensor names and config, not
 engine/arch.py.
 A chunk of n tokens first makes room for itself (the oldest window entries leave), then each of its tokens
 attends to every cached entry not later than itself.
@@ -23,13 +24,18 @@ class StreamingReference:
         self.layers = [[] for _ in range(hf_cfg["num_hidden_layers"])]  # entries: (abs_pos, k_pre, v)
         self.position = 0
         d = hf_cfg["head_dim"]
-        self.inv_freq = 1.0 / (hf_cfg["rope_theta"] ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-        self.gemma = hf_cfg.get("model_type") == "gemma2"
+        base = lambda theta: 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))  # noqa: E731
+        scaling = hf_cfg.get("rope_scaling") or {}
+        assert scaling.get("rope_type", "linear") == "linear", "the reference knows linear rope scaling only"
+        global_freq = base(hf_cfg["rope_theta"]) / float(scaling.get("factor", 1.0))
+        self.gemma = hf_cfg.get("model_type") in ("gemma2", "gemma3")
         self.local = [t == "sliding_attention" for t in hf_cfg.get("layer_types") or []] or [False] * len(self.layers)
+        local_theta = hf_cfg.get("rope_local_base_freq")
+        self.inv_freq = [base(local_theta) if local and local_theta else global_freq for local in self.local]
         self.scale = (hf_cfg.get("query_pre_attn_scalar") or d) ** -0.5
 
-    def rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        ang = pos.double()[:, None] * self.inv_freq[None]
+    def rope(self, x: torch.Tensor, pos: torch.Tensor, layer: int) -> torch.Tensor:
+        ang = pos.double()[:, None] * self.inv_freq[layer][None]
         cos, sin = ang.cos().float()[:, None], ang.sin().float()[:, None]
         h = x.shape[-1] // 2
         return torch.cat([x[..., :h] * cos - x[..., h:] * sin, x[..., h:] * cos + x[..., :h] * sin], -1)
@@ -81,12 +87,12 @@ class StreamingReference:
             while len(entries) > self.capacity:
                 del entries[self.sinks]
             cache_pos = torch.arange(len(entries))
-            keys = self.rope(torch.stack([e[1] for e in entries]), cache_pos)  # [C, KVH, D]
+            keys = self.rope(torch.stack([e[1] for e in entries]), cache_pos, li)  # [C, KVH, D]
             vals = torch.stack([e[2] for e in entries])
             where = {a: i for i, (a, _, _) in enumerate(entries)}
             outs = []
             for i, a in enumerate(abs_pos):
-                qi = self.rope(q[i : i + 1], torch.tensor([where[a]]))[0]  # [H, D]
+                qi = self.rope(q[i : i + 1], torch.tensor([where[a]]), li)[0]  # [H, D]
                 window = c["sliding_window"] if self.local[li] else None
                 visible = torch.tensor([e[0] <= a and (window is None or e[0] > a - window) for e in entries])
                 kk = keys.repeat_interleave(H // KVH, dim=1)  # [C, H, D]

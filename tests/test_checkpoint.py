@@ -400,7 +400,7 @@ def test_unsupported_architecture_hf(tmp_path):
     config = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}
     (folder / "config.json").write_text(json.dumps(config))
     pattern = (r'gpt2-model: unsupported architecture "gpt2" \(GPT-2\) \(Eddy supports Llama, Mistral, '
-               r'Qwen2 / Qwen2.5, Qwen3, Phi-3, Gemma 2\)')
+               r'Qwen2 / Qwen2.5, Qwen3, Phi-3, Gemma 2, Gemma 3\)')
     with pytest.raises(ModelError, match=pattern):
         resolve_model(str(folder))
 
@@ -411,19 +411,26 @@ def test_unsupported_architecture_gguf(tmp_path, tiny_source):
         resolve_model(str(path))
 
 
-@pytest.mark.parametrize("model_type,title", [("gemma3", "Gemma 3"), ("gemma3_text", "Gemma 3")])
-def test_known_family_not_yet_supported_names_what_is_missing(tmp_path, model_type, title):
+@pytest.mark.parametrize("model_type,gguf_arch,what", [("mixtral", "qwen2moe", "mixture-of-experts layers"),
+                                                         ("gemma3n", "gemma3n", "per-layer embeddings")])
+def test_known_family_eddy_cannot_run_names_what_is_missing(tmp_path, model_type, gguf_arch, what):
     folder = tmp_path / model_type
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({"model_type": model_type}))
-    with pytest.raises(ModelError, match=rf"{model_type}: {title} models are not supported yet: .*lacks a second "
-                                         rf"RoPE table for its local layers"):
+    with pytest.raises(ModelError, match=rf'{model_type}: unsupported architecture "{model_type}" \(.*{what}'):
         resolve_model(str(folder))
-    gguf_path = _write_gguf(tmp_path / f"{model_type}.gguf", {**SMOLLM2_CONFIG, "num_hidden_layers": 1,
-                                                              "vocab_size": 8, "rms_norm_eps": 1e-6},
-                            arch=model_type.replace("_text", ""))
-    with pytest.raises(ModelError, match=rf"{title} models are not supported yet"):
+    gguf_path = _write_gguf(tmp_path / f"{gguf_arch}.gguf", {**SMOLLM2_CONFIG, "num_hidden_layers": 1,
+                                                             "vocab_size": 8, "rms_norm_eps": 1e-6}, arch=gguf_arch)
+    with pytest.raises(ModelError, match=rf'unsupported architecture "{gguf_arch}" \(.*{what}'):
         resolve_model(str(gguf_path))
+
+
+def test_multimodal_gemma3_folder_is_refused_with_the_way_to_its_text_model(tmp_path):
+    folder = tmp_path / "gemma-3-4b-it"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "gemma3", "text_config": {"hidden_size": 2560}}))
+    with pytest.raises(ModelError, match=r"multimodal Gemma 3 checkpoint .* use its GGUF"):
+        resolve_model(str(folder))
 
 
 def test_missing_config_json(tmp_path):

@@ -1,7 +1,7 @@
 """Each family's chat template and stop tokens through the runtime's sandboxed template path.
 
-The templates are the families' own (Llama 3 Instruct, Qwen2.5 Instruct, Phi-3 mini, Gemma 2 it, Mistral
-Instruct), on the default model's vocabulary with the family's control tokens added; transformers'
+The templates are the families' own (Llama 3 Instruct, Qwen2.5 Instruct, Phi-3 mini, Gemma 2 it, Gemma 3 it,
+Mistral Instruct), on the default model's vocabulary with the family's control tokens added; transformers'
 apply_chat_template renders the reference text."""
 from __future__ import annotations
 
@@ -36,6 +36,18 @@ GEMMA2 = (
     "{% endif %}{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{'<start_of_turn>model\n'}}{% endif %}"
 )
+GEMMA3 = (  # gemma-3-it's, without its image branch: a system message opens the first user turn
+    "{{ bos_token }}{%- if messages[0]['role'] == 'system' -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}{%- set first_user_prefix = \"\" -%}{%- set loop_messages = messages -%}{%- endif -%}"
+    "{%- for message in loop_messages -%}{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{ raise_exception(\"Conversation roles must alternate user/assistant/user/assistant/...\") }}{%- endif -%}"
+    "{%- if (message['role'] == 'assistant') -%}{%- set role = \"model\" -%}{%- else -%}"
+    "{%- set role = message['role'] -%}{%- endif -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else \"\") }}"
+    "{{ message['content'] | trim }}{{ '<end_of_turn>\n' }}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{'<start_of_turn>model\n'}}{%- endif -%}"
+)
 MISTRAL = (
     "{{ bos_token }}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
     "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
@@ -55,6 +67,8 @@ CASES = {
              "<|end|>", "<|end|>", "<|end|>\n", True),
     "gemma2": (GEMMA2, "<bos>", "<eos>", ["<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"], "<end_of_turn>",
                "<end_of_turn>", "<end_of_turn>\n", False),
+    "gemma3": (GEMMA3, "<bos>", "<eos>", ["<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"], "<end_of_turn>",
+               "<end_of_turn>", "<end_of_turn>\n", True),
     "mistral": (MISTRAL, "<s>", "</s>", ["<s>", "</s>", "[INST]", "[/INST]"], "</s>", None, "</s>", False),
 }
 

@@ -31,12 +31,13 @@ def build_model(cfg: ModelConfig, settings: BuildSettings, state: dict[str, torc
 
 def example_args(cfg: ModelConfig, settings: BuildSettings, n: int) -> tuple[torch.Tensor, ...]:
     """(tokens, slots, rope, shift, slot_pos, token_pos) for n new tokens."""
+    tables, half = cfg.rope_tables, cfg.head_dim // 2
     return (
         torch.zeros(n, dtype=torch.int64),
         torch.arange(n, dtype=torch.int64),
-        torch.zeros(2, n, cfg.head_dim // 2),
-        torch.zeros(2, cfg.head_dim // 2),
-        torch.zeros(settings.capacity, dtype=torch.int64),
+        torch.zeros(tables, 2, n, half),
+        torch.zeros(tables, 2, half),
+        torch.zeros(settings.capacity + cfg.local_ring(settings), dtype=torch.int64),
         torch.zeros(n, dtype=torch.int64),
     )
 
@@ -44,8 +45,8 @@ def example_args(cfg: ModelConfig, settings: BuildSettings, n: int) -> tuple[tor
 def export_module(model: StreamingLlama) -> "aot.ExportOutput":
     cfg, settings = model.cfg, model.settings
     # Bounds are not checked at run time (a longer call silently computes garbage); the runtime chunks.
-    n = torch.export.Dim("n", min=1, max=settings.chunk)
-    dyn = {"tokens": {0: n}, "slots": {0: n}, "rope": {1: n}, "shift": None, "slot_pos": None, "token_pos": {0: n}}
+    n = torch.export.Dim("n", min=1, max=cfg.prefill_bound(settings))
+    dyn = {"tokens": {0: n}, "slots": {0: n}, "rope": {2: n}, "shift": None, "slot_pos": None, "token_pos": {0: n}}
     fxb = aot.FxProgramsBuilder(model)
     example = example_args(cfg, settings, 2)
 

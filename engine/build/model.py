@@ -9,9 +9,11 @@ The cache is one buffer [layers, 2, kv_heads, sinks + window, head_dim] (plus th
 Attention.write_cache). The host decides which slot each
 new token goes to (sinks first, then a ring over the window) and tells the module, per call:
   * `slots`      the slot each new token is written to;
-  * `rope`       [2, n, head_dim/2]: cos/sin at each new token's absolute position;
-  * `shift`      [2, head_dim/2]: cos/sin of the number of tokens evicted so far;
-  * `slot_pos`   the absolute position held by every slot after this write (a huge value when empty);
+  * `rope`       [tables, 2, n, head_dim/2]: cos/sin at each new token's absolute position, per RoPE table
+                 (one, or two for Gemma 3, whose local layers have their own base: ModelConfig.rope_table);
+  * `shift`      [tables, 2, head_dim/2]: cos/sin of the number of tokens evicted so far;
+  * `slot_pos`   the absolute position held by every slot after this write (a huge value when empty), then,
+                 when local layers keep their own ring (ModelConfig.local_ring), each ring slot's before it;
   * `token_pos`  each new token's absolute position.
 Keys are stored rotated by their absolute position, so window keys never need re-rotation: their distance to
 a query is the same in the conversation as in the cache. Only the sinks sit closer to the queries in the cache
@@ -20,6 +22,8 @@ result is StreamingLLM's rule (each token attended at its position within the ca
 cache and no re-rotation on eviction.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -90,11 +94,29 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
 
 
+@dataclass
+class Step:
+    """What every layer reads in one call, built once per call in StreamingLlama.hidden."""
+    cache: torch.Tensor  # the StreamingLLM cache of the layers that share it
+    sink_keys: torch.Tensor | None
+    ring: torch.Tensor | None  # the local layers' own ring, when they have one
+    slots: torch.Tensor
+    rope: torch.Tensor  # [tables, 2, n, D/2]
+    shift: torch.Tensor  # [tables, 2, D/2]
+    ring_slots: torch.Tensor | None  # where the new tokens go in the ring
+    mask: torch.Tensor  # global layers: [n, cache slots]
+    local_mask: torch.Tensor  # local layers: over the shared cache, or over what an own-ring layer sees
+    single: bool  # one query (decode)
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, settings: BuildSettings, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, settings: BuildSettings, layer: int, index: int, own_ring: bool) -> None:
         super().__init__()
-        self.cfg, self.sinks, self.layer, self.capacity = cfg, settings.sinks, layer, settings.capacity
-        self.local = layer in cfg.local_layers  # attends to the last local_window tokens only (Gemma 2)
+        self.cfg, self.sinks, self.capacity = cfg, settings.sinks, settings.capacity
+        self.index = index  # this layer's place in the buffer it writes (the shared cache or the ring)
+        self.local = layer in cfg.local_layers  # attends to the last local_window tokens only (Gemma)
+        self.own_ring = own_ring
+        self.table = cfg.rope_table(layer)
         self.scale = (cfg.query_scalar or cfg.head_dim) ** -0.5
         self.softcap = cfg.attn_softcap
         fam = family(cfg.arch)
@@ -105,9 +127,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, fam.norm_offset) if fam.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, fam.norm_offset) if fam.qk_norm else None
 
-    def forward(self, x: torch.Tensor, cache: torch.Tensor, sink_keys: torch.Tensor | None, slots: torch.Tensor,
-                rope: torch.Tensor, shift: torch.Tensor, mask: tuple[torch.Tensor, torch.Tensor],
-                single: bool) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         cfg, n = self.cfg, x.shape[0]
         kvh, rep, d = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
         # Grouped-query attention through views and broadcasting: a reshape mixing the dynamic length with
@@ -115,22 +135,25 @@ class Attention(nn.Module):
         qkv = self.wqkv(x)
         q = qkv[:, : cfg.n_heads * d].view(n, cfg.n_heads, d)
         k = qkv[:, cfg.n_heads * d : (cfg.n_heads + kvh) * d].view(n, kvh, d)
+        v = qkv[:, (cfg.n_heads + kvh) * d :].view(n, kvh, d)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        k = rotate(k, rope[0], rope[1])
-        v = qkv[:, (cfg.n_heads + kvh) * d :].view(n, kvh, d)
-        keys, values = self.write_cache(cache, sink_keys, slots, k.to(cache.dtype), v.to(cache.dtype), shift)
-        scale = self.scale
-        mask = mask[1] if self.local else mask[0]
-        q = rotate(q, rope[0], rope[1]).view(n, kvh, rep, d)
-        if single:
+        cos, sin = step.rope[self.table, 0], step.rope[self.table, 1]
+        q, k = rotate(q, cos, sin).view(n, kvh, rep, d), rotate(k, cos, sin)
+        if self.own_ring:
+            keys, values = self.ring_kv(step, k, v)
+            mask = step.local_mask
+        else:
+            keys, values = self.write_cache(step, k.to(step.cache.dtype), v.to(step.cache.dtype))
+            mask = step.local_mask if self.local else step.mask
+        if step.single:
             # One query: multiply-and-sum reads the cache in place (a matmul would repack it every step).
-            scores = self.capped((q.view(kvh, rep, 1, d) * keys.unsqueeze(1)).sum(-1) * scale)  # [kvh, rep, C]
+            scores = self.capped((q.view(kvh, rep, 1, d) * keys.unsqueeze(1)).sum(-1) * self.scale)  # [kvh, rep, C]
             probs = torch.softmax(scores + mask.view(1, 1, -1), dim=-1)
             # As a matmul: a multiply-and-sum over the slot axis vectorises past the CPU stack limit.
             out = torch.matmul(probs, values)  # [kvh, rep, d]
             return self.wo(out.reshape(1, cfg.n_heads * d))
-        scores = torch.matmul(q.permute(1, 2, 0, 3), keys.transpose(1, 2).unsqueeze(1)) * scale  # [kvh, rep, n, C]
+        scores = torch.matmul(q.permute(1, 2, 0, 3), keys.transpose(1, 2).unsqueeze(1)) * self.scale  # [kvh, rep, n, C]
         probs = torch.softmax(self.capped(scores) + mask, dim=-1)
         out = torch.matmul(probs, values.unsqueeze(1))  # [kvh, rep, n, d]
         return self.wo(out.permute(2, 0, 1, 3).reshape(n, cfg.n_heads * d))
@@ -139,8 +162,31 @@ class Attention(nn.Module):
         """Gemma 2's soft cap on attention scores, before the mask."""
         return scores if self.softcap is None else torch.tanh(scores / self.softcap) * self.softcap
 
-    def write_cache(self, cache: torch.Tensor, sink_keys: torch.Tensor | None, slots: torch.Tensor,
-                    k: torch.Tensor, v: torch.Tensor, shift: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _put(self, buffer: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        layer = torch.full((1, 1), self.index, dtype=torch.int64)
+        heads = torch.arange(self.cfg.n_kv_heads).view(-1, 1)
+        kv = torch.zeros_like(layer)
+        buffer.index_put_((layer, kv, heads, slots.view(1, -1)), k.transpose(0, 1))
+        buffer.index_put_((layer, kv + 1, heads, slots.view(1, -1)), v.transpose(0, 1))
+
+    def ring_kv(self, step: Step, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A local layer's own ring of local_window slots: the keys and values its queries see, [kvh, *, d].
+
+        Decode writes first: the ring then holds exactly the last local_window tokens. A prefill attends to the
+        ring as it was plus the new tokens, and writes them after: writing first would overwrite tokens its
+        earliest queries still see. Keys are rotated by absolute position, so nothing is re-rotated.
+        """
+        ring, i = step.ring, self.index
+        k, v = k.to(ring.dtype), v.to(ring.dtype)
+        if step.single:
+            self._put(ring, step.ring_slots, k, v)
+            return ring[i, 0].float(), ring[i, 1].float()
+        keys = torch.cat([ring[i, 0].float(), k.float().transpose(0, 1)], dim=1)
+        values = torch.cat([ring[i, 1].float(), v.float().transpose(0, 1)], dim=1)
+        self._put(ring, step.ring_slots, k, v)
+        return keys, values
+
+    def write_cache(self, step: Step, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Stores the new keys/values at their slots; returns this layer's keys and values [kvh, C, d].
 
         The cache is laid out [layers, 2, kv_heads, slots, head_dim] so attention reads it without a
@@ -149,19 +195,19 @@ class Attention(nn.Module):
         originals rotated forward by the evicted count each call: the sinks' in-cache distance at O(sinks)
         cost, with no drift from rotating a rotated key again and again.
         """
-        kvh, sinks = self.cfg.n_kv_heads, self.sinks
-        layer = torch.full((1, 1), self.layer, dtype=torch.int64)
-        heads = torch.arange(kvh).view(kvh, 1)
-        kv = torch.zeros_like(layer)
-        cache.index_put_((layer, kv, heads, slots.view(1, -1)), k.transpose(0, 1))
-        cache.index_put_((layer, kv + 1, heads, slots.view(1, -1)), v.transpose(0, 1))
+        cache, sink_keys, slots, sinks, i = step.cache, step.sink_keys, step.slots, self.sinks, self.index
+        self._put(cache, slots, k, v)
         if sink_keys is not None:
+            layer = torch.full((1, 1), i, dtype=torch.int64)
+            heads = torch.arange(self.cfg.n_kv_heads).view(-1, 1)
             kept = torch.where(slots < sinks, slots, torch.full_like(slots, sinks))
             sink_keys.index_put_((layer, heads, kept.view(1, -1)), k.transpose(0, 1))
-            originals = sink_keys[self.layer, :, :sinks].float()  # [kvh, S, d]
+            originals = sink_keys[i, :, :sinks].float()  # [kvh, S, d]
+            shift = step.shift[self.table]
             shifted = rotate(originals.transpose(0, 1), shift[0:1], shift[1:2]).transpose(0, 1)
-            cache.index_put_((layer, kv, heads, torch.arange(sinks).view(1, -1)), shifted.to(cache.dtype))
-        return cache[self.layer, 0].float(), cache[self.layer, 1].float()
+            cache.index_put_((layer, torch.zeros_like(layer), heads, torch.arange(sinks).view(1, -1)),
+                             shifted.to(cache.dtype))
+        return cache[i, 0].float(), cache[i, 1].float()
 
 
 ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
@@ -184,17 +230,17 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, settings: BuildSettings, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, settings: BuildSettings, layer: int, index: int, own_ring: bool) -> None:
         super().__init__()
         fam = family(cfg.arch)
         norm = lambda role: RMSNorm(cfg.dim, cfg.norm_eps, fam.norm_offset) if role in fam.norms else None  # noqa: E731
         self.attention_norm, self.post_attention_norm = norm("attn"), norm("post_attn")
-        self.attention = Attention(cfg, settings, layer)
+        self.attention = Attention(cfg, settings, layer, index, own_ring)
         self.ffn_norm, self.post_ffn_norm = norm("ffn"), norm("post_ffn")
         self.feed_forward = FeedForward(cfg, fam)
 
-    def forward(self, x, cache, sink_keys, slots, rope, shift, mask, single):
-        h = self.attention(self.attention_norm(x), cache, sink_keys, slots, rope, shift, mask, single)
+    def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+        h = self.attention(self.attention_norm(x), step)
         x = x + (h if self.post_attention_norm is None else self.post_attention_norm(h))
         h = self.feed_forward(self.ffn_norm(x))
         return x + (h if self.post_ffn_norm is None else self.post_ffn_norm(h))
@@ -209,34 +255,53 @@ class StreamingLlama(nn.Module):
         self.family = fam = family(cfg.arch)
         self.embed_scale = cfg.dim ** 0.5 if fam.embed_scale else None
         self.tok_embeddings = Linear(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg, settings, i) for i in range(cfg.n_layers))
+        # Local layers with their own ring leave the shared cache to the others; each layer writes its own
+        # row (`index`) of the buffer it uses.
+        self.ring = ring = cfg.local_ring(settings)
+        own = [bool(ring) and i in cfg.local_layers for i in range(cfg.n_layers)]
+        shared = [i for i in range(cfg.n_layers) if not own[i]]
+        local = [i for i in range(cfg.n_layers) if own[i]]
+        self.layers = nn.ModuleList(
+            Block(cfg, settings, i, (local if own[i] else shared).index(i), own[i]) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, fam.norm_offset)
         self.output = None if cfg.tie_embeddings else Linear(cfg.vocab_size, cfg.dim)
-        # One cache global for all layers: with many per-layer globals a zero-splat initialiser gave wrong
-        # logits in IREE. float32, since 16-bit buffers do not initialise reliably in turbine.
-        self.register_buffer(
-            "cache",
-            torch.zeros(cfg.n_layers, 2, cfg.n_kv_heads, settings.capacity, cfg.head_dim),
-            persistent=False,
-        )
-        sinks = torch.zeros(cfg.n_layers, cfg.n_kv_heads, settings.sinks + 1, cfg.head_dim) if settings.sinks else None
+        # One cache global for all shared layers (and one ring for the local ones): with many per-layer globals a
+        # zero-splat initialiser gave wrong logits in IREE. float32, since 16-bit buffers do not initialise
+        # reliably in turbine.
+        kvh, d = cfg.n_kv_heads, cfg.head_dim
+        self.register_buffer("cache", torch.zeros(len(shared), 2, kvh, settings.capacity, d), persistent=False)
+        sinks = torch.zeros(len(shared), kvh, settings.sinks + 1, d) if settings.sinks else None
         self.register_buffer("sink_keys", sinks, persistent=False)
+        self.register_buffer("ring_cache", torch.zeros(len(local), 2, kvh, ring, d) if ring else None,
+                             persistent=False)
 
     def hidden(self, tokens, slots, rope, shift, slot_pos, token_pos, single: bool) -> torch.Tensor:
+        """slot_pos holds the cache's slots after this call's writes, then (own ring) the ring's before them."""
         x = self.tok_embeddings.rows(tokens)
         if self.embed_scale is not None:
             x = x * self.embed_scale
+        capacity, window, ring = self.settings.capacity, self.cfg.local_window, self.ring
+        cache_pos, now = slot_pos[:capacity], token_pos.unsqueeze(1)
         neg = torch.full((), float("-inf"))
-        mask = torch.where(slot_pos.unsqueeze(0) <= token_pos.unsqueeze(1), torch.zeros(()), neg)  # [n, C]
-        local = mask
-        if self.cfg.local_layers:
-            # Local layers also drop slots local_window or more tokens back (sinks included, once that far). The
-            # shared cache serves them: a local layer attends to a subset of what a global one does.
-            recent = slot_pos.unsqueeze(0) > token_pos.unsqueeze(1) - self.cfg.local_window
-            local = torch.where(recent, mask, neg)
-        mask = (mask, local)
+        mask = torch.where(cache_pos.unsqueeze(0) <= now, torch.zeros(()), neg)  # [n, C]
+        local, ring_slots = mask, None
+        if ring:
+            ring_slots = torch.remainder(token_pos, ring)
+            ring_pos = slot_pos[capacity:]
+            if single:  # what the ring holds once this token is written
+                seen = torch.where(torch.arange(ring) == ring_slots, token_pos, ring_pos)
+            else:  # the ring as it was, then the new tokens
+                seen = torch.cat([ring_pos, token_pos])
+            seen = seen.unsqueeze(0)
+            # Nested rather than `&`: the IREE torch frontend cannot lower a boolean and.
+            local = torch.where(seen <= now, torch.where(seen > now - window, torch.zeros(()), neg), neg)
+        elif self.cfg.local_layers:
+            # Local layers read the shared cache and also drop slots local_window or more tokens back (sinks
+            # included, once that far).
+            local = torch.where(cache_pos.unsqueeze(0) > now - window, mask, neg)
+        step = Step(self.cache, self.sink_keys, self.ring_cache, slots, rope, shift, ring_slots, mask, local, single)
         for block in self.layers:
-            x = block(x, self.cache, self.sink_keys, slots, rope, shift, mask, single)
+            x = block(x, step)
         return self.norm(x)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
@@ -263,8 +328,9 @@ class StreamingLlama(nn.Module):
 
     def reset(self) -> torch.Tensor:
         self.cache.zero_()
-        if self.sink_keys is not None:
-            self.sink_keys.zero_()
+        for buffer in (self.sink_keys, self.ring_cache):
+            if buffer is not None:
+                buffer.zero_()
         return self.cache[0, 0, 0, 0, :1] + 0.0
 
     def load_hf(self, state: dict[str, torch.Tensor]) -> None:

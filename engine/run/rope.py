@@ -13,10 +13,22 @@ from ..config import ModelConfig
 from ..errors import ModelError
 
 
+def inv_freqs(cfg: ModelConfig) -> list[np.ndarray]:
+    """The frequencies of each RoPE table the module takes, in ModelConfig.rope_table order: the model's own,
+    then (Gemma 3) the local layers', which have their own base and no scaling."""
+    freqs = [inv_freq(cfg)]
+    if cfg.rope_tables == 2:
+        freqs.append(_base(cfg.rope_local_theta, cfg.head_dim))
+    return freqs
+
+
+def _base(theta: float, d: int) -> np.ndarray:
+    return 1.0 / (theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+
+
 def inv_freq(cfg: ModelConfig) -> np.ndarray:
     """Per-pair rotation frequencies [head_dim/2], with the model's rope scaling applied."""
-    d = cfg.head_dim
-    freq = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    freq = _base(cfg.rope_theta, cfg.head_dim)
     scaling = cfg.rope_scaling or {}
     kind = scaling.get("rope_type") or scaling.get("type") or "default"
     if kind == "default":
@@ -41,3 +53,8 @@ def tables(freq: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndar
     """cos and sin [len(positions), head_dim/2] as float32."""
     angles = np.outer(np.asarray(positions, dtype=np.float64), freq)
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def module_tables(freqs: list[np.ndarray], positions: np.ndarray) -> np.ndarray:
+    """The module's `rope` input: [tables, 2 (cos, sin), len(positions), head_dim/2]."""
+    return np.stack([np.stack(tables(f, positions)) for f in freqs])

@@ -94,7 +94,9 @@ class StreamingEngine:
 
     def __init__(self, module: CompiledModule, cfg: ModelConfig, settings: BuildSettings) -> None:
         self.module, self.cfg, self.settings = module, cfg, settings
-        self.freq = rope.inv_freq(cfg)
+        self.freqs = rope.inv_freqs(cfg)
+        self.ring = cfg.local_ring(settings)  # the local layers' own ring (0: none)
+        self.chunk = cfg.prefill_bound(settings)  # most tokens per prefill call
         self.reset()
 
     def reset(self) -> None:
@@ -103,6 +105,7 @@ class StreamingEngine:
         self.position = 0  # tokens fed so far in this conversation
         self.slot_pos = np.full(s.capacity, EMPTY_SLOT, dtype=np.int64)
         self.slot_token = np.full(s.capacity, -1, dtype=np.int64)
+        self.ring_pos = np.full(self.ring, EMPTY_SLOT, dtype=np.int64)  # position held by each ring slot
 
     @property
     def stats(self) -> CacheStats:
@@ -130,10 +133,14 @@ class StreamingEngine:
         self.slot_pos[slots] = positions
         self.slot_token[slots] = ids
         self.position += n
-        cos, sin = rope.tables(self.freq, positions)
         # Sinks sit `evicted` positions closer to every query in the cache than in the conversation.
-        shift = np.concatenate(rope.tables(self.freq, [self.evicted]))
-        return ids, slots, np.stack([cos, sin]), shift, self.slot_pos.copy(), positions
+        shift = rope.module_tables(self.freqs, [self.evicted])[:, :, 0]
+        # The local ring's positions go after the cache's, as they were before this call (the module attends
+        # to the ring and the new tokens, then writes these at position % ring).
+        slot_pos = np.concatenate([self.slot_pos, self.ring_pos])
+        if self.ring:
+            self.ring_pos[positions % self.ring] = positions
+        return ids, slots, rope.module_tables(self.freqs, positions), shift, slot_pos, positions
 
     def _chunks(self, ids: Sequence[int]) -> list[np.ndarray]:
         arr = np.asarray(ids, dtype=np.int64)
@@ -142,7 +149,7 @@ class StreamingEngine:
         if arr.min() < 0 or arr.max() >= self.cfg.vocab_size:
             # The module's embedding gather does not check bounds.
             raise ValueError(f"token id out of range 0..{self.cfg.vocab_size - 1}")
-        step = self.settings.chunk
+        step = self.chunk
         return [arr[i : i + step] for i in range(0, len(arr), step)]
 
     def prefill(self, ids: Sequence[int]) -> np.ndarray:

@@ -192,8 +192,7 @@ def check_gguf(source: "ModelSource") -> _GGUFInfo:
     """The header of a GGUF model Eddy can run; ModelError naming what is wrong otherwise."""
     assert source.path is not None
     info = _read_gguf(source.path)
-    fam = family_of(source, info)
-    fam.check_supported(source.name)
+    family_of(source, info)  # refuses an architecture Eddy cannot run
     prefix = info.fields["general.architecture"]
     if info.fields.get(f"{prefix}.expert_count", 0):
         raise ModelError(
@@ -254,12 +253,13 @@ def gguf_config(source: "ModelSource", info: _GGUFInfo) -> dict[str, Any]:
     if fam.local_layers:
         caps = {k: f.get(f"{prefix}.{k}") for k in ("attn_logit_softcapping", "final_logit_softcapping")}
         local = {
-            # llama.cpp's Gemma 2 layout: even layers local. GGUF has no query_pre_attn_scalar: llama.cpp scales
-            # queries by head_dim, except in the 27B model (46 layers) by hidden / heads.
-            "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
-            "query_pre_attn_scalar": hidden // heads if layers == 46 else head_dim,
+            # llama.cpp's layout: every local_pattern-th layer global; its query scale (see the Family field).
+            "layer_types": arch.default_layer_types(fam, layers),
+            "query_pre_attn_scalar": hidden // heads if layers == fam.gguf_query_by_hidden_layers else head_dim,
             **{k: float(v) if v is not None else None for k, v in caps.items()},
         }
+        if fam.local_rope_base:  # llama.cpp's own value unless the file names one
+            local["rope_local_base_freq"] = float(get("rope.freq_base_swa", fam.local_rope_base))
     config = {
         **local,
         "model_type": fam.name,

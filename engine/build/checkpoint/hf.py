@@ -36,7 +36,10 @@ def hf_config(source: "ModelSource") -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise ModelError(f"{source.path / 'config.json'}: expected a JSON object.")
     fam = arch.for_hf(source.name, raw.get("model_type"), raw.get("architectures") or [])
-    fam.check_supported(source.name)
+    if isinstance(raw.get("text_config"), dict):
+        raise ModelError(f"{source.name}: a multimodal {fam.title} checkpoint (its config.json holds a text_config); "
+                         f"Eddy runs the text model alone: use its GGUF (llama.cpp writes the text model to its own "
+                         f"file) or a {fam.hf_model_types[0]} folder.")
     flags = ("mlp_bias",) if fam.qkv_bias else ("attention_bias", "mlp_bias")
     for flag in flags:
         if raw.get(flag):
@@ -63,6 +66,9 @@ def hf_config(source: "ModelSource") -> dict[str, Any]:
 
     # transformers 5 writes rope_parameters (theta inside); older configs use rope_theta + rope_scaling.
     params = raw.get("rope_parameters") or {}
+    local_params: dict[str, Any] = {}
+    if "full_attention" in params:  # one entry per layer type (Gemma 3): the global layers' is the model's
+        local_params, params = params.get("sliding_attention") or {}, params["full_attention"]
     scaling = raw.get("rope_scaling")
     theta = raw.get("rope_theta", params.get("rope_theta", 10000.0))
     if scaling is None and params:
@@ -79,7 +85,7 @@ def hf_config(source: "ModelSource") -> dict[str, Any]:
     layers = int(raw.get("num_hidden_layers", 32))
 
     return {
-        **(_local_layer_config(raw, layers) if fam.local_layers else {}),
+        **(_local_layer_config(raw, layers, fam, local_params) if fam.local_layers else {}),
         "model_type": fam.name,
         "vocab_size": int(raw.get("vocab_size", 32000)),
         "hidden_size": hidden,
@@ -97,15 +103,24 @@ def hf_config(source: "ModelSource") -> dict[str, Any]:
     }
 
 
-def _local_layer_config(raw: dict[str, Any], layers: int) -> dict[str, Any]:
-    # Gemma2Config's defaults: every other layer local, starting with the first.
-    types = raw.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
-    return {
+def _local_layer_config(raw: dict[str, Any], layers: int, fam: arch.Family,
+                        local_params: dict[str, Any]) -> dict[str, Any]:
+    # Defaults are the config class's: every local_pattern-th layer global, the family's soft caps.
+    # Configs written before layer_types name the pattern (Gemma 3's first releases: sliding_window_pattern).
+    types = raw.get("layer_types") or arch.default_layer_types(fam, layers, raw.get("sliding_window_pattern"))
+    config = {
         "layer_types": list(types),
         "query_pre_attn_scalar": raw.get("query_pre_attn_scalar", 256),
-        "attn_logit_softcapping": raw.get("attn_logit_softcapping", 50.0),
-        "final_logit_softcapping": raw.get("final_logit_softcapping", 30.0),
+        "attn_logit_softcapping": raw.get("attn_logit_softcapping", fam.softcaps[0]),
+        "final_logit_softcapping": raw.get("final_logit_softcapping", fam.softcaps[1]),
     }
+    if fam.local_rope_base:
+        kind = local_params.get("rope_type") or "default"
+        if kind != "default":
+            raise ModelError(f"rope scaling {kind!r} on {fam.title}'s local layers is not supported.")
+        base = raw.get("rope_local_base_freq") or local_params.get("rope_theta") or fam.local_rope_base
+        config["rope_local_base_freq"] = float(base)
+    return config
 
 
 def hf_weight_files(folder: Path) -> list[Path]:
