@@ -133,3 +133,62 @@ def test_narrow_weight_builds_stay_close(hf_model, dtype, tol):
     want = hf_logits(hf_model, ids)[-1]
     assert np.abs(got - want).max() < tol * np.abs(want).max()
     assert got.argmax() == want.argmax()
+
+
+def test_snapshot_and_restore_switch_conversations_without_a_prefill(family_model):
+    """Two conversations take turns through one module; each continues as if it had never left (one of them
+    past eviction, and through Gemma's local rings)."""
+    eng = family_model.engine
+    a, b = random_ids(30, 21), random_ids(90, 22)
+    a2, b2 = random_ids(9, 23), random_ids(7, 24)
+    eng.reset()
+    eng.prefill(a)
+    saved_a = eng.snapshot()
+    eng.reset()
+    eng.prefill(b)
+    saved_b = eng.snapshot()
+    assert eng.stats.evicted > 0
+    eng.restore(saved_a)
+    assert eng.mirror() == a and eng.stats.position == 30
+    got_a = eng.prefill(a2)
+    eng.restore(saved_b)
+    got_b = eng.prefill(b2)
+    eng.reset()
+    eng.prefill(a)
+    want_a = eng.prefill(a2)
+    eng.reset()
+    eng.prefill(b)
+    want_b = eng.prefill(b2)
+    assert np.abs(got_a - want_a).max() < TOL and np.abs(got_b - want_b).max() < TOL
+
+
+def test_truncate_rewinds_to_an_earlier_turn(tiny):
+    eng = tiny.engine
+    a, reply, c = random_ids(20, 31), random_ids(6, 32), random_ids(11, 33)
+    eng.reset()
+    eng.prefill(a)
+    for t in reply:  # a reply that is then regenerated
+        eng.decode(t)
+    assert eng.truncate(20)
+    assert eng.mirror() == a and eng.stats.position == 20
+    got = eng.prefill(c)
+    eng.reset()
+    eng.prefill(a)
+    assert np.abs(got - eng.prefill(c)).max() < TOL
+    # Past eviction the state at k is gone: refused, nothing changed (the caller rebuilds).
+    eng.prefill(random_ids(TINY_SETTINGS.capacity, 34))
+    position, mirror = eng.stats.position, eng.mirror()
+    assert not eng.truncate(20) and eng.stats.position == position and eng.mirror() == mirror
+
+
+def test_truncate_with_local_rings_only_while_no_ring_slot_was_reused():
+    """Gemma's local rings hold exactly their window: once one wraps, the older tokens are gone."""
+    from engine.loader import open_model
+
+    eng = open_model("tiny-random-gemma3", TINY_SETTINGS).engine  # the family tests' build
+    assert eng.ring == 8
+    eng.reset()
+    eng.prefill(random_ids(eng.ring - 2, 41))
+    assert eng.truncate(3) and eng.stats.position == 3
+    eng.prefill(random_ids(eng.ring + 1, 42))
+    assert not eng.can_truncate(3)

@@ -71,6 +71,14 @@ def export_module(model: StreamingLlama) -> "aot.ExportOutput":
     def reset(m):
         return m.reset()
 
+    @fxb.export_program(name="snapshot", args=(), strict=False)
+    def snapshot(m):
+        return m.snapshot()
+
+    @fxb.export_program(name="restore", args=tuple(torch.zeros_like(b) for b in model.state()), strict=False)
+    def restore(m, *saved):
+        return m.restore(*saved)
+
     return aot.export(fxb)
 
 

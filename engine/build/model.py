@@ -326,11 +326,24 @@ class StreamingLlama(nn.Module):
         logp = torch.log_softmax(self.head(self.hidden(tokens, slots, rope, shift, slot_pos, token_pos, False)), -1)
         return torch.gather(logp, 1, targets.unsqueeze(1)).squeeze(1)
 
+    def state(self) -> list[torch.Tensor]:
+        """The buffers that hold a conversation's cache, in the order snapshot returns and restore takes them."""
+        return [b for b in (self.cache, self.sink_keys, self.ring_cache) if b is not None]
+
     def reset(self) -> torch.Tensor:
-        self.cache.zero_()
-        for buffer in (self.sink_keys, self.ring_cache):
-            if buffer is not None:
-                buffer.zero_()
+        for buffer in self.state():
+            buffer.zero_()
+        return self.cache[0, 0, 0, 0, :1] + 0.0
+
+    def snapshot(self) -> tuple[torch.Tensor, ...]:
+        """A copy of the whole cache state: switching conversations restores it instead of prefilling again."""
+        return tuple(b.clone() for b in self.state())
+
+    def restore(self, *saved: torch.Tensor) -> torch.Tensor:
+        for buffer, value in zip(self.state(), saved):
+            # `+ 0.0`: turbine drops a buffer mutation whose new value is an argument as it stands (no global
+            # store is emitted and restore silently does nothing).
+            buffer.copy_(value + 0.0)
         return self.cache[0, 0, 0, 0, :1] + 0.0
 
     def load_hf(self, state: dict[str, torch.Tensor]) -> None:

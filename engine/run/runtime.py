@@ -53,6 +53,7 @@ class CompiledModule:
             functions = self.context.modules.module
             self._prefill, self._decode = functions["prefill"], functions["decode"]
             self._score, self._reset = functions["score"], functions["reset"]
+            self._snapshot, self._restore = functions["snapshot"], functions["restore"]
         # IREE reports a bad file as RuntimeError, ValueError or IndexError (a parameter index or a parameter out
         # of the file's range: a truncated .irpa, or a .vmfb built for other weights), OSError for unreadable files.
         except (RuntimeError, ValueError, LookupError, OSError) as e:
@@ -88,6 +89,25 @@ class CompiledModule:
         self._reset()
         self.tokens_fed = self.next_position = 0
 
+    def snapshot(self) -> tuple:
+        """The cache globals as the module returns them: device arrays, left on the device (no host copy)."""
+        out = self._snapshot()
+        return tuple(out) if isinstance(out, (list, tuple)) else (out,)
+
+    def restore(self, saved: tuple, next_position: int) -> None:
+        self._restore(*saved)
+        self.next_position = next_position
+
+
+@dataclass(frozen=True)
+class CacheSnapshot:
+    """A conversation's whole cache state: the module's buffers and the host's record of what is in them."""
+    buffers: tuple
+    position: int
+    slot_pos: np.ndarray
+    slot_token: np.ndarray
+    ring_pos: np.ndarray
+
 
 class StreamingEngine:
     """A conversation's cache: sinks kept forever, then a ring over the window."""
@@ -115,6 +135,40 @@ class StreamingEngine:
     @property
     def evicted(self) -> int:
         return max(0, self.position - self.settings.capacity)
+
+    def snapshot(self) -> CacheSnapshot:
+        """Saves the cache (about a millisecond per 10 MB of cache on a CPU); `restore` brings it back."""
+        return CacheSnapshot(self.module.snapshot(), self.position, self.slot_pos.copy(), self.slot_token.copy(),
+                             self.ring_pos.copy())
+
+    def restore(self, snap: CacheSnapshot) -> None:
+        self.module.restore(snap.buffers, snap.position)
+        self.position = snap.position
+        self.slot_pos, self.slot_token, self.ring_pos = snap.slot_pos.copy(), snap.slot_token.copy(), snap.ring_pos.copy()
+
+    def can_truncate(self, k: int) -> bool:
+        """Whether the cache can go back to its first k tokens in place: nothing it held then has left it since.
+
+        Once a token was evicted, or (local rings) a ring slot was written twice, the state at k is gone and
+        only a rebuild recovers it.
+        """
+        if not 0 <= k <= self.position:
+            return False
+        if k == self.position:
+            return True
+        return self.position <= self.settings.capacity and (not self.ring or self.position <= self.ring)
+
+    def truncate(self, k: int) -> bool:
+        """Forgets every token after the first k (the mirror and positions rewind; their slots read as empty, so
+        the module's stale entries are masked and then overwritten). False, with nothing changed, when
+        can_truncate(k) is not true: the caller rebuilds."""
+        if not self.can_truncate(k):
+            return False
+        gone = self.slot_pos >= k
+        self.slot_pos[gone], self.slot_token[gone] = EMPTY_SLOT, -1
+        self.ring_pos[self.ring_pos >= k] = EMPTY_SLOT
+        self.position = self.module.next_position = k
+        return True
 
     def mirror(self) -> list[int]:
         """The tokens the cache holds, in conversation order."""
