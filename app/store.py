@@ -2,6 +2,8 @@
 
 Every write is its own short transaction, so a crash loses at most the reply being streamed. Failures are
 raised as StoreError with a message for the user; the caller keeps the chat in memory and retries later.
+Opening brings a database from an older Eddy up to date, one step of MIGRATIONS at a time, and refuses one
+from a newer Eddy without touching it.
 """
 from __future__ import annotations
 
@@ -204,7 +206,7 @@ def _migrate(conn: sqlite3.Connection, version: int) -> None:
 
 
 class Store:
-    """The chat database. Use Store.open(): it recovers from a damaged file."""
+    """The chat database. Use Store.open(): it recovers from a damaged file and updates an old one."""
 
     def __init__(self, path: Path, conn: sqlite3.Connection, recovered_from: Path | None = None) -> None:
         self.path = path
