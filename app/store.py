@@ -2,6 +2,8 @@
 
 Every write is its own short transaction, so a crash loses at most the reply being streamed. Failures are
 raised as StoreError with a message for the user; the caller keeps the chat in memory and retries later.
+Opening brings a database from an older Eddy up to date, one step of MIGRATIONS at a time, and refuses one
+from a newer Eddy without touching it.
 """
 from __future__ import annotations
 
@@ -10,11 +12,12 @@ import sqlite3
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 DB_FILE = "eddy.db"
-SCHEMA_VERSION = 1
 
+# Version 1: the schema as first released. Its IF NOT EXISTS lets step 1 finish a file whose creation was cut
+# short (release 1 created the tables and then set the version in separate transactions).
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS conversations (
     id INTEGER PRIMARY KEY,
@@ -47,6 +50,25 @@ CREATE TABLE IF NOT EXISTS turns (
 );
 CREATE INDEX IF NOT EXISTS turns_by_conversation ON turns(conversation_id, id);
 """
+
+# A step is an SQL script or a function given the connection; either runs inside the step's transaction, so
+# it must not BEGIN or COMMIT itself. Steps run with foreign keys off: rebuilding a table (SQLite's way to
+# change a column) drops the old one, and with them on that drop would first cascade-delete every message.
+Step = str | Callable[[sqlite3.Connection], None]
+
+# (N, step): step N brings a version N-1 database to version N. Append only, never edit a released step:
+# users' databases have already run it. Version 0 is an empty file.
+MIGRATIONS: list[tuple[int, Step]] = [
+    (1, SCHEMA),
+]
+
+# The version is SQLite's PRAGMA user_version, not a table of our own: release 1 already writes 1 there, it
+# needs no table that would itself have to exist before the version can be read, and it lives in the
+# database header, which changes in the same transaction as the step it records: a step is either applied
+# and counted or neither.
+SCHEMA_VERSION = MIGRATIONS[-1][0]
+if [n for n, _ in MIGRATIONS] != list(range(1, SCHEMA_VERSION + 1)):
+    raise RuntimeError("app.store.MIGRATIONS must be numbered 1, 2, 3, ... in order")
 
 
 def _text(value: str) -> str:
@@ -109,8 +131,82 @@ def _explain(e: sqlite3.Error, doing: str) -> StoreError:
     return StoreError(f"Could not {doing}: {why}.")
 
 
+# --- schema versions -----------------------------------------------------------------------------------------
+
+def _version(conn: sqlite3.Connection) -> int:
+    return int(conn.execute("PRAGMA user_version").fetchone()[0])
+
+
+def _newer(path: Path, version: int) -> StoreError:
+    # Not damage: moving it aside would hide the user's chats from the newer Eddy that wrote them.
+    return StoreError(f"The chat database {path} was written by a newer version of Eddy (schema version "
+                      f"{version}; this version of Eddy reads schema versions up to {SCHEMA_VERSION}). "
+                      f"Update Eddy to open it. The file was not changed.")
+
+
+def _statements(script: str) -> Iterator[str]:
+    # executescript() would commit the step's open transaction first, so a script runs one statement at a
+    # time. complete_statement() is SQLite's own tokenizer: a ';' inside a string or a trigger does not split.
+    pending = ""
+    for piece in script.split(";"):
+        pending += piece + ";"
+        if sqlite3.complete_statement(pending):
+            if pending.strip(" \t\r\n;"):
+                yield pending
+            pending = ""
+    if pending.strip(" \t\r\n;"):
+        yield pending  # incomplete: executing it raises SQLite's own syntax error
+
+
+def _run_step(conn: sqlite3.Connection, step: Step) -> None:
+    if callable(step):
+        step(conn)
+    else:
+        for statement in _statements(step):
+            conn.execute(statement)
+
+
+def _rollback(conn: sqlite3.Connection) -> None:
+    # SQLite may already have rolled back by itself (it does on SQLITE_FULL): keep the real error.
+    if conn.in_transaction:
+        try:
+            conn.execute("ROLLBACK")
+        except sqlite3.Error:
+            pass
+
+
+def _step_failed(e: Exception, version: int) -> StoreError:
+    doing = f"update the chat database from schema version {version - 1} to {version}"
+    explained = str(_explain(e, doing)) if isinstance(e, sqlite3.Error) else f"Could not {doing}: {e}."
+    return StoreError(f"{explained} It was left as it was, at version {version - 1}, with all its chats.")
+
+
+def _apply(conn: sqlite3.Connection, version: int, step: Step) -> None:
+    """Runs step `version` and records it, in one transaction: a crash or an error leaves version - 1 intact."""
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        # Another Eddy opening the same old file may have run this step while we waited for the write lock.
+        if _version(conn) < version:
+            _run_step(conn, step)
+            conn.execute(f"PRAGMA user_version={version}")
+        conn.execute("COMMIT")
+    except BaseException as e:
+        _rollback(conn)
+        # Step 1 only creates tables in a new file: its errors take open()'s usual path, explained or, for
+        # damage, moved aside. A later step fails on an intact older database, which is never damage.
+        if version > 1 and isinstance(e, Exception):
+            raise _step_failed(e, version) from e
+        raise
+
+
+def _migrate(conn: sqlite3.Connection, version: int) -> None:
+    for target, step in MIGRATIONS:
+        if target > version:
+            _apply(conn, target, step)
+
+
 class Store:
-    """The chat database. Use Store.open(): it recovers from a damaged file."""
+    """The chat database. Use Store.open(): it recovers from a damaged file and updates an old one."""
 
     def __init__(self, path: Path, conn: sqlite3.Connection, recovered_from: Path | None = None) -> None:
         self.path = path
@@ -142,20 +238,21 @@ class Store:
         conn = sqlite3.connect(str(path), isolation_level=None)  # autocommit; transactions are explicit
         try:
             conn.row_factory = sqlite3.Row
+            # First, before anything that writes (journal_mode=WAL rewrites the header): a newer Eddy's file
+            # must stay exactly as it is.
+            version = _version(conn)
+            if version > SCHEMA_VERSION:
+                raise _newer(path, version)
             conn.execute("PRAGMA journal_mode=WAL")
             # NORMAL in WAL mode loses at most the last transaction on power loss, never corrupts.
             conn.execute("PRAGMA synchronous=NORMAL")
-            conn.execute("PRAGMA foreign_keys=ON")
             check = conn.execute("PRAGMA quick_check").fetchone()[0]
             if check != "ok":
                 raise sqlite3.DatabaseError(f"integrity check failed: {check}")
-            version = conn.execute("PRAGMA user_version").fetchone()[0]
-            if version > SCHEMA_VERSION:
-                raise sqlite3.DatabaseError(f"written by a newer Eddy (schema {version})")
-            if version < SCHEMA_VERSION:  # a new file: writes only then, so opening never waits on another writer
-                conn.executescript(SCHEMA)
-                conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
-        except sqlite3.Error:
+            if version < SCHEMA_VERSION:  # a new or old file: writes only then, so opening never waits on a writer
+                _migrate(conn, version)
+            conn.execute("PRAGMA foreign_keys=ON")  # after the steps, which need them off (see Step)
+        except BaseException:
             conn.close()
             raise
         return conn
@@ -197,12 +294,7 @@ class Store:
                 self.conn.execute("COMMIT")
                 return out
             except BaseException:
-                # SQLite may already have rolled back by itself (it does on SQLITE_FULL): keep the real error.
-                if self.conn.in_transaction:
-                    try:
-                        self.conn.execute("ROLLBACK")
-                    except sqlite3.Error:
-                        pass
+                _rollback(self.conn)
                 raise
         except sqlite3.Error as e:
             raise _explain(e, doing) from e

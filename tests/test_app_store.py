@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +11,7 @@ import pytest
 
 import conftest_app  # noqa: F401  (headless Qt platform; skips without PySide6)
 
+import app.store as store_module
 from app.history import fit_history
 from app.settings import AppSettings, load_settings, save_settings
 from app.store import DB_FILE, Store, StoreError, TurnRow
@@ -60,6 +62,233 @@ def test_disk_full_is_a_clear_error(tmp_path):
     store.conn.execute("PRAGMA max_page_count=1073741823")
     store.replace_messages(conv, "c", [("user", "x"), ("assistant", "y")])
     assert [m.content for m in store.messages(conv)] == ["x", "y"]
+
+
+# --- schema versions ---------------------------------------------------------------------------------------
+
+# The schema exactly as release 1 (schema version 1) wrote it; a copy, so that a later edit of app.store cannot
+# change what "an old database" means here.
+V1_SCHEMA = """
+CREATE TABLE IF NOT EXISTS conversations (
+    id INTEGER PRIMARY KEY,
+    title TEXT NOT NULL,
+    created REAL NOT NULL,
+    updated REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS messages (
+    id INTEGER PRIMARY KEY,
+    conversation_id INTEGER NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+    seq INTEGER NOT NULL,
+    role TEXT NOT NULL,
+    content TEXT NOT NULL,
+    created REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS messages_by_conversation ON messages(conversation_id, seq);
+CREATE TABLE IF NOT EXISTS turns (
+    id INTEGER PRIMARY KEY,
+    conversation_id INTEGER NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+    message_id INTEGER REFERENCES messages(id) ON DELETE SET NULL,
+    kind TEXT NOT NULL,
+    prefill_tokens INTEGER NOT NULL,
+    prefill_ms REAL NOT NULL,
+    tokens INTEGER NOT NULL,
+    decode_ms REAL NOT NULL,
+    tok_s REAL NOT NULL,
+    stop_reason TEXT NOT NULL,
+    cache TEXT NOT NULL,
+    created REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS turns_by_conversation ON turns(conversation_id, id);
+"""
+
+V1_CHATS = {"Maths": [("user", "What is 2+2?"), ("assistant", "**4**")],
+            "Poem; with 'quotes'": [("user", "a poem"), ("assistant", "roses\nare red"), ("user", "again")]}
+
+
+def v1_database(data: Path, user_version: int = 1, journal: str = "wal") -> Path:
+    """A database as release 1 left it: schema and version as its _connect wrote them, rows as its Store did."""
+    data.mkdir(parents=True, exist_ok=True)
+    db = data / DB_FILE
+    conn = sqlite3.connect(str(db), isolation_level=None)
+    conn.execute(f"PRAGMA journal_mode={journal}")
+    conn.execute("PRAGMA foreign_keys=ON")
+    conn.executescript(V1_SCHEMA)
+    conn.execute(f"PRAGMA user_version={user_version}")
+    for n, (title, messages) in enumerate(V1_CHATS.items()):
+        conv = conn.execute("INSERT INTO conversations(title, created, updated) VALUES (?, ?, ?)",
+                            (title, 100.0 + n, 200.0 + n)).lastrowid
+        for seq, (role, content) in enumerate(messages):
+            msg = conn.execute("INSERT INTO messages(conversation_id, seq, role, content, created) "
+                               "VALUES (?, ?, ?, ?, ?)", (conv, seq, role, content, 150.0)).lastrowid
+            if role == "assistant":
+                conn.execute("INSERT INTO turns(conversation_id, message_id, kind, prefill_tokens, prefill_ms, "
+                             "tokens, decode_ms, tok_s, stop_reason, cache, created) "
+                             "VALUES (?, ?, 'turn', 30, 4.5, 12, 100.0, 120.0, 'eos', ?, 160.0)",
+                             (conv, msg, json.dumps({"evicted": seq})))
+    conn.close()
+    return db
+
+
+def assert_v1_chats(store: Store) -> None:
+    convs = store.conversations()
+    assert [c.title for c in convs] == list(reversed(V1_CHATS))  # most recently updated first
+    for conv in convs:
+        messages = V1_CHATS[conv.title]
+        assert [(m.role, m.content) for m in store.messages(conv.id)] == messages
+        turns = store.turns(conv.id)
+        replies = [i for i, (role, _) in enumerate(messages) if role == "assistant"]
+        assert [t.cache for t in turns] == [{"evicted": i} for i in replies]
+        assert all(t.message_id is not None for t in turns)
+
+
+def user_version(db: Path) -> int:
+    conn = sqlite3.connect(str(db))
+    try:
+        return conn.execute("PRAGMA user_version").fetchone()[0]
+    finally:
+        conn.close()
+
+
+def columns(db: Path, table: str) -> list[str]:
+    conn = sqlite3.connect(str(db))
+    try:
+        return [r[1] for r in conn.execute(f"PRAGMA table_info({table})")]
+    finally:
+        conn.close()
+
+
+def with_steps(monkeypatch, *steps) -> int:
+    """Appends test-only steps after the real ones, as a later Eddy would; returns the new version."""
+    migrations = list(store_module.MIGRATIONS)
+    for step in steps:
+        migrations.append((len(migrations) + 1, step))
+    monkeypatch.setattr(store_module, "MIGRATIONS", migrations)
+    monkeypatch.setattr(store_module, "SCHEMA_VERSION", len(migrations))
+    return len(migrations)
+
+
+def test_a_fresh_database_is_at_the_current_version(tmp_path):
+    store = Store.open(tmp_path)
+    assert store.conn.execute("PRAGMA user_version").fetchone()[0] == store_module.SCHEMA_VERSION
+    assert store_module.SCHEMA_VERSION == store_module.MIGRATIONS[-1][0]
+    assert store.conn.execute("PRAGMA foreign_keys").fetchone()[0] == 1
+    store.create_conversation("works")
+    store.close()
+
+
+# 1: what release 1 wrote. 0: release 1 set the version after creating the tables, in a separate transaction,
+# so a crash in between left the tables with no version record.
+@pytest.mark.parametrize("version", [1, 0])
+def test_a_version_1_database_opens_with_its_chats(tmp_path, version):
+    db = v1_database(tmp_path, user_version=version)
+    store = Store.open(tmp_path)
+    assert store.recovered_from is None
+    assert_v1_chats(store)
+    assert store.conn.execute("PRAGMA user_version").fetchone()[0] == store_module.SCHEMA_VERSION
+    store.close()
+    assert not list(tmp_path.glob(f"{DB_FILE}.damaged-*"))
+    assert user_version(db) == store_module.SCHEMA_VERSION
+
+
+def test_an_old_database_is_migrated_once_keeping_its_chats(tmp_path, monkeypatch):
+    runs = []
+
+    def pin(conn: sqlite3.Connection) -> None:
+        runs.append(conn.execute("PRAGMA user_version").fetchone()[0])
+        conn.execute("ALTER TABLE conversations ADD COLUMN pinned INTEGER NOT NULL DEFAULT 0")
+
+    # A script with a ';' inside a string and inside a trigger: each must stay one statement.
+    notes = """
+        CREATE TABLE notes (text TEXT NOT NULL);
+        INSERT INTO notes VALUES ('migrated; once');
+        CREATE TRIGGER notes_forever BEFORE DELETE ON notes BEGIN SELECT RAISE(ABORT, 'kept; always'); END;
+    """
+    db = v1_database(tmp_path)
+    version = with_steps(monkeypatch, notes, pin)
+    for _ in range(2):
+        store = Store.open(tmp_path)
+        assert store.recovered_from is None
+        assert_v1_chats(store)
+        store.close()
+    assert runs == [version - 1]  # ran once, on a database the step before had brought to its version
+    assert user_version(db) == version
+    assert "pinned" in columns(db, "conversations")
+    store = Store.open(tmp_path)
+    store.append_message(store.create_conversation("after the update"), 0, "user", "still writable")
+    store.close()
+    conn = sqlite3.connect(str(db))
+    assert conn.execute("SELECT text FROM notes").fetchall() == [("migrated; once",)]
+    with pytest.raises(sqlite3.IntegrityError, match="kept; always"):
+        conn.execute("DELETE FROM notes")
+    conn.close()
+
+
+def test_a_fresh_database_runs_every_step(tmp_path, monkeypatch):
+    version = with_steps(monkeypatch, "ALTER TABLE messages ADD COLUMN edited REAL")
+    store = Store.open(tmp_path)
+    conv = store.create_conversation("new")
+    store.append_message(conv, 0, "user", "hi")
+    store.close()
+    assert user_version(tmp_path / DB_FILE) == version
+    assert "edited" in columns(tmp_path / DB_FILE, "messages")
+
+
+def _raises(conn: sqlite3.Connection) -> None:
+    conn.execute("ALTER TABLE conversations ADD COLUMN pinned INTEGER")
+    raise ValueError("a bug in the step")
+
+
+@pytest.mark.parametrize("step,why", [
+    # The first statement works, the second fails: the first must be rolled back with it.
+    ("ALTER TABLE conversations ADD COLUMN pinned INTEGER; INSERT INTO no_such_table VALUES (1);",
+     "no such table"),
+    # An IntegrityError is a DatabaseError but not damage: the file must not be moved aside.
+    ("ALTER TABLE conversations ADD COLUMN pinned INTEGER; "
+     "INSERT INTO conversations(id, title, created, updated) VALUES (1, 'x', 0, 0);", "UNIQUE constraint"),
+    (_raises, "a bug in the step"),
+])
+def test_a_failing_step_leaves_the_old_version_intact(tmp_path, monkeypatch, step, why):
+    db = v1_database(tmp_path)
+    with monkeypatch.context() as m:
+        version = with_steps(m, step)
+        for _ in range(2):  # and keeps failing the same way, without damage piling up
+            with pytest.raises(StoreError, match=rf"from schema version {version - 1} to {version}: .*{why}"):
+                Store.open(tmp_path)
+    assert user_version(db) == version - 1
+    assert "pinned" not in columns(db, "conversations")
+    assert not list(tmp_path.glob(f"{DB_FILE}.damaged-*"))
+    store = Store.open(tmp_path)  # this version of Eddy, without the step, still has every chat
+    assert store.recovered_from is None
+    assert_v1_chats(store)
+    store.close()
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+@pytest.mark.parametrize("journal", ["wal", "delete"])
+def test_a_database_from_a_newer_eddy_is_refused_and_left_untouched(tmp_path, journal):
+    newer = store_module.SCHEMA_VERSION + 1
+    v1_database(tmp_path, user_version=newer, journal=journal)
+    before = _files(tmp_path)
+    for _ in range(2):
+        with pytest.raises(StoreError, match=rf"newer version of Eddy \(schema version {newer};.* up to "
+                                             rf"{store_module.SCHEMA_VERSION}\)"):
+            Store.open(tmp_path)
+    assert _files(tmp_path) == before  # byte for byte, and nothing moved aside or left next to it
+
+
+def test_the_app_says_why_it_cannot_open_a_newer_database(tmp_path):
+    newer = store_module.SCHEMA_VERSION + 1
+    v1_database(tmp_path, user_version=newer)
+    before = _files(tmp_path)
+    out = subprocess.run([sys.executable, "-m", "app", "--ask", "hi", "--data-dir", str(tmp_path)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out.stderr
+    assert "eddy-gui: error: The chat database" in out.stderr and f"schema version {newer}" in out.stderr
+    assert "Traceback" not in out.stderr
+    assert {name: data for name, data in _files(tmp_path).items() if name.startswith(DB_FILE)} == before
 
 
 def test_exports():

@@ -1,5 +1,6 @@
-"""The chat store under faults: kill -9 mid-save, two processes on one data folder, a database another
-process holds locked, text SQLite cannot take. (A damaged file being moved aside is in test_app_store.py.)
+"""The chat store under faults: kill -9 mid-save, two processes on one data folder (writing, or both updating
+an old database's schema), a database another process holds locked, text SQLite cannot take. (A damaged file
+being moved aside, and schema versions in one process, are in test_app_store.py.)
 
 Real subprocesses write through app.store.Store; each prints an ack after every commit returns, so the test
 knows exactly which messages were committed when it kills the writer.
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from app.store import DB_FILE, Store, StoreError
+from app.store import DB_FILE, SCHEMA_VERSION, Store, StoreError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -224,3 +225,43 @@ def test_damaged_database_files_are_moved_aside_or_survive(tmp_path, damage, kep
         store.create_conversation("new")  # ...that works
         assert integrity(tmp_path) == "ok"
     store.close()
+
+
+# Eddy at a later schema: one extra step, slow enough that a second instance opens the file meanwhile.
+MIGRATOR = textwrap.dedent("""
+    import os, sys, time
+    sys.path.insert(0, {root!r})
+    from pathlib import Path
+    import app.store as store
+
+    def step(conn):
+        conn.execute("CREATE TABLE runs (pid INTEGER NOT NULL)")
+        conn.execute("INSERT INTO runs VALUES (?)", (os.getpid(),))
+        print("migrating", flush=True)
+        time.sleep(float(sys.argv[2]))
+
+    store.MIGRATIONS = [*store.MIGRATIONS, (store.SCHEMA_VERSION + 1, step)]
+    store.SCHEMA_VERSION += 1
+    s = store.Store.open(Path(sys.argv[1]))
+    print("opened", len(s.conversations()), flush=True)
+""").format(root=str(ROOT))
+
+
+def test_two_instances_opening_an_old_database_migrate_it_once(tmp_path):
+    store = Store.open(tmp_path)
+    store.append_message(store.create_conversation("old"), 0, "user", "kept")
+    store.close()
+    first = subprocess.Popen([sys.executable, "-c", MIGRATOR, str(tmp_path), "2"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert first.stdout.readline().strip() == "migrating"  # it holds the write lock now, mid-step
+    # The second reads the old version, waits for the lock, and must then find the step done.
+    second = subprocess.Popen([sys.executable, "-c", MIGRATOR, str(tmp_path), "0"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out2, err2 = second.communicate(timeout=60)
+    out1, err1 = first.communicate(timeout=60)
+    assert (first.returncode, second.returncode) == (0, 0), err1[-2000:] + err2[-2000:]
+    assert out1.split() == out2.split() == ["opened", "1"]
+    conn = sqlite3.connect(str(tmp_path / DB_FILE))
+    assert conn.execute("SELECT pid FROM runs").fetchall() == [(first.pid,)]
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION + 1
+    conn.close()
