@@ -1,4 +1,5 @@
-"""The cache as a bar: the attention-sink slots, the window's used and free slots, and what was evicted."""
+"""The cache as a bar: the attention-sink slots (those holding a pinned system prompt apart), the window's used and
+free slots, and what was evicted."""
 from __future__ import annotations
 
 from PySide6.QtCore import QRectF, QSize, Qt
@@ -8,6 +9,7 @@ from PySide6.QtWidgets import QSizePolicy, QWidget
 from .chat_view import blend
 
 SINK_COLOUR = QColor("#e0803a")    # warm: kept forever
+PIN_COLOUR = QColor("#9b51e0")     # the sinks that hold the pinned system prompt
 WINDOW_COLOUR = QColor("#2f80ed")  # the sliding window's used slots
 MIN_SINK_PX = 6
 
@@ -18,7 +20,7 @@ class CacheBar(QWidget):
         self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
         self.setMinimumHeight(22)
         self.setAccessibleName("Cache window")
-        self.stats = {"sinks": 0, "window": 0, "capacity": 0, "used": 0, "evicted": 0, "position": 0}
+        self.stats = {"sinks": 0, "window": 0, "capacity": 0, "used": 0, "evicted": 0, "position": 0, "pinned": 0}
         self._describe()
 
     def set_stats(self, stats: dict) -> None:
@@ -36,7 +38,9 @@ class CacheBar(QWidget):
         s = self.stats
         if not s["capacity"]:
             return "No model loaded"
-        return (f"<span style='color:{SINK_COLOUR.name()}'>■</span> sinks {min(s['used'], s['sinks'])}/{s['sinks']}"
+        pinned = (f"<span style='color:{PIN_COLOUR.name()}'>■</span> system prompt pinned ({s['pinned']}) &nbsp; "
+                  if s["pinned"] else "")
+        return (f"{pinned}<span style='color:{SINK_COLOUR.name()}'>■</span> sinks {min(s['used'], s['sinks'])}/{s['sinks']}"
                 f" &nbsp; <span style='color:{WINDOW_COLOUR.name()}'>■</span> window {self.window_used:,}/{s['window']:,}"
                 f"<br>{s['evicted']:,} tokens evicted · {s['position']:,} seen in this chat")
 
@@ -44,13 +48,15 @@ class CacheBar(QWidget):
         s = self.stats
         if not s["capacity"]:
             return "No model loaded"
-        return (f"{min(s['used'], s['sinks'])}/{s['sinks']} sinks · window {self.window_used:,}/{s['window']:,} used · "
+        pinned = f"system prompt pinned in {s['pinned']} sinks · " if s["pinned"] else ""
+        return (f"{pinned}{min(s['used'], s['sinks'])}/{s['sinks']} sinks · window {self.window_used:,}/{s['window']:,} used · "
                 f"{s['evicted']:,} evicted")
 
     def _describe(self) -> None:
         self.setToolTip(f"{self.summary()}\n{self.stats['position']:,} tokens seen in this conversation.\n"
-                        "Sinks (orange) keep the conversation's first tokens forever; the window (blue) keeps "
-                        "the most recent ones. Older tokens are evicted.")
+                        "Sinks (orange) keep the conversation's first tokens forever, a pinned system prompt "
+                        "(purple) among them; the window (blue) keeps the most recent ones. Older tokens are "
+                        "evicted.")
         self.setAccessibleDescription(self.summary())
 
     def sizeHint(self) -> QSize:  # noqa: N802
@@ -75,6 +81,10 @@ class CacheBar(QWidget):
             if used_sinks:
                 painter.fillRect(QRectF(rect.left(), rect.top(), sink_w * used_sinks / s["sinks"], rect.height()),
                                  SINK_COLOUR)
+            pinned = min(s["pinned"], used_sinks)
+            if pinned:
+                painter.fillRect(QRectF(rect.left(), rect.top(), sink_w * pinned / s["sinks"], rect.height()),
+                                 PIN_COLOUR)
             if s["window"]:
                 used_w = window_w * self.window_used / s["window"]
                 painter.fillRect(QRectF(rect.left() + sink_w, rect.top(), used_w, rect.height()), WINDOW_COLOUR)

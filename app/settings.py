@@ -12,16 +12,17 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from PySide6.QtCore import QSettings
 
-from engine.config import DEVICES, DTYPES, BuildSettings
+from engine.config import DEVICES, DTYPES, PIN_SLOTS, BuildSettings
 from engine.run.generation import SAMPLING_FIELDS, ChatDefaults, sampling_params
 from engine.run.sampling import SamplingParams
 from engine.run.session import ChatSettings
 
-BUILD_FIELDS = ("model", "sinks", "window", "dtype", "device", "max_chunk")
+# pin_system is also a build field: a pinning build compiles PIN_SLOTS sink slots.
+BUILD_FIELDS = ("model", "sinks", "window", "dtype", "device", "max_chunk", "pin_system")
 SETTINGS_FILE = "settings.ini"
 # 1: every field saved, sampling greedy by default. 2: only the fields the user set.
 SETTINGS_VERSION = 2
@@ -37,6 +38,7 @@ class AppSettings:
     device: str = BuildSettings.device
     max_chunk: int = BuildSettings.max_chunk
     system_prompt: str = ""
+    pin_system: bool = False  # the system prompt stays in the cache as sinks, however long the chat
     max_new_tokens: int = 512
     # Sampling: None = the model's default (see engine.run.generation).
     temperature: float | None = None
@@ -51,7 +53,7 @@ class AppSettings:
 
     def build_settings(self) -> BuildSettings:
         return BuildSettings(sinks=self.sinks, window=self.window, dtype=self.dtype, device=self.device,
-                             max_chunk=self.max_chunk)
+                             max_chunk=self.max_chunk, max_sinks=PIN_SLOTS if self.pin_system else 0)
 
     def sampling_overrides(self) -> dict[str, Any]:
         """The sampling values the user chose (the rest follow the model)."""
@@ -61,12 +63,13 @@ class AppSettings:
         sampling = sampling_params(defaults or ChatDefaults(), self.sampling_overrides(),
                                    None if self.seed < 0 else self.seed)
         return ChatSettings(system_prompt=self.system_prompt.strip() or None,
-                            max_new_tokens=self.max_new_tokens, sampling=sampling)
+                            max_new_tokens=self.max_new_tokens, sampling=sampling, pin_system=self.pin_system)
 
     def chat_dict(self) -> dict[str, Any]:
         """What the worker needs to make ChatSettings once it knows the model's defaults (plain data: it
         crosses threads in a queued signal)."""
-        return {"system_prompt": self.system_prompt.strip() or None, "max_new_tokens": self.max_new_tokens,
+        return {"system_prompt": self.system_prompt.strip() or None, "pin_system": self.pin_system,
+                "max_new_tokens": self.max_new_tokens,
                 "overrides": self.sampling_overrides(), "seed": None if self.seed < 0 else self.seed}
 
     def validate(self) -> None:
@@ -96,10 +99,20 @@ _V1_DEFAULTS: dict[str, Any] = {
 }
 
 
-def _field_type(name: str) -> type:
+def _field_type(name: str) -> Callable[[Any], Any]:
     if name in SAMPLING_FIELDS:
         return type(getattr(SamplingParams(), name))
-    return type(getattr(AppSettings(), name))
+    kind = type(getattr(AppSettings(), name))
+    return _boolean if kind is bool else kind
+
+
+def _boolean(value: Any) -> bool:
+    # The INI format gives back "true"/"false" strings, and bool("false") is True.
+    if isinstance(value, str):
+        if value.lower() not in ("true", "false", "1", "0"):
+            raise ValueError(f"not a boolean: {value!r}")
+        return value.lower() in ("true", "1")
+    return bool(value)
 
 
 def load_settings(data_dir: Path) -> AppSettings:

@@ -8,11 +8,11 @@ from __future__ import annotations
 from dataclasses import replace
 
 from PySide6.QtCore import Qt
-from PySide6.QtWidgets import (QComboBox, QDialog, QDialogButtonBox, QDoubleSpinBox, QFileDialog, QFormLayout,
+from PySide6.QtWidgets import (QCheckBox, QComboBox, QDialog, QDialogButtonBox, QDoubleSpinBox, QFileDialog, QFormLayout,
                                QGroupBox, QHBoxLayout, QLabel, QLineEdit, QPlainTextEdit, QPushButton, QSpinBox,
                                QVBoxLayout, QWidget)
 
-from engine.config import DEVICES, DTYPES
+from engine.config import DEVICES, DTYPES, PIN_SLOTS
 from engine.run.generation import SAMPLING_FIELDS, ChatDefaults
 
 from .settings import AppSettings
@@ -148,6 +148,11 @@ class SettingsDialog(QDialog):
         self.system_prompt.setPlaceholderText("Optional: who the assistant is and how it answers")
         self.system_prompt.setFixedHeight(self.system_prompt.fontMetrics().lineSpacing() * 4 + 12)
         layout.addWidget(self.system_prompt)
+        self.pin_system = QCheckBox("Keep the system prompt in the cache for the whole chat (pinned in the sinks)")
+        self.pin_system.setToolTip(f"Its tokens (up to {PIN_SLOTS}) become attention sinks: the assistant never "
+                                   f"forgets it, however long the chat. Rebuilds the model once.")
+        self.pin_system.setChecked(current.pin_system)
+        layout.addWidget(self.pin_system)
 
         self.rebuild_note = QLabel("⚠ These changes rebuild the model: the first time for these settings takes "
                                    "about two minutes, with progress shown.")
@@ -167,6 +172,7 @@ class SettingsDialog(QDialog):
             w.valueChanged.connect(self._changed)
         for c in (self.dtype, self.device):
             c.currentTextChanged.connect(self._changed)
+        self.pin_system.toggled.connect(self._changed)
         self.model.textChanged.connect(self._changed)
         self._changed()
 
@@ -185,7 +191,8 @@ class SettingsDialog(QDialog):
             self.current, model=self.model.text().strip(), sinks=self.sinks.value(), window=self.window.value(),
             dtype=self.dtype.currentText(), device=self.device.currentText(), max_chunk=self.max_chunk.value(),
             max_new_tokens=self.max_new_tokens.value(), seed=self.seed.value(),
-            system_prompt=self.system_prompt.toPlainText().strip(), **self._sampling_values())
+            system_prompt=self.system_prompt.toPlainText().strip(), pin_system=self.pin_system.isChecked(),
+            **self._sampling_values())
 
     def _sampling_widget(self, name: str) -> QSpinBox | QDoubleSpinBox:
         return getattr(self, name)

@@ -218,13 +218,9 @@ class EngineWorker(QObject):
         try:
             budget = engine.settings.capacity - (len(tokenizer.encode_text(reserve)) + 8 if reserve else 0)
             fitted = fit_history(tokenizer, self._chat_settings.system_prompt, list(history), max(0, budget))
-            session.reset(fitted.messages)
+            event = session.resume(fitted.messages, fitted.ids if fitted.spans else [])
             if fitted.spans:
-                start = time.perf_counter()
-                engine.prefill(fitted.ids)
-                ms = (time.perf_counter() - start) * 1e3
-                self.prefill.emit({"event": "prefill", "kind": "rebuild", "new_tokens": len(fitted.ids),
-                                   "ms": round(ms, 2), "cache": engine.stats.to_dict(), **tag})
+                self.prefill.emit({**event, "kind": "rebuild", **tag})
         except Exception as e:
             log.exception("rebuilding the cache failed")
             session.reset()
@@ -247,7 +243,8 @@ def _chat_settings(chat: dict, defaults: ChatDefaults | None) -> ChatSettings:
     """AppSettings.chat_dict() over the loaded model's sampling defaults (Eddy's own before a model loads)."""
     sampling = sampling_params(defaults or ChatDefaults(), chat.get("overrides"), chat.get("seed"))
     return ChatSettings(system_prompt=chat.get("system_prompt") or None,
-                        max_new_tokens=int(chat.get("max_new_tokens", 512)), sampling=sampling)
+                        max_new_tokens=int(chat.get("max_new_tokens", 512)), sampling=sampling,
+                        pin_system=bool(chat.get("pin_system")))
 
 
 class EngineHost(QObject):

@@ -7,7 +7,7 @@ import sys
 import threading
 from typing import Callable, Sequence
 
-from .config import DEVICES, DTYPES, TARGET_CPUS, BuildSettings
+from .config import DEVICES, DTYPES, PIN_SLOTS, TARGET_CPUS, BuildSettings
 from .errors import EddyError
 from .run.generation import EDDY_CHAT_DEFAULTS
 from .run.sampling import SamplingParams
@@ -34,6 +34,9 @@ def _build_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="smollm2-135m-instruct (default), tiny-random, a .gguf file or a Hugging Face folder")
     p.add_argument("--sinks", type=int, default=d.sinks, help=f"attention-sink tokens kept forever (default {d.sinks})")
     p.add_argument("--window", type=int, default=d.window, help=f"recent tokens kept (default {d.window})")
+    p.add_argument("--max-sinks", type=int, default=None,
+                   help=f"sink slots compiled, the most tokens a pinned system prompt may take (default: --sinks; "
+                        f"{PIN_SLOTS} with --pin-system)")
     p.add_argument("--dtype", choices=DTYPES, default=d.dtype, help=f"weight type; q8 = int8 with per-row scales (default {d.dtype})")
     p.add_argument("--device", choices=DEVICES, default=d.device)
     p.add_argument("--target-cpu", choices=TARGET_CPUS, default=d.target_cpu,
@@ -42,7 +45,9 @@ def _build_options(p: argparse.ArgumentParser) -> None:
 
 
 def _settings(a: argparse.Namespace) -> BuildSettings:
-    return BuildSettings(sinks=a.sinks, window=a.window, dtype=a.dtype, device=a.device, target_cpu=a.target_cpu)
+    max_sinks = a.max_sinks if a.max_sinks is not None else (PIN_SLOTS if getattr(a, "pin_system", False) else 0)
+    return BuildSettings(sinks=a.sinks, window=a.window, dtype=a.dtype, device=a.device, target_cpu=a.target_cpu,
+                         max_sinks=max_sinks)
 
 
 def _progress_printer(quiet: bool) -> Callable[[str, float], None]:
@@ -69,6 +74,9 @@ def parser() -> argparse.ArgumentParser:
     _build_options(chat)
     chat.add_argument("--prompt", help="answer this one turn and exit")
     chat.add_argument("--system", default=None, help="system prompt")
+    chat.add_argument("--pin-system", action="store_true",
+                      help="keep the system prompt's tokens in the cache forever, as sinks: the assistant never "
+                           "forgets it however long the chat")
     chat.add_argument("--max-new-tokens", type=int, default=512)
     # Unset sampling options take the base: greedy decoding (for scripts and benchmarks) unless --chat-defaults.
     chat.add_argument("--chat-defaults", action="store_true",
@@ -156,7 +164,8 @@ def _chat(args: argparse.Namespace) -> int:
     model = open_model(args.model, _settings(args), _progress_printer(args.json))
     base = model.chat_defaults if args.chat_defaults else ChatDefaults(greedy)
     sampling = sampling_params(base, given, args.seed)
-    session = model.chat(ChatSettings(system_prompt=args.system, max_new_tokens=args.max_new_tokens, sampling=sampling))
+    session = model.chat(ChatSettings(system_prompt=args.system, max_new_tokens=args.max_new_tokens, sampling=sampling,
+                                      pin_system=args.pin_system))
 
     def on_event(event: dict) -> None:
         if args.json:

@@ -13,6 +13,9 @@ DTYPES = ("f32", "f16", "bf16", "q8")
 # that run on other machines (a module built for "host" can die of illegal instructions elsewhere).
 # x86-64-v3 = AVX2 + FMA (Intel Haswell 2013+, AMD Zen 1+); x86-64 = any 64-bit x86 (slow: no AVX).
 TARGET_CPUS = ("host", "x86-64-v3", "x86-64-v2", "x86-64", "x86-64-v4")
+# Sink slots of a build that pins the system prompt, unless the user names another bound: room for a system
+# prompt of a paragraph or two, one build for all of them.
+PIN_SLOTS = 128
 ROPE_TYPES = ("default", "linear", "llama3")  # what engine/run/rope.py computes
 
 
@@ -124,16 +127,21 @@ class ModelConfig:
 class BuildSettings:
     """Everything that changes the compiled module besides the weights."""
 
-    sinks: int = 4
+    sinks: int = 4  # the sink count when no system prompt is pinned
     window: int = 1020
     dtype: str = "q8"
     device: str = "cpu"
     max_chunk: int = 512
     target_cpu: str = "host"  # llvm-cpu only; see TARGET_CPUS
+    # Sink slots compiled (0: just `sinks`). The sink count is chosen per conversation up to this bound: a pinned
+    # system prompt's tokens all become sinks; slots not used as sinks stay empty.
+    max_sinks: int = 0
 
     def __post_init__(self) -> None:
         if self.sinks < 0 or self.window < 1:
             raise ValueError(f"need sinks >= 0 and window >= 1 (got sinks={self.sinks}, window={self.window})")
+        if self.max_sinks < 0:
+            raise ValueError(f"need max sinks >= 0 (got {self.max_sinks})")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)} (got {self.dtype!r})")
         if self.device not in DEVICES:
@@ -143,7 +151,17 @@ class BuildSettings:
 
     @property
     def capacity(self) -> int:
+        """Tokens the cache holds with the default sink count."""
         return self.sinks + self.window
+
+    @property
+    def sink_slots(self) -> int:
+        return max(self.sinks, self.max_sinks)
+
+    @property
+    def slots(self) -> int:
+        """Slots in the compiled cache: the sink slots, then the window's ring."""
+        return self.sink_slots + self.window
 
     @property
     def chunk(self) -> int:

@@ -20,6 +20,26 @@ from engine.config import BuildSettings  # noqa: E402
 TINY_SETTINGS = BuildSettings(sinks=4, window=60, dtype="f32", max_chunk=16)
 
 
+def _pin_settings() -> BuildSettings:
+    from dataclasses import replace
+
+    from engine.config import PIN_SLOTS
+
+    return replace(TINY_SETTINGS, max_sinks=PIN_SLOTS)
+
+
+# The tests' build with the sink slots of a pinning build (the app's, with the pinning setting on).
+PIN_SETTINGS = _pin_settings()
+
+
+@pytest.fixture(scope="session")
+def tiny_pinning():
+    """LoadedModel for tiny-random with PIN_SETTINGS (one build shared by the engine, session and app tests)."""
+    from engine.loader import open_model
+
+    return open_model("tiny-random", PIN_SETTINGS)
+
+
 @pytest.fixture(scope="session")
 def tiny():
     """LoadedModel for tiny-random (f32, capacity 64, prefill chunks of at most 16)."""

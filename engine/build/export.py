@@ -37,7 +37,7 @@ def example_args(cfg: ModelConfig, settings: BuildSettings, n: int) -> tuple[tor
         torch.arange(n, dtype=torch.int64),
         torch.zeros(tables, 2, n, half),
         torch.zeros(tables, 2, half),
-        torch.zeros(settings.capacity + cfg.local_ring(settings), dtype=torch.int64),
+        torch.zeros(settings.slots + cfg.local_ring(settings), dtype=torch.int64),
         torch.zeros(n, dtype=torch.int64),
     )
 

@@ -5,9 +5,10 @@ One file in the spirit of gpt-fast's model.py: a config (ModelConfig), a table o
 projections have biases, q/k norms, norm style, activation, tensor names) and the cache as buffers. Export-side
 only (needs torch).
 
-The cache is one buffer [layers, 2, kv_heads, sinks + window, head_dim] (plus the sinks' original keys: see
-Attention.write_cache). The host decides which slot each
-new token goes to (sinks first, then a ring over the window) and tells the module, per call:
+The cache is one buffer [layers, 2, kv_heads, sink slots + window, head_dim] (plus the sinks' original keys: see
+Attention.write_cache). The host decides which slot each new token goes to (sinks first, then a ring over the
+window after the last sink slot; how many sink slots hold sinks is the host's choice per conversation, the rest
+stay empty) and tells the module, per call:
   * `slots`      the slot each new token is written to;
   * `rope`       [tables, 2, n, head_dim/2]: cos/sin at each new token's absolute position, per RoPE table
                  (one, or two for Gemma 3, whose local layers have their own base: ModelConfig.rope_table);
@@ -112,7 +113,7 @@ class Step:
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, settings: BuildSettings, layer: int, index: int, own_ring: bool) -> None:
         super().__init__()
-        self.cfg, self.sinks, self.capacity = cfg, settings.sinks, settings.capacity
+        self.cfg, self.sinks = cfg, settings.sink_slots
         self.index = index  # this layer's place in the buffer it writes (the shared cache or the ring)
         self.local = layer in cfg.local_layers  # attends to the last local_window tokens only (Gemma)
         self.own_ring = own_ring
@@ -269,8 +270,8 @@ class StreamingLlama(nn.Module):
         # zero-splat initialiser gave wrong logits in IREE. float32, since 16-bit buffers do not initialise
         # reliably in turbine.
         kvh, d = cfg.n_kv_heads, cfg.head_dim
-        self.register_buffer("cache", torch.zeros(len(shared), 2, kvh, settings.capacity, d), persistent=False)
-        sinks = torch.zeros(len(shared), kvh, settings.sinks + 1, d) if settings.sinks else None
+        self.register_buffer("cache", torch.zeros(len(shared), 2, kvh, settings.slots, d), persistent=False)
+        sinks = torch.zeros(len(shared), kvh, settings.sink_slots + 1, d) if settings.sink_slots else None
         self.register_buffer("sink_keys", sinks, persistent=False)
         self.register_buffer("ring_cache", torch.zeros(len(local), 2, kvh, ring, d) if ring else None,
                              persistent=False)
@@ -280,14 +281,14 @@ class StreamingLlama(nn.Module):
         x = self.tok_embeddings.rows(tokens)
         if self.embed_scale is not None:
             x = x * self.embed_scale
-        capacity, window, ring = self.settings.capacity, self.cfg.local_window, self.ring
-        cache_pos, now = slot_pos[:capacity], token_pos.unsqueeze(1)
+        n_slots, window, ring = self.settings.slots, self.cfg.local_window, self.ring
+        cache_pos, now = slot_pos[:n_slots], token_pos.unsqueeze(1)
         neg = torch.full((), float("-inf"))
         mask = torch.where(cache_pos.unsqueeze(0) <= now, torch.zeros(()), neg)  # [n, C]
         local, ring_slots = mask, None
         if ring:
             ring_slots = torch.remainder(token_pos, ring)
-            ring_pos = slot_pos[capacity:]
+            ring_pos = slot_pos[n_slots:]
             if single:  # what the ring holds once this token is written
                 seen = torch.where(torch.arange(ring) == ring_slots, token_pos, ring_pos)
             else:  # the ring as it was, then the new tokens

@@ -28,6 +28,7 @@ class CacheStats:
     used: int
     evicted: int
     position: int
+    pinned: int = 0  # tokens of the system prompt held as sinks
 
     def to_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -104,6 +105,8 @@ class CacheSnapshot:
     """A conversation's whole cache state: the module's buffers and the host's record of what is in them."""
     buffers: tuple
     position: int
+    sinks: int
+    pinned: int
     slot_pos: np.ndarray
     slot_token: np.ndarray
     ring_pos: np.ndarray
@@ -123,27 +126,43 @@ class StreamingEngine:
         s = self.settings
         self.module.reset()
         self.position = 0  # tokens fed so far in this conversation
-        self.slot_pos = np.full(s.capacity, EMPTY_SLOT, dtype=np.int64)
-        self.slot_token = np.full(s.capacity, -1, dtype=np.int64)
+        self.sinks, self.pinned = s.sinks, 0  # this conversation's sink count (see pin)
+        self.slot_pos = np.full(s.slots, EMPTY_SLOT, dtype=np.int64)
+        self.slot_token = np.full(s.slots, -1, dtype=np.int64)
         self.ring_pos = np.full(self.ring, EMPTY_SLOT, dtype=np.int64)  # position held by each ring slot
+
+    def pin(self, tokens: int) -> None:
+        """Makes this conversation's first `tokens` tokens sinks (at least the build's sink count): a pinned system
+        prompt stays in the cache forever. Only before the first token; ValueError past the compiled bound."""
+        if self.position:
+            raise ValueError("the sink count is chosen before a conversation's first token")
+        if tokens > self.settings.sink_slots:
+            raise ValueError(f"{tokens} tokens to pin, but the cache has {self.settings.sink_slots} sink slots")
+        self.sinks, self.pinned = max(self.settings.sinks, tokens), tokens
+
+    @property
+    def capacity(self) -> int:
+        """Tokens the cache holds in this conversation: its sinks and the window."""
+        return self.sinks + self.settings.window
 
     @property
     def stats(self) -> CacheStats:
-        s = self.settings
-        return CacheStats(s.sinks, s.window, s.capacity, min(self.position, s.capacity), self.evicted, self.position)
+        cap = self.capacity
+        return CacheStats(self.sinks, self.settings.window, cap, min(self.position, cap), self.evicted, self.position,
+                          self.pinned)
 
     @property
     def evicted(self) -> int:
-        return max(0, self.position - self.settings.capacity)
+        return max(0, self.position - self.capacity)
 
     def snapshot(self) -> CacheSnapshot:
         """Saves the cache (about a millisecond per 10 MB of cache on a CPU); `restore` brings it back."""
-        return CacheSnapshot(self.module.snapshot(), self.position, self.slot_pos.copy(), self.slot_token.copy(),
-                             self.ring_pos.copy())
+        return CacheSnapshot(self.module.snapshot(), self.position, self.sinks, self.pinned, self.slot_pos.copy(),
+                             self.slot_token.copy(), self.ring_pos.copy())
 
     def restore(self, snap: CacheSnapshot) -> None:
         self.module.restore(snap.buffers, snap.position)
-        self.position = snap.position
+        self.position, self.sinks, self.pinned = snap.position, snap.sinks, snap.pinned
         self.slot_pos, self.slot_token, self.ring_pos = snap.slot_pos.copy(), snap.slot_token.copy(), snap.ring_pos.copy()
 
     def can_truncate(self, k: int) -> bool:
@@ -156,7 +175,7 @@ class StreamingEngine:
             return False
         if k == self.position:
             return True
-        return self.position <= self.settings.capacity and (not self.ring or self.position <= self.ring)
+        return self.position <= self.capacity and (not self.ring or self.position <= self.ring)
 
     def truncate(self, k: int) -> bool:
         """Forgets every token after the first k (the mirror and positions rewind; their slots read as empty, so
@@ -177,8 +196,8 @@ class StreamingEngine:
         return self.slot_token[used][order].tolist()
 
     def slot_of(self, positions: np.ndarray) -> np.ndarray:
-        s = self.settings
-        return np.where(positions < s.sinks, positions, s.sinks + (positions - s.sinks) % s.window)
+        s, sinks = self.settings, self.sinks
+        return np.where(positions < sinks, positions, s.sink_slots + (positions - sinks) % s.window)
 
     def _inputs(self, ids: np.ndarray) -> tuple[np.ndarray, ...]:
         n = len(ids)

@@ -26,6 +26,7 @@ class ChatSettings:
     system_prompt: str | None = None
     max_new_tokens: int = 512
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    pin_system: bool = False  # the system prompt's tokens stay in the cache as sinks (StreamingEngine.pin)
 
 
 @dataclass
@@ -54,6 +55,22 @@ class ChatSession:
         self.messages = list(messages or [])
         self._owed = []
 
+    def resume(self, messages: list[dict], ids: list[int] | None = None) -> dict:
+        """Starts over from `messages` (a stored chat's recent part, system message first if any): the cache is
+        cleared and refilled with their rendering (`ids` when the caller has it), the system prompt pinned when
+        that is set. Returns the prefill event. Nothing changes if it is refused (PromptTooLongError)."""
+        messages = list(messages)
+        if ids is None:
+            ids = self.tokenizer.encode_chat(messages, add_generation_prompt=False) if messages else []
+        pinned = self._pinned_tokens(messages, ids)
+        self.reset(messages)
+        self.engine.pin(pinned)
+        start = time.perf_counter()
+        if ids:
+            self.engine.prefill(ids)
+        ms = (time.perf_counter() - start) * 1e3
+        return {"event": "prefill", "new_tokens": len(ids), "ms": round(ms, 2), "cache": self.engine.stats.to_dict()}
+
     def _opening(self) -> list[dict]:
         system = self.settings.system_prompt
         return [{"role": "system", "content": valid_text(system)}] if system else []
@@ -69,6 +86,21 @@ class ChatSession:
             return self.tokenizer.encode_chat([*history, user], add_generation_prompt=True), True
         return self._owed + delta, False
 
+    def _pinned_tokens(self, history: list[dict], ids: list[int]) -> int:
+        """How many of a fresh cache's first tokens hold the system prompt, when it is to be pinned: the tokens
+        every first turn shares (probed with two different user messages, so a template that writes the system
+        prompt inside the first user turn pins just its part), as far as this turn's tokens agree."""
+        if not (self.settings.pin_system and history and history[0].get("role") == "system"):
+            return 0
+        probes = [self.tokenizer.encode_chat([history[0], {"role": "user", "content": text}], add_generation_prompt=True)
+                  for text in ("A", "B")]
+        n = len(_shared(_shared(probes[0], probes[1]), ids))
+        bound = self.engine.settings.sink_slots
+        if n > bound:
+            raise PromptTooLongError(f"the system prompt takes {n} tokens but the cache pins at most {bound}; "
+                                     f"shorten it or rebuild with --max-sinks {n} or more")
+        return n
+
     # --- one turn ------------------------------------------------------------------------------------------
 
     def send(self, user_text: str, on_event: EventSink | None = None) -> TurnResult:
@@ -78,15 +110,20 @@ class ChatSession:
         self.stop_flag.clear()
         history = self.messages or self._opening()
         ids, rebuild = self._turn_tokens(history, user_text)
+        # Refused before anything changes: messages, cache and owed tokens stay as they were.
+        fresh = rebuild or self.engine.position == 0
+        pinned = self._pinned_tokens(history, ids) if fresh else 0  # a pinned prompt goes to the sinks
         room = self.engine.settings.window
-        if len(ids) > room:  # refused before anything changes: messages, cache and owed tokens stay as they were
+        if len(ids) - pinned > room:
             raise PromptTooLongError(
-                f"this message is {len(ids)} tokens but the cache window holds {room}; "
+                f"this message is {len(ids) - pinned} tokens but the cache window holds {room}; "
                 f"shorten it or rebuild with a larger --window"
             )
         if rebuild:
             self.engine.reset()
             self._owed = []
+        if fresh:
+            self.engine.pin(pinned)
         self.messages = history
         start = time.perf_counter()
         logits = self.engine.prefill(ids)
@@ -134,3 +171,13 @@ class ChatSession:
     def stop(self) -> None:
         """Thread-safe: the generation loop sees it before its next token."""
         self.stop_flag.set()
+
+
+def _shared(a: list[int], b: list[int]) -> list[int]:
+    """The longest common prefix of two token lists."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return a[:n]
