@@ -70,9 +70,12 @@ class _Check:
         self.aliases = self._aliases()
 
     def _is_list(self, node: nodes.Node, aliases: set[str]) -> bool:
-        # `messages`, a name set from it, or a `[c:]` slice of either.
+        # `messages`, a name set from it, a `[c:]` slice of either, or `a if test else b` of two such.
         if isinstance(node, nodes.Name):
             return node.name in aliases
+        if isinstance(node, nodes.CondExpr):
+            return (node.expr2 is not None and self._is_list(node.expr1, aliases)
+                    and self._is_list(node.expr2, aliases))
         return (isinstance(node, nodes.Getitem) and _plain_slice(node.arg) is not None
                 and self._is_list(node.node, aliases))
 
@@ -89,8 +92,10 @@ class _Check:
         # Follow slices up to what is done with the list: loop over it, name it, or take one message by a
         # constant index from the start.
         up = self.parent.get(id(node))
-        while isinstance(up, nodes.Getitem) and up.node is node and _plain_slice(up.arg) is not None:
-            self.shift = max(self.shift, _plain_slice(up.arg) or 0)
+        while (isinstance(up, nodes.Getitem) and up.node is node and _plain_slice(up.arg) is not None
+               or isinstance(up, nodes.CondExpr) and up.test is not node and self._is_list(up, self.aliases)):
+            if isinstance(up, nodes.Getitem):
+                self.shift = max(self.shift, _plain_slice(up.arg) or 0)
             node, up = up, self.parent.get(id(up))
         if isinstance(up, nodes.For) and up.iter is node:
             self.loops.append(up)
