@@ -87,7 +87,7 @@ def test_family_chat_template_and_stop_tokens(name, tiny, tmp_path):
 
     from engine.run.tokenizer import Tokenizer
 
-    template, bos, eos, added, end_of_turn, gen_stop, closing, system_ok = CASES[name]
+    template, bos, eos, added, end_of_turn, _, closing, system_ok = CASES[name]
     folder, out, rust = family_folder(name, tiny, tmp_path)
     tok = Tokenizer.from_dir(out)
 

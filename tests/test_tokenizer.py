@@ -272,8 +272,8 @@ LOCAL_TEMPLATES = [
     "{% for m in messages %}" + CHATML_LOOP + "{% endfor %}",
     "{% set loop_messages = messages[1:] if messages[0]['role'] == 'system' else messages %}{{ bos_token }}"
     "{% for m in loop_messages %}{% if loop.index0 == 0 %}[first]{% endif %}" + CHATML_LOOP + "{% endfor %}",
-    "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}{{ raise_exception('x') }}"
-    "{% endif %}{% for part in m['content'] %}{{ loop.index }}{% endfor %}{% if loop.last %}!{% endif %}{% endfor %}",
+    ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}{{ raise_exception('x') }}"
+     "{% endif %}{% for part in m['content'] %}{{ loop.index }}{% endfor %}{% if loop.last %}!{% endif %}{% endfor %}"),
 ]
 NOT_LOCAL_TEMPLATES = [
     "{{ messages | length }}{% for m in messages %}" + CHATML_LOOP + "{% endfor %}",

@@ -7,9 +7,11 @@ A model folder holds `tokenizer.json` (Hugging Face `tokenizers` format) and `ch
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import threading
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -308,7 +310,7 @@ class Tokenizer:
         stand_in = self._stand_in(history)
         if stand_in is not None:
             fast = self._tail_delta(*stand_in, new_messages, add_generation_prompt)
-            full = lambda: self._full_delta(history, new_messages, add_generation_prompt)  # noqa: E731
+            full = functools.partial(self._full_delta, history, new_messages, add_generation_prompt)
             if fast is not _UNSURE and self._confirmed("delta", fast, full):
                 self._chats.record([*history, *new_messages], len(history) - 1)
                 return fast  # type: ignore[return-value]
@@ -441,7 +443,7 @@ class Tokenizer:
         tagged = [(text, idx is not None) for text, idx in pieces]
         return _merge(tagged[:at + 1]), _merge(tagged)
 
-    def _confirmed(self, kind: str, fast: Any, full: Any) -> bool:
+    def _confirmed(self, kind: str, fast: Any, full: Callable[[], Any]) -> bool:
         """Whether a tail render's answer may be used: the first few are checked against the full render, and
         one that differs turns tail rendering off for this tokenizer."""
         if self._checks_left[kind] > 0:
