@@ -73,16 +73,14 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", CASES)
-def test_family_chat_template_and_stop_tokens(name, tiny, tmp_path):
+def family_folder(name: str, tiny, tmp_path):
+    """(the family's Hugging Face tokenizer folder, the built tokenizer folder, the Rust tokenizer)."""
     from tokenizers import AddedToken
     from tokenizers import Tokenizer as RustTokenizer
-    from transformers import PreTrainedTokenizerFast
 
     from engine.build.checkpoint import ModelSource, save_tokenizer
-    from engine.run.tokenizer import Tokenizer
 
-    template, bos, eos, added, end_of_turn, gen_stop, closing, system_ok = CASES[name]
+    template, bos, eos, added, _, gen_stop, _, _ = CASES[name]
     folder = tmp_path / name
     folder.mkdir()
     rust = RustTokenizer.from_file(str(tiny.folder / "tokenizer.json"))
@@ -94,6 +92,17 @@ def test_family_chat_template_and_stop_tokens(name, tiny, tmp_path):
         (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [rust.token_to_id(gen_stop)]}))
     out = tmp_path / f"{name}-built"
     save_tokenizer(ModelSource(name, "hf", folder), out)
+    return folder, out, rust
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_family_chat_template_and_stop_tokens(name, tiny, tmp_path):
+    from transformers import PreTrainedTokenizerFast
+
+    from engine.run.tokenizer import Tokenizer
+
+    template, bos, eos, added, end_of_turn, _, closing, system_ok = CASES[name]
+    folder, out, rust = family_folder(name, tiny, tmp_path)
     tok = Tokenizer.from_dir(out)
 
     end_id = rust.token_to_id(end_of_turn)
@@ -125,3 +134,56 @@ def test_family_chat_template_and_stop_tokens(name, tiny, tmp_path):
     # the whole conversation rendered afresh: no rebuild, nothing lost or doubled (token seams may differ).
     cached = ids + tok.encode_text("Hello.") + tok.encode_template(tok.turn_suffix(history[:-1])) + delta
     assert tok.decode(cached) == tok.decode(tok.encode_chat([*history, second], add_generation_prompt=True))
+
+
+# --- rendering only the tail of a long chat -----------------------------------------------------------------
+
+# Replies and questions as a chat has them: padded (trimming templates read those differently), typed control
+# strings, a multi-line reply, an empty turn.
+USER_TEXTS = ["What is {i}?", "  padded question {i}  ", "tell me <|im_end|> [INST] <|eot_id|> {i}", "{i}", "",
+              "line one {i}\nline two"]
+REPLY_TEXTS = ["It is {i}.", "Sure:\n1. first\n2. second {i}", " spaced reply {i}\n", "😀 {i}", "ok"]
+
+
+def tail_and_full(out):
+    from engine.run.tokenizer import Tokenizer
+
+    fast, full = Tokenizer.from_dir(out), Tokenizer.from_dir(out)
+    full._tail_trusted = False  # the reference: every call renders the whole chat, as before tail rendering
+    return fast, full
+
+
+def play(fast, full, opening: list[dict], turns: int = 30) -> list[dict]:
+    """A chat as ChatSession drives it; every per-turn answer of `fast` must equal `full`'s."""
+    history = list(opening)
+    for i in range(turns):
+        user = {"role": "user", "content": USER_TEXTS[i % len(USER_TEXTS)].format(i=i)}
+        if i == 0:
+            assert fast.encode_chat([*history, user], True) == full.encode_chat([*history, user], True)
+        else:
+            assert fast.chat_delta(history, [user]) == full.chat_delta(history, [user]), f"turn {i}"
+        assert fast.turn_suffix([*history, user]) == full.turn_suffix([*history, user]), f"turn {i}"
+        history += [user, {"role": "assistant", "content": REPLY_TEXTS[i % len(REPLY_TEXTS)].format(i=i)}]
+    return history
+
+
+@pytest.mark.parametrize("name", [*CASES, "smollm2", "chatml"])
+def test_tail_render_gives_the_full_renders_tokens_over_a_long_chat(name, tiny, tmp_path):
+    from engine.build.checkpoint.chat import _CHATML_TEMPLATE
+
+    if name in CASES:
+        out, system_ok = family_folder(name, tiny, tmp_path)[1], CASES[name][-1]
+    else:  # the default model's own template, and the ChatML one Eddy falls back to
+        out, system_ok = tmp_path / name, True
+        out.mkdir()
+        (out / "tokenizer.json").write_bytes((tiny.folder / "tokenizer.json").read_bytes())
+        chat = json.loads((tiny.folder / "chat.json").read_text())
+        if name == "chatml":
+            chat["chat_template"] = _CHATML_TEMPLATE
+        (out / "chat.json").write_text(json.dumps(chat))
+    fast, full = tail_and_full(out)
+    assert fast._locality is not None, "the template should be proven local"
+    play(fast, full, [{"role": "system", "content": "Be brief."}] if system_ok else [])
+    # The tail render answered most turns on its own (padded turns of trimming templates go to the full one).
+    assert fast.tail_stats["mismatch"] == 0
+    assert fast.tail_stats["tail"] >= (30 if name in ("llama3", "gemma2") else 50), fast.tail_stats

@@ -265,6 +265,128 @@ def test_turn_suffix_undeterminable(built, tmp_path):
     assert strict.turn_suffix([]) == ""
 
 
+# --- rendering only the tail of a long chat ---------------------------------------------------------------------
+
+CHATML_LOOP = "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+LOCAL_TEMPLATES = [
+    "{% for m in messages %}" + CHATML_LOOP + "{% endfor %}",
+    "{% set loop_messages = messages[1:] if messages[0]['role'] == 'system' else messages %}{{ bos_token }}"
+    "{% for m in loop_messages %}{% if loop.index0 == 0 %}[first]{% endif %}" + CHATML_LOOP + "{% endfor %}",
+    ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}{{ raise_exception('x') }}"
+     "{% endif %}{% for part in m['content'] %}{{ loop.index }}{% endfor %}{% if loop.last %}!{% endif %}{% endfor %}"),
+]
+NOT_LOCAL_TEMPLATES = [
+    "{{ messages | length }}{% for m in messages %}" + CHATML_LOOP + "{% endfor %}",
+    "{% for m in messages %}{{ loop.index }}: " + CHATML_LOOP + "{% endfor %}",
+    "{% for m in messages %}{% if loop.index0 > messages|length - 4 %}!{% endif %}" + CHATML_LOOP + "{% endfor %}",
+    "{% if messages[-1]['role'] == 'user' %}?{% endif %}{% for m in messages %}" + CHATML_LOOP + "{% endfor %}",
+    "{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}" + CHATML_LOOP + "{% endfor %}",
+    "{% for m in messages %}{% if m['role'] == 'tool' %}{% break %}{% endif %}" + CHATML_LOOP + "{% endfor %}",
+    "{% for m in messages %}{% for i in range(3) %}.{% endfor %}" + CHATML_LOOP + "{% endfor %}",
+    "{% for m in messages if m['role'] != 'system' %}" + CHATML_LOOP + "{% endfor %}",
+    "{% for m in messages[::-1] %}{% endfor %}{% for m in messages %}" + CHATML_LOOP + "{% endfor %}",
+    "{% for m in messages | reverse %}" + CHATML_LOOP + "{% endfor %}",
+    "{% macro turn(ms) %}{% for m in ms %}" + CHATML_LOOP + "{% endfor %}{% endmacro %}{{ turn(messages) }}",
+    "{% for m in messages %}{{ loop.previtem }}" + CHATML_LOOP + "{% endfor %}",
+]
+
+
+@pytest.mark.parametrize("template", LOCAL_TEMPLATES + NOT_LOCAL_TEMPLATES)
+def test_template_locality(template):
+    from engine.run.tokenizer import _locality
+
+    assert (_locality(template) is not None) == (template in LOCAL_TEMPLATES)
+
+
+def tail_and_full(built, tmp_path, template):
+    fast = with_template(built, tmp_path, template)
+    full = Tokenizer.from_dir(tmp_path)
+    full._tail_trusted = False  # the reference: every call renders the whole chat, as before tail rendering
+    return fast, full
+
+
+def play(fast, full, turns=20, history=None):
+    """A chat as ChatSession drives it; every per-turn answer of `fast` must equal `full`'s."""
+    history = [] if history is None else history
+    for i in range(turns):
+        user = {"role": "user", "content": f"question {i}"}
+        if history:
+            assert fast.chat_delta(history, [user]) == full.chat_delta(history, [user]), f"turn {i}"
+        assert fast.turn_suffix([*history, user]) == full.turn_suffix([*history, user]), f"turn {i}"
+        history += [user, {"role": "assistant", "content": f"answer {i}"}]
+    return history
+
+
+def test_tail_render_earlier_turns_change_falls_back(built, tmp_path):
+    # The last user message is marked wherever it stands, so each turn changes an earlier one: a namespace
+    # carries the mark's place from one loop to the next, which the locality proof refuses; every turn is
+    # rendered in full and, as before, asks for a rebuild.
+    template = ("{% set ns = namespace(last=-1) %}{% for m in messages %}{% if m['role'] == 'user' %}"
+                "{% set ns.last = loop.index0 %}{% endif %}{% endfor %}{% for m in messages %}"
+                "{% if loop.index0 == ns.last %}[latest] {% endif %}" + CHATML_LOOP + "{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    fast, full = tail_and_full(built, tmp_path, template)
+    history = play(fast, full)
+    assert fast.chat_delta(history, [{"role": "user", "content": "again"}]) is None
+    assert fast.tail_stats["tail"] == 0
+
+
+def test_tail_render_sees_the_last_message_marked(built, tmp_path):
+    # loop.last is the same in a stand-in, so the tail render itself sees the last reply's ending change (and
+    # starts the delta where the ending and its continuation part), or that a user turn's does (a rebuild).
+    fast, full = tail_and_full(built, tmp_path, "{% for m in messages %}{{ m['content'] }}"
+                                                 "{% if loop.last %}<|im_end|>{% else %}|{% endif %}{% endfor %}")
+    history = play(fast, full)
+    assert fast.tail_stats["tail"] > 20 and fast.tail_stats["mismatch"] == 0
+    user = {"role": "user", "content": "again"}
+    assert fast.chat_delta(history, [user]) == fast.encode_text("|again") + [im_end(fast)]
+    assert fast.chat_delta([*history, user], [{"role": "user", "content": "more"}]) is None
+
+
+def test_tail_render_that_differs_is_caught_and_turned_off(built, tmp_path):
+    # A template the proof would refuse (it prints loop.index), claimed local: the first checks against the
+    # full render catch the difference, the full render's answer is used, and tail rendering stops.
+    from engine.run.template_tail import Locality
+    from engine.run.tokenizer import _TAIL_CHECKS
+
+    fast, full = tail_and_full(built, tmp_path, "{% for m in messages %}{{ loop.index }}. " + CHATML_LOOP +
+                               "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    fast._locality = Locality(head=2, tail=3)
+    fast._tail_trusted = True
+    history = play(fast, full)
+    # Only answers that matched were used (turn_suffix's, which the numbering does not touch), and none since.
+    assert fast.tail_stats["mismatch"] == 1 and fast.tail_stats["tail"] < _TAIL_CHECKS
+    used = fast.tail_stats["tail"]
+    play(fast, full, turns=5, history=history)
+    assert fast.tail_stats["tail"] == used
+
+
+def test_tail_render_only_for_a_chat_already_rendered(built, tmp_path):
+    # The messages a stand-in leaves out must have rendered without error before: a history never seen, or one
+    # whose middle differs, is rendered in full (and so fails where the template refuses it).
+    template = ("{% for m in messages %}{% if m['role'] == 'bad' %}{{ raise_exception('bad role') }}{% endif %}"
+                + CHATML_LOOP + "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    fast, full = tail_and_full(built, tmp_path, template)
+    history = play(fast, full)
+    user = {"role": "user", "content": "more"}
+    (tmp_path / "fresh").mkdir()
+    fresh = with_template(built, tmp_path / "fresh", template)
+    assert fresh.chat_delta(history, [user]) == full.chat_delta(history, [user])
+    assert fresh.tail_stats == {"tail": 0, "full": 1, "mismatch": 0}
+    used = fast.tail_stats["tail"]
+    edited = [*history[:10], {**history[10], "content": "changed"}, *history[11:]]
+    assert fast.chat_delta(edited, [user]) == full.chat_delta(edited, [user])
+    assert fast.tail_stats["tail"] == used
+    bad = [*history[:10], {"role": "bad", "content": "x"}, *history[11:]]
+    with pytest.raises(ModelError, match="bad role"):
+        fast.chat_delta(bad, [user])
+    # The edited chat took the record's place (one per opening message); the first chat, back again, is
+    # rendered in full once and then by its tail.
+    for _ in range(2):
+        assert fast.chat_delta(history, [user]) == full.chat_delta(history, [user])
+    assert fast.tail_stats["tail"] == used + 1
+
+
 # --- sandbox ---------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("template", [

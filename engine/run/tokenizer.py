@@ -7,9 +7,11 @@ A model folder holds `tokenizer.json` (Hugging Face `tokenizers` format) and `ch
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import threading
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -22,6 +24,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
 from ..errors import ModelError
+from . import template_tail
 
 TOKENIZER_FILE = "tokenizer.json"
 CHAT_FILE = "chat.json"
@@ -30,6 +33,11 @@ CHAT_FILE = "chat.json"
 _SENTINEL_CHARS = [chr(c) for c in range(0xE000, 0xE020)]
 # Stand-in content for an assistant turn when measuring the text that closes it.
 _PROBE_CONTENT = "Eddy"
+# A tail render's answer is compared with the full render's this many times per tokenizer (per kind of call)
+# before it is trusted alone: a cheap second line of defence behind template_tail.locality's proof.
+_TAIL_CHECKS = 3
+# Returned by a tail render that cannot vouch for its answer; the full render then gives it.
+_UNSURE = object()
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -117,11 +125,15 @@ def _jinja_is_patched() -> bool:
     return tuple(int(p) for p in parts) >= (3, 1, 6)
 
 
+def _environment() -> _Sandbox:
+    # Settings mirror transformers' apply_chat_template so prompts match what the model was trained on.
+    return _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+
+
 def _compile_template(source: str, where: Path) -> jinja2.Template:
     if not _jinja_is_patched():
         raise ModelError(f"jinja2 {jinja2.__version__} has known sandbox escapes; Eddy needs jinja2 >= 3.1.6")
-    # Settings mirror transformers' apply_chat_template so prompts match what the model was trained on.
-    env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env = _environment()
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -132,6 +144,13 @@ def _compile_template(source: str, where: Path) -> jinja2.Template:
         return env.from_string(source)
     except TemplateError as exc:
         raise ModelError(f"{where}: chat_template does not compile: {exc}") from exc
+
+
+def _locality(source: str) -> template_tail.Locality | None:
+    try:
+        return template_tail.locality(_environment().parse(source))
+    except TemplateError:
+        return None
 
 
 def _render_budgeted(template: jinja2.Template, **context: Any) -> str:
@@ -220,6 +239,13 @@ class Tokenizer:
         self._bos_token: str | None = cfg.get("bos_token")
         self._eos_token: str | None = cfg.get("eos_token")
         self._add_bos: bool = cfg.get("add_bos_token", False)
+        # Tail rendering (see template_tail): the proof for this template, the chats it may be used for, and
+        # how many of its answers are still to be checked against a full render.
+        self._locality = _locality(self._template_source)
+        self._chats = template_tail.Conversations(frozenset(_SENTINEL_CHARS))
+        self._checks_left = {"delta": _TAIL_CHECKS, "suffix": _TAIL_CHECKS}
+        self._tail_trusted = self._locality is not None
+        self.tail_stats: dict[str, int] = {"tail": 0, "full": 0, "mismatch": 0}
 
         self.vocab_size: int = tok.get_vocab_size(with_added_tokens=True)
         self._special_ids = frozenset(i for i, t in tok.get_added_tokens_decoder().items() if t.special)
@@ -275,11 +301,33 @@ class Tokenizer:
     def chat_delta(self, history: list[dict], new_messages: list[dict],
                    add_generation_prompt: bool = True) -> list[int] | None:
         """Ids to append after a cache holding `history` (rendered without generation prompt), or None when the
-        template renders the longer conversation with a different beginning and the cache must be rebuilt."""
+        template renders the longer conversation with a different beginning and the cache must be rebuilt.
+
+        In a long chat this tokenizer has seen before, only the tail is rendered (see template_tail), with the
+        same answer as the full render."""
         if not history:
             return self.encode_chat(new_messages, add_generation_prompt)
+        stand_in = self._stand_in(history)
+        if stand_in is not None:
+            fast = self._tail_delta(*stand_in, new_messages, add_generation_prompt)
+            full = functools.partial(self._full_delta, history, new_messages, add_generation_prompt)
+            if fast is not _UNSURE and self._confirmed("delta", fast, full):
+                self._chats.record([*history, *new_messages], len(history) - 1)
+                return fast  # type: ignore[return-value]
+        self.tail_stats["full"] += 1
+        delta = self._full_delta(history, new_messages, add_generation_prompt)
+        # history[:-1] has now rendered without error, with and without the generation prompt, in places where
+        # its rendering no longer changes as the chat grows: later turns may leave those messages out.
+        self._chats.record([*history, *new_messages], len(history) - 1)
+        return delta
+
+    def _full_delta(self, history: list[dict], new_messages: list[dict],
+                    add_generation_prompt: bool) -> list[int] | None:
         base = self.render(history, False)
-        full = self.render([*history, *new_messages], add_generation_prompt)
+        return self._delta(history, base, self.render([*history, *new_messages], add_generation_prompt))
+
+    def _delta(self, history: list[dict], base: list[tuple[str, bool]],
+               full: list[tuple[str, bool]]) -> list[int] | None:
         head, tail = _split_at(full, sum(len(t) for t, _ in base))
         # Equal pieces (not just equal strings) mean the cache holds exactly encode(head). The tail is encoded on
         # its own; when the seam is not at a special token a merge across it is lost, which the model tolerates
@@ -307,19 +355,36 @@ class Tokenizer:
 
         Only what the template writes whether or not the conversation goes on: Phi-3's closes the last turn of a
         conversation with "<|end|>\\n<|endoftext|>" but a turn followed by another with "<|end|>\\n"."""
+        stand_in = self._stand_in(history)
+        if stand_in is not None:
+            try:
+                fast: Any = self._turn_suffix(*stand_in, strict=True)
+            except ModelError:
+                fast = _UNSURE  # the full render says whether the error is real
+            if fast is not _UNSURE and self._confirmed("suffix", fast, lambda: self._turn_suffix(history)):
+                return fast
+        self.tail_stats["full"] += 1
+        return self._turn_suffix(history)
+
+    def _turn_suffix(self, history: list[dict], marks: frozenset[str] = frozenset(), strict: bool = False) -> str:
         probe = [*history, {"role": "assistant", "content": _PROBE_CONTENT}]
-        ending = self._closing_text(probe)
-        going_on = self._closing_text([*probe, {"role": "user", "content": _PROBE_CONTENT}])
+        ending = self._closing_text(probe, marks, strict)
+        going_on = self._closing_text([*probe, {"role": "user", "content": _PROBE_CONTENT}], marks, strict)
         if not going_on or going_on.startswith(ending):
             return ending
         ids = self.encode_template(ending)
         return self.decode(ids[:_common_prefix(ids, self.encode_template(going_on))])
 
-    def _closing_text(self, probe: list[dict]) -> str | None:
-        """The template text right after the content of probe's last assistant message (None: no render)."""
+    def _closing_text(self, probe: list[dict], marks: frozenset[str] = frozenset(),
+                      strict: bool = False) -> str | None:
+        """The template text right after the content of probe's last assistant message (None: no render).
+
+        `strict`: a failed render raises instead (a tail render cannot tell whether the full one would fail)."""
         try:
-            pieces = self._render(probe, False)
+            pieces = self._render(probe, False, marks)
         except ModelError:
+            if strict:
+                raise
             return None if probe[-1]["role"] != "assistant" else ""
         last = max(i for i, m in enumerate(probe) if m["role"] == "assistant")
         positions = [i for i, (_, idx) in enumerate(pieces) if idx == last]
@@ -331,6 +396,64 @@ class Tokenizer:
                 break
             suffix += text
         return suffix
+
+    # --- tail rendering -------------------------------------------------------------------------------------
+
+    def _stand_in(self, history: list[dict]) -> tuple[list[dict], frozenset[str]] | None:
+        """A short list the template renders with the same tail as `history`, and the sentinel candidates the
+        left-out messages use; None where the template is not proven local, or the messages that would be left
+        out are not settled in a chat already rendered."""
+        loc = self._locality
+        if loc is None or not self._tail_trusted:
+            return None
+        n = len(history)
+        tail = loc.tail + (n - loc.head - loc.tail) % 2  # leave out an even number: loop.index0 % 2 holds
+        skip = n - loc.head - tail
+        if skip < 2:
+            return None  # nothing worth leaving out
+        settled, marks = self._chats.known(history)
+        if settled < loc.head + skip:
+            return None
+        return [*history[:loc.head], *history[n - tail:]], marks
+
+    def _tail_delta(self, short: list[dict], marks: frozenset[str], new_messages: list[dict],
+                    add_generation_prompt: bool) -> Any:
+        """chat_delta computed on a stand-in, or _UNSURE where the stand-in's renders cannot vouch for it."""
+        anchor = self._locality.head if self._locality else 0
+        try:
+            base = self._tail_read(short, False, marks, anchor)
+            full = self._tail_read([*short, *new_messages], add_generation_prompt, marks, anchor)
+        except ModelError:
+            return _UNSURE
+        # The left-out messages render, identically in both, somewhere before the anchor. With everything up to
+        # it equal, inserting them shifts both renders alike and the comparisons of _delta come out the same.
+        if base is None or full is None or base[0] != full[0]:
+            return _UNSURE
+        return self._delta(short, base[1], full[1])
+
+    def _tail_read(self, messages: list[dict], add_generation_prompt: bool, marks: frozenset[str],
+                   anchor: int) -> tuple[list[tuple[str, bool]], list[tuple[str, bool]]] | None:
+        """(pieces up to the content of messages[anchor], all pieces) of a stand-in's render; None if the anchor
+        cannot be found, or the contents had to be read as trimmed: which reading the full render picks depends
+        on every message, the left-out ones too, while the raw one is what it picks whenever the stand-in's is."""
+        pieces, raw = self._read(messages, add_generation_prompt, marks)
+        at = next((i for i, (_, idx) in enumerate(pieces) if idx == anchor), None)
+        if not raw or at is None or any(idx is not None and idx > anchor for _, idx in pieces[:at]):
+            return None
+        tagged = [(text, idx is not None) for text, idx in pieces]
+        return _merge(tagged[:at + 1]), _merge(tagged)
+
+    def _confirmed(self, kind: str, fast: Any, full: Callable[[], Any]) -> bool:
+        """Whether a tail render's answer may be used: the first few are checked against the full render, and
+        one that differs turns tail rendering off for this tokenizer."""
+        if self._checks_left[kind] > 0:
+            if fast != full():
+                self._tail_trusted = False
+                self.tail_stats["mismatch"] += 1
+                return False
+            self._checks_left[kind] -= 1
+        self.tail_stats["tail"] += 1
+        return True
 
     # --- internals ------------------------------------------------------------------------------------------
 
@@ -369,11 +492,18 @@ class Tokenizer:
         return _render_budgeted(self._template, messages=messages, add_generation_prompt=add_generation_prompt,
                                 bos_token=self._bos_token or "", eos_token=self._eos_token or "")
 
-    def _render(self, messages: list[dict], add_generation_prompt: bool) -> list[tuple[str, int | None]]:
-        # Pieces tagged with the index of the message whose content they are (None: template text). Contents
-        # are swapped for sentinels so the template's own text can be told apart from anything a user typed.
+    def _render(self, messages: list[dict], add_generation_prompt: bool,
+                marks: frozenset[str] = frozenset()) -> list[tuple[str, int | None]]:
+        return self._read(messages, add_generation_prompt, marks)[0]
+
+    def _read(self, messages: list[dict], add_generation_prompt: bool,
+              marks: frozenset[str] = frozenset()) -> tuple[list[tuple[str, int | None]], bool]:
+        # Pieces tagged with the index of the message whose content they are (None: template text), and whether
+        # the contents were read as they are (not trimmed). Contents are swapped for sentinels so the template's
+        # own text can be told apart from anything a user typed. `marks`: sentinel candidates used by messages
+        # a stand-in leaves out, so it fails exactly where the full render would.
         contents = [m.get("content") for m in messages]
-        used = set(self._template_source).union(*(v for m in messages for v in m.values() if isinstance(v, str)))
+        used = set(self._template_source).union(marks, *(v for m in messages for v in m.values() if isinstance(v, str)))
         free = [c for c in _SENTINEL_CHARS if c not in used]
         if len(free) < 2:
             raise ModelError("chat template failed: messages use every sentinel character")
@@ -393,16 +523,17 @@ class Tokenizer:
         # Templates may transform content (commonly `| trim`); use whichever reading reproduces the real render.
         # If none does, keep the raw contents: the prompt may differ slightly but user text still stays text.
         chosen = [contents[i] for i in indices]
-        for candidate in (chosen, [c.strip() for c in chosen]):
+        raw = False
+        for n, candidate in enumerate((chosen, [c.strip() for c in chosen])):
             joined = "".join(t + c for t, c in zip(templ, candidate)) + templ[-1]
             if joined == real:
-                chosen = candidate
+                chosen, raw = candidate, n == 0
                 break
 
         pieces: list[tuple[str, int | None]] = [(templ[0], None)]
         for idx, content, text in zip(indices, chosen, templ[1:]):
             pieces += [(content, idx), (text, None)]
-        return pieces
+        return pieces, raw
 
 
 class StreamDecoder:
