@@ -85,10 +85,10 @@ class ChatModel(QObject):
     # --- the cache window ----------------------------------------------------------------------------------
 
     def apply_context(self, first: int, spans: list[list[int]]) -> None:
-        """After a rebuild: messages before `first` were left out; the rest sit at `spans`."""
+        """What the engine reports after each prefill: messages before `first` were left out of the cache; the
+        rest sit at `spans` (the eviction count comes with the cache stats)."""
         for i, message in enumerate(self.messages):
             message.span = tuple(spans[i - first]) if first <= i < first + len(spans) else None
-        self.evicted = 0
         self.context_known = True
         self.window_changed.emit()
 

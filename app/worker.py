@@ -17,6 +17,7 @@ from typing import Any
 from PySide6.QtCore import QObject, QThread, Signal, Slot
 
 from engine.errors import BuildCancelled, EddyError, PromptTooLongError
+from engine.events import Context, Done, Event, Prefill, Token
 from engine.run.generation import ChatDefaults, sampling_params
 from engine.run.session import ChatSettings
 
@@ -56,6 +57,7 @@ class EngineWorker(QObject):
         self._ticket = -1
         self._stop_ticket = -1
         self._latest_switch = 0
+        self._first = 0  # index in the GUI's history of the first message the session holds
 
     # --- called from the GUI thread --------------------------------------------------------------------
 
@@ -174,17 +176,18 @@ class EngineWorker(QObject):
         before = list(session.messages)
         final: dict = {}
 
-        def on_event(event: dict) -> None:
+        def on_event(event: Event) -> None:
             if self._stop_ticket == ticket:
                 session.stop()
-            kind = event["event"]
-            if kind == "token":
-                self.token.emit(event["text"])
-            elif kind == "prefill":
-                self.prefill.emit({**event, "kind": "turn", "ticket": ticket, "switch": -1})
-                self.cache.emit(event["cache"])
-            elif kind == "done":
-                final.update(event)
+            if isinstance(event, Token):
+                self.token.emit(event.text)
+            elif isinstance(event, Prefill):
+                self.prefill.emit({**event.to_dict(), "kind": "turn", "ticket": ticket, "switch": -1})
+                self.cache.emit(event.cache.to_dict())
+            elif isinstance(event, Context):
+                self._forward_context(event, {"ticket": ticket, "switch": -1})
+            elif isinstance(event, Done):
+                final.update(event.to_dict())
 
         try:
             result = session.send(text, on_event)
@@ -218,18 +221,29 @@ class EngineWorker(QObject):
         try:
             budget = engine.settings.capacity - (len(tokenizer.encode_text(reserve)) + 8 if reserve else 0)
             fitted = fit_history(tokenizer, self._chat_settings.system_prompt, list(history), max(0, budget))
+            self._first = fitted.first
             event = session.resume(fitted.messages, fitted.ids if fitted.spans else [])
             if fitted.spans:
-                self.prefill.emit({**event, "kind": "rebuild", **tag})
+                self.prefill.emit({**event.to_dict(), "kind": "rebuild", **tag})
         except Exception as e:
             log.exception("rebuilding the cache failed")
             session.reset()
             self.error.emit("rebuild", f"Could not restore the chat into the model's cache: {e}")
             self.cache.emit(engine.stats.to_dict())
             return False
-        self.context.emit({"first": fitted.first, "spans": [list(s) for s in fitted.spans], **tag})
+        self._forward_context(session.context(), tag)
         self.cache.emit(engine.stats.to_dict())
         return True
+
+    def _forward_context(self, context: Context, tag: dict) -> None:
+        """The session's message spans in the GUI's numbering: its history has no system message, and the
+        session holds the part from `_first` on (what the last rebuild kept)."""
+        session = self._session
+        skip = 1 if session is not None and session.messages and session.messages[0].get("role") == "system" else 0
+        first = self._first + context.dropped
+        spans = [list(span) for span in context.spans[skip:]]
+        left = [first + i - skip for i in context.left if i >= skip]
+        self.context.emit({"first": first, "spans": spans, "left": left, **tag})
 
     def _rebuild_quietly(self, history: list[dict]) -> None:
         rest = history[1:] if history and history[0].get("role") == "system" else history

@@ -9,6 +9,7 @@ from typing import Callable, Sequence
 
 from .config import DEVICES, DTYPES, PIN_SLOTS, TARGET_CPUS, BuildSettings
 from .errors import EddyError
+from .events import Context, Done, Error, Event, Token
 from .run.generation import EDDY_CHAT_DEFAULTS
 from .run.sampling import SamplingParams
 
@@ -142,7 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
     except (EddyError, ValueError, OSError) as e:
         if json_events:
-            print(json.dumps({"event": "error", "message": str(e)}), flush=True)
+            print(Error(str(e)).to_json(), flush=True)
         print(f"eddy: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
@@ -167,17 +168,18 @@ def _chat(args: argparse.Namespace) -> int:
     session = model.chat(ChatSettings(system_prompt=args.system, max_new_tokens=args.max_new_tokens, sampling=sampling,
                                       pin_system=args.pin_system))
 
-    def on_event(event: dict) -> None:
+    def on_event(event: Event) -> None:
         if args.json:
-            print(json.dumps(event, ensure_ascii=False), flush=True)
-        elif event["event"] == "token":
-            sys.stdout.write(event["text"])
+            if not isinstance(event, Context):  # DESIGN.md's lines: prefill, token, done, error
+                print(event.to_json(), flush=True)
+        elif isinstance(event, Token):
+            sys.stdout.write(event.text)
             sys.stdout.flush()
-        elif event["event"] == "done":
+        elif isinstance(event, Done):
             sys.stdout.write("\n")
-            c = event["cache"]
-            sys.stderr.write(f"[{event['tokens']} tokens, {event['tok_s']:.1f} tok/s; cache {c['used']}/{c['capacity']}, "
-                             f"{c['evicted']} evicted]\n")
+            c = event.cache
+            sys.stderr.write(f"[{event.tokens} tokens, {event.tok_s:.1f} tok/s; cache {c.used}/{c.capacity}, "
+                             f"{c.evicted} evicted]\n")
 
     def turn(text: str) -> None:
         # Generation runs on a worker thread so Ctrl-C only stops the reply (via the session's stop flag).
@@ -225,7 +227,7 @@ def _chat(args: argparse.Namespace) -> int:
             turn(text)
         except EddyError as e:  # one bad turn (say, too long) does not end the chat
             if args.json:
-                print(json.dumps({"event": "error", "message": str(e)}), flush=True)
+                print(Error(str(e)).to_json(), flush=True)
             print(f"eddy: error: {e}", file=sys.stderr)
 
 

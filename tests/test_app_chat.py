@@ -361,3 +361,42 @@ def test_settings_dialog_shows_the_models_defaults_and_resets_to_them(qtbot):
     dialog.reset_sampling.click()
     assert dialog.value().sampling_overrides() == {} and dialog.top_k.value() == 40
     assert not dialog.reset_sampling.isEnabled() and not rows["top_k"].font().bold()
+
+
+# ChatML, but the latest user message is marked wherever it stands: every new turn changes an earlier one, so
+# the session rebuilds the cache on its own each turn, keeping the recent messages that fit the window.
+MARK_LATEST_USER = (
+    "{% set ns = namespace(last=-1) %}{% for m in messages %}{% if m.role == 'user' %}{% set ns.last = loop.index0 %}"
+    "{% endif %}{% endfor %}{% for m in messages %}<|im_start|>{{ m.role }}{% if loop.index0 == ns.last %} (latest)"
+    "{% endif %}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% endif %}"
+)
+
+
+def test_a_rebuild_inside_the_session_moves_the_marker_to_the_right_message(qtbot, tmp_path, tiny, tiny_reference):
+    from conftest import transformers_model
+
+    folder = tmp_path / "latest-marking-model"
+    transformers_model(*tiny_reference).save_pretrained(folder, safe_serialization=True)
+    (folder / "tokenizer.json").write_bytes((tiny.folder / "tokenizer.json").read_bytes())
+    chat = json.loads((tiny.folder / "chat.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": chat["bos_token"], "eos_token": chat["eos_token"], "chat_template": MARK_LATEST_USER}))
+    data = tmp_path / "data"
+    write_settings(data, model=str(folder), max_new_tokens=6)
+    window = open_window(qtbot, data, model=str(folder))
+    c = window.controller
+    session = c.host.worker._session
+    for i in range(6):
+        send_text(qtbot, window, f"Turn {i}: a message that takes a fair share of the small window")
+    wait_idle(qtbot, window)
+    window.chat_view.flush()
+    assert session.dropped > 0 and c.chat.messages[-1].role == "assistant"
+    # What the session holds is the chat's tail from the message after the dropped ones; the marker sits there.
+    kept = len([m for m in session.messages if m["role"] != "system"])
+    assert c.chat.forgotten() == len(c.chat.messages) - kept == session.dropped
+    assert window.chat_view.marker_index() == session.dropped and window.chat_view.marker.isVisible()
+    # The engine's spans: the kept messages in order, the last reply ending where the cache is.
+    spans = [m.span for m in c.chat.messages[session.dropped:]]
+    assert spans[0][0] >= 0 and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    assert spans[-1][1] == session.engine.stats.position

@@ -96,9 +96,9 @@ def turn(session: ChatSession, rec: Recorder, text: str, stop_after: int | None 
     tok = session.tokenizer
     texts: list[str] = []
 
-    def on_event(e: dict) -> None:
-        if e["event"] == "token":
-            texts.append(e["text"])
+    def on_event(e) -> None:
+        if e.kind == "token":
+            texts.append(e.text)
             if stop_after is not None and len(texts) >= stop_after:
                 session.stop()
 

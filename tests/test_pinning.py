@@ -45,7 +45,7 @@ def test_pinned_system_prompt_stays_after_ten_windows_of_chat(tiny_pinning):
     events: list[dict] = []
     turn = 0
     while session.engine.position < 10 * PIN_SETTINGS.window:
-        session.send(f"Question {turn}: what is the weather like on deck today?", events.append)
+        session.send(f"Question {turn}: what is the weather like on deck today?", lambda e: events.append(e.to_dict()))
         turn += 1
     tok = tiny_pinning.tokenizer
     # What every first turn shares: the template's opening and the system prompt.
@@ -54,7 +54,7 @@ def test_pinned_system_prompt_stays_after_ten_windows_of_chat(tiny_pinning):
     first_turn = tok.encode_chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": "x"}],
                                  add_generation_prompt=True)
     assert first_turn[: len(pinned_ids)] == pinned_ids
-    cache = events[-1]["cache"]
+    cache = next(e for e in reversed(events) if e["event"] == "done")["cache"]
     assert cache["pinned"] == len(pinned_ids) == cache["sinks"] and cache["position"] >= 10 * PIN_SETTINGS.window
     assert cache["evicted"] == cache["position"] - cache["capacity"]
     assert list(cache) == ["sinks", "window", "capacity", "used", "evicted", "position", "pinned"]

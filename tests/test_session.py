@@ -18,19 +18,39 @@ def session(tiny):
 
 def collect(session: ChatSession, text: str):
     events: list[dict] = []
-    result = session.send(text, events.append)
+    result = session.send(text, lambda e: events.append(e.to_dict()))
     return result, events
 
 
 def test_turn_streams_tokens_and_reports_events(session):
     result, events = collect(session, "Hello there")
     kinds = [e["event"] for e in events]
-    assert kinds[0] == "prefill" and kinds[-1] == "done" and "token" in kinds
+    assert kinds[:2] == ["prefill", "context"] and kinds[-2:] == ["done", "context"] and "token" in kinds
     assert "".join(e["text"] for e in events if e["event"] == "token") == result.text
-    done = events[-1]
+    done = events[-2]
     assert done["tokens"] == result.tokens > 0
-    assert set(done["cache"]) == {"sinks", "window", "capacity", "used", "evicted", "position"}
+    assert set(done["cache"]) == {"sinks", "window", "capacity", "used", "evicted", "position", "pinned"}
     assert events[0]["new_tokens"] == events[0]["cache"]["position"]
+    # The user message, then the reply, end to end up to where the cache is.
+    assert events[-1]["spans"] == ((0, events[0]["new_tokens"]), (events[0]["new_tokens"], done["cache"]["position"]))
+
+
+def test_typed_events_serialise_to_the_json_lines_of_design_md():
+    """Field names and order as DESIGN.md gives them (and as eddy chat --json printed before typed events),
+    plus the cache's new `pinned` at its end."""
+    from engine.events import CacheStats, Context, Done, Error, Prefill, Token
+
+    cache = CacheStats(sinks=4, window=1020, capacity=1024, used=40, evicted=0, position=40, pinned=0)
+    cache_json = ('{"sinks": 4, "window": 1020, "capacity": 1024, "used": 40, "evicted": 0, "position": 40, '
+                  '"pinned": 0}')
+    assert Prefill(new_tokens=40, ms=12.5, cache=cache).to_json() == (
+        '{"event": "prefill", "new_tokens": 40, "ms": 12.5, "cache": ' + cache_json + "}")
+    assert Token(text="Héllo \"x\"").to_json() == '{"event": "token", "text": "Héllo \\"x\\""}'
+    assert Done(tokens=7, ms=80.0, tok_s=87.5, stop_reason="eos", cache=cache).to_json() == (
+        '{"event": "done", "tokens": 7, "ms": 80.0, "tok_s": 87.5, "stop_reason": "eos", "cache": ' + cache_json + "}")
+    assert Error(message="no model").to_json() == '{"event": "error", "message": "no model"}'
+    assert Context(spans=((0, 12), (12, 30)), left=(0,), dropped=2).to_dict() == {
+        "event": "context", "spans": ((0, 12), (12, 30)), "left": (0,), "dropped": 2}
 
 
 def test_second_turn_prefills_only_new_tokens(session, tiny):
@@ -60,8 +80,8 @@ def test_stop_flag_from_another_thread_stops_within_one_token(session):
     session.settings.max_new_tokens = 10_000
     seen: list[int] = []
 
-    def on_event(e: dict) -> None:
-        if e["event"] == "token":
+    def on_event(e) -> None:
+        if e.kind == "token":
             seen.append(1)
             if len(seen) == 3:
                 threading.Thread(target=session.stop).start()

@@ -5,7 +5,7 @@ sits in which slot (the token-level mirror), where the next tokens go, and the s
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -14,24 +14,11 @@ import iree.runtime as rt
 
 from . import rope
 from ..config import BuildSettings, ModelConfig
+from ..events import CacheStats
 from ..devices import driver
 from ..errors import ArtefactError
 
 EMPTY_SLOT = 2**62  # must equal engine.build.model.EMPTY_SLOT: later than every token, so always masked
-
-
-@dataclass(frozen=True)
-class CacheStats:
-    sinks: int
-    window: int
-    capacity: int
-    used: int
-    evicted: int
-    position: int
-    pinned: int = 0  # tokens of the system prompt held as sinks
-
-    def to_dict(self) -> dict[str, int]:
-        return asdict(self)
 
 
 class CompiledModule:

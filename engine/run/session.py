@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..errors import PromptTooLongError
+from ..events import Context, Done, Event, Prefill, Token
 from .runtime import StreamingEngine
 from .sampling import Sampler, SamplingParams
 from .tokenizer import Tokenizer, valid_text
 
-Event = dict
 EventSink = Callable[[Event], None]
 
 
@@ -44,6 +44,8 @@ class ChatSession:
         self.engine, self.tokenizer = engine, tokenizer
         self.settings = settings or ChatSettings()
         self.messages: list[dict] = []
+        self.spans: list[tuple[int, int]] = []  # each message's [start, end) positions in the token stream
+        self.dropped = 0  # leading messages let go since the last reset/resume, to fit a rebuild in the window
         self._owed: list[int] = []  # template tokens that close the last turn, fed with the next one
         self.stop_flag = threading.Event()
 
@@ -53,23 +55,74 @@ class ChatSession:
         """Starts over (the cache is cleared); `messages` becomes the history to resume from."""
         self.engine.reset()
         self.messages = list(messages or [])
+        self.spans = []
+        self.dropped = 0
         self._owed = []
 
-    def resume(self, messages: list[dict], ids: list[int] | None = None) -> dict:
+    def resume(self, messages: list[dict], ids: list[int] | None = None,
+               on_event: EventSink | None = None) -> Prefill:
         """Starts over from `messages` (a stored chat's recent part, system message first if any): the cache is
         cleared and refilled with their rendering (`ids` when the caller has it), the system prompt pinned when
-        that is set. Returns the prefill event. Nothing changes if it is refused (PromptTooLongError)."""
+        that is set. Returns the prefill event; a context event follows it. Nothing changes if it is refused
+        (PromptTooLongError)."""
         messages = list(messages)
         if ids is None:
             ids = self.tokenizer.encode_chat(messages, add_generation_prompt=False) if messages else []
         pinned = self._pinned_tokens(messages, ids)
+        spans = self._rendered_spans(messages) if ids else []
         self.reset(messages)
         self.engine.pin(pinned)
         start = time.perf_counter()
         if ids:
             self.engine.prefill(ids)
         ms = (time.perf_counter() - start) * 1e3
-        return {"event": "prefill", "new_tokens": len(ids), "ms": round(ms, 2), "cache": self.engine.stats.to_dict()}
+        self.spans = spans
+        event = Prefill(len(ids), round(ms, 2), self.engine.stats)
+        if on_event:
+            on_event(event)
+            on_event(self.context())
+        return event
+
+    def context(self) -> Context:
+        """Where each message sits, and which have left the window: every one of their tokens past the sinks
+        evicted (a message wholly inside the sinks, such as a pinned system prompt, never leaves)."""
+        stats = self.engine.stats
+        horizon = stats.sinks + stats.evicted
+        gone = tuple(i for i, (start, end) in enumerate(self.spans)
+                     if stats.evicted and stats.sinks < end <= horizon)
+        return Context(tuple(self.spans), gone, self.dropped)
+
+    def _fit(self, history: list[dict], user: dict, pinned: int) -> tuple[list[dict], list[int], int]:
+        """The most recent part of `history` that fits the window with `user` after it, starting at a user
+        message, the system message kept: (messages, their ids with `user`'s turn, messages dropped). A binary
+        search over where to start: each try renders the chat once. The new message alone may still not fit."""
+        head = 1 if history and history[0].get("role") == "system" else 0
+        starts = [i for i in range(head, len(history)) if history[i].get("role") == "user"] + [len(history)]
+
+        def render(i: int) -> list[int]:
+            return self.tokenizer.encode_chat([*history[:head], *history[i:], user], add_generation_prompt=True)
+
+        room = self.engine.settings.window + pinned
+        lo, hi = 0, len(starts) - 1  # the earliest start that fits lies in starts[lo..hi]
+        best = render(starts[hi])
+        while lo < hi:
+            mid = (lo + hi) // 2
+            ids = render(starts[mid])
+            if len(ids) <= room:
+                hi, best = mid, ids
+            else:
+                lo = mid + 1
+        return [*history[:head], *history[starts[hi]:]], best, starts[hi] - head
+
+    def _rendered_spans(self, messages: list[dict]) -> list[tuple[int, int]]:
+        """Each message's span in a fresh rendering of `messages`: from the end of the chat rendered before it
+        to the end of the one including it. A rebuild's cost: it renders every prefix once."""
+        spans, begin = [], 0
+        for j in range(len(messages)):
+            end = max(begin, len(self.tokenizer.encode_chat(messages[: j + 1], add_generation_prompt=False)))
+            spans.append((begin, end))
+            begin = end
+        return spans
 
     def _opening(self) -> list[dict]:
         system = self.settings.system_prompt
@@ -114,23 +167,32 @@ class ChatSession:
         fresh = rebuild or self.engine.position == 0
         pinned = self._pinned_tokens(history, ids) if fresh else 0  # a pinned prompt goes to the sinks
         room = self.engine.settings.window
+        dropped = 0
+        if fresh and len(ids) - pinned > room:
+            # A rebuild keeps what fits: the most recent messages (older ones would be evicted again at once).
+            history, ids, dropped = self._fit(history, {"role": "user", "content": user_text}, pinned)
         if len(ids) - pinned > room:
             raise PromptTooLongError(
                 f"this message is {len(ids) - pinned} tokens but the cache window holds {room}; "
                 f"shorten it or rebuild with a larger --window"
             )
-        if rebuild:
+        if fresh and self.engine.position:
             self.engine.reset()
-            self._owed = []
         if fresh:
+            self._owed = []
             self.engine.pin(pinned)
+            self.dropped += dropped
+            self.spans = self._rendered_spans(history) if history else []  # everything before is rendered anew
         self.messages = history
+        begin = self.spans[-1][1] if fresh and self.spans else self.engine.position
         start = time.perf_counter()
         logits = self.engine.prefill(ids)
         prefill_ms = (time.perf_counter() - start) * 1e3
         self.messages.append({"role": "user", "content": user_text})
+        self.spans.append((begin, self.engine.position))
         self._owed = []
-        emit({"event": "prefill", "new_tokens": len(ids), "ms": round(prefill_ms, 2), "cache": self.engine.stats.to_dict()})
+        emit(Prefill(len(ids), round(prefill_ms, 2), self.engine.stats))
+        emit(self.context())
 
         sampler = Sampler(self.settings.sampling)
         recent: deque[int] = deque(maxlen=max(1, self.settings.sampling.repeat_last_n))
@@ -151,21 +213,22 @@ class ChatSession:
             text = decoder.push(token)
             if text:
                 pieces.append(text)
-                emit({"event": "token", "text": text})
+                emit(Token(text))
             logits = self.engine.decode(token)
         tail = decoder.flush()
         if tail:
             pieces.append(tail)
-            emit({"event": "token", "text": tail})
+            emit(Token(tail))
         decode_ms = (time.perf_counter() - start) * 1e3
         reply = "".join(pieces)
         self.messages.append({"role": "assistant", "content": reply})
+        self.spans.append((self.spans[-1][1], self.engine.position))
         # The stop token itself was never fed; the template's closing text (which starts with it) is owed.
         suffix = self.tokenizer.turn_suffix(self.messages[:-1])
         self._owed = self.tokenizer.encode_template(suffix) if suffix else ([token] if reason == "eos" else [])
         tok_s = generated / (decode_ms / 1e3) if decode_ms > 0 else 0.0
-        emit({"event": "done", "tokens": generated, "ms": round(decode_ms, 2), "tok_s": round(tok_s, 2),
-              "stop_reason": reason, "cache": self.engine.stats.to_dict()})
+        emit(Done(generated, round(decode_ms, 2), round(tok_s, 2), reason, self.engine.stats))
+        emit(self.context())
         return TurnResult(reply, generated, len(ids), prefill_ms, decode_ms, reason)
 
     def stop(self) -> None:
