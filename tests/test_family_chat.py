@@ -186,4 +186,4 @@ def test_tail_render_gives_the_full_renders_tokens_over_a_long_chat(name, tiny, 
     play(fast, full, [{"role": "system", "content": "Be brief."}] if system_ok else [])
     # The tail render answered most turns on its own (padded turns of trimming templates go to the full one).
     assert fast.tail_stats["mismatch"] == 0
-    assert fast.tail_stats["tail"] >= (30 if name in ("llama3", "gemma2") else 50), fast.tail_stats
+    assert fast.tail_stats["tail"] >= (30 if name in ("llama3", "gemma2", "gemma3") else 50), fast.tail_stats
