@@ -17,7 +17,7 @@ from typing import Any
 from PySide6.QtCore import QObject, QThread, Signal, Slot
 
 from engine.errors import BuildCancelled, EddyError, PromptTooLongError
-from engine.events import Context, Done, Event, Prefill, Token
+from engine.events import Context, Done, Event, Prefill, PrefillProgress, Token
 from engine.run.generation import ChatDefaults, sampling_params
 from engine.run.session import ChatSettings
 
@@ -183,6 +183,8 @@ class EngineWorker(QObject):
                 self.token.emit(event.text)
             elif isinstance(event, Prefill):
                 self.prefill.emit({**event.to_dict(), "kind": "turn", "ticket": ticket, "switch": -1})
+                self.cache.emit(event.cache.to_dict())
+            elif isinstance(event, PrefillProgress):  # a long message streaming in: the cache bar moves
                 self.cache.emit(event.cache.to_dict())
             elif isinstance(event, Context):
                 self._forward_context(event, {"ticket": ticket, "switch": -1})

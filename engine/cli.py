@@ -9,7 +9,7 @@ from typing import Callable, Sequence
 
 from .config import DEVICES, DTYPES, PIN_SLOTS, TARGET_CPUS, BuildSettings
 from .errors import EddyError
-from .events import Context, Done, Error, Event, Token
+from .events import Context, Done, Error, Event, PrefillProgress, Token
 from .run.generation import EDDY_CHAT_DEFAULTS
 from .run.sampling import SamplingParams
 
@@ -170,8 +170,12 @@ def _chat(args: argparse.Namespace) -> int:
 
     def on_event(event: Event) -> None:
         if args.json:
-            if not isinstance(event, Context):  # DESIGN.md's lines: prefill, token, done, error
+            if not isinstance(event, (Context, PrefillProgress)):  # DESIGN.md's lines: prefill, token, done, error
                 print(event.to_json(), flush=True)
+        elif isinstance(event, PrefillProgress):
+            end = "\n" if event.done == event.total else ""
+            sys.stderr.write(f"\r\033[Kreading a long message: {event.done:,}/{event.total:,} tokens{end}")
+            sys.stderr.flush()
         elif isinstance(event, Token):
             sys.stdout.write(event.text)
             sys.stdout.flush()

@@ -49,6 +49,15 @@ class Prefill(_Event):
 
 
 @dataclass(frozen=True)
+class PrefillProgress(_Event):
+    """A message longer than the window streams through it: `done` of its `total` tokens are in so far."""
+    kind: ClassVar[str] = "prefill_progress"
+    done: int
+    total: int
+    cache: CacheStats
+
+
+@dataclass(frozen=True)
 class Token(_Event):
     kind: ClassVar[str] = "token"
     text: str
@@ -85,4 +94,4 @@ class Error(_Event):
     message: str
 
 
-Event = Prefill | Token | Done | Context | Error
+Event = Prefill | PrefillProgress | Token | Done | Context | Error

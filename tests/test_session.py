@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import pytest
 
-from engine.errors import PromptTooLongError
 from engine.run.session import ChatSession, ChatSettings
 
 
@@ -98,14 +98,59 @@ def test_max_new_tokens(session):
     assert result.stop_reason == "length" and result.tokens == 5
 
 
-def test_overlong_turn_is_refused_and_loses_nothing(session, tiny):
+def test_a_message_of_five_windows_streams_through_and_the_reply_matches_the_reference(session, tiny, tiny_reference,
+                                                                                     monkeypatch):
+    """Longer than the window, it goes in chunk by chunk with progress events, evicting as it goes; every logit
+    the session's engine computed, its reply's included, equals the torch StreamingLLM reference fed the same
+    tokens in the same calls."""
+    from conftest import TINY_SETTINGS
+    from streaming_reference import StreamingReference
+
+    eng = tiny.engine
+    calls: list[tuple[list[int], object]] = []
+    real_prefill, real_decode = eng.prefill, eng.decode
+
+    def prefill(ids):
+        calls.append((list(ids), out := real_prefill(ids)))
+        return out
+
+    def decode(token):
+        calls.append(([token], out := real_decode(token)))
+        return out
+
+    monkeypatch.setattr(eng, "prefill", prefill)
+    monkeypatch.setattr(eng, "decode", decode)
     collect(session, "short")
-    before = (list(session.messages), tiny.engine.stats, tiny.engine.mirror())
-    with pytest.raises(PromptTooLongError, match="window holds"):
-        session.send("word " * 500)
-    assert (session.messages, tiny.engine.stats, tiny.engine.mirror()) == before
-    result, _ = collect(session, "still here?")
-    assert result.tokens > 0
+    text = " ".join(f"item{i}" for i in range(5 * TINY_SETTINGS.window))
+    result, events = collect(session, text)
+    window = TINY_SETTINGS.window
+    progress = [e for e in events if e["event"] == "prefill_progress"]
+    prefill_event = next(e for e in events if e["event"] == "prefill")
+    assert len(progress) >= 5 and progress[-1]["done"] == progress[-1]["total"] == prefill_event["new_tokens"] > 5 * window
+    assert [e["done"] for e in progress] == sorted({e["done"] for e in progress})
+    assert prefill_event["cache"]["evicted"] > 4 * window and result.stop_reason in ("eos", "length")
+    assert session.messages[-2] == {"role": "user", "content": text}
+    cfg, state = tiny_reference
+    ref = StreamingReference(state, cfg, TINY_SETTINGS.sinks, window)
+    worst = max(float(np.abs(out - ref.feed(ids)[-1].numpy()).max()) for ids, out in calls)
+    assert worst < 1e-4
+
+
+def test_stopping_a_long_message_part_way_leaves_a_chat_that_goes_on(session, tiny):
+    seen: list[int] = []
+
+    def on_event(e) -> None:
+        if e.kind == "prefill_progress":
+            seen.append(e.done)
+            if len(seen) == 3:
+                session.stop()
+
+    result = session.send("word " * 2000, on_event)
+    assert result.stop_reason == "stopped" and result.tokens == 0 and len(seen) == 3
+    assert session.messages[-1] == {"role": "assistant", "content": ""}
+    # The cache holds part of a message: the next turn starts again from what fits.
+    result, events = collect(session, "still here?")
+    assert result.tokens > 0 and events[0]["cache"]["position"] == events[0]["new_tokens"] < 60
 
 
 def test_long_conversation_evicts_and_keeps_going(session, tiny):

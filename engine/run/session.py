@@ -12,8 +12,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
+
 from ..errors import PromptTooLongError
-from ..events import Context, Done, Event, Prefill, Token
+from ..events import Context, Done, Event, Prefill, PrefillProgress, Token
 from .runtime import StreamingEngine
 from .sampling import Sampler, SamplingParams
 from .tokenizer import Tokenizer, valid_text
@@ -47,6 +49,7 @@ class ChatSession:
         self.spans: list[tuple[int, int]] = []  # each message's [start, end) positions in the token stream
         self.dropped = 0  # leading messages let go since the last reset/resume, to fit a rebuild in the window
         self._owed: list[int] = []  # template tokens that close the last turn, fed with the next one
+        self._partial = False  # a prefill was stopped part-way: the cache does not hold the last message whole
         self.stop_flag = threading.Event()
 
     # --- conversation state --------------------------------------------------------------------------------
@@ -58,6 +61,7 @@ class ChatSession:
         self.spans = []
         self.dropped = 0
         self._owed = []
+        self._partial = False
 
     def resume(self, messages: list[dict], ids: list[int] | None = None,
                on_event: EventSink | None = None) -> Prefill:
@@ -131,6 +135,8 @@ class ChatSession:
     def _turn_tokens(self, history: list[dict], user_text: str) -> tuple[list[int], bool]:
         """The ids this turn feeds, and whether the cache must be cleared first (nothing is changed here)."""
         user = {"role": "user", "content": user_text}
+        if self._partial:  # what the cache holds is not a rendering of the history: start again
+            return self.tokenizer.encode_chat([*history, user], add_generation_prompt=True), True
         if self.engine.position == 0:
             # A fresh cache (or one rebuilt for a restored chat): render everything so far.
             return self.tokenizer.encode_chat([*history, user], add_generation_prompt=True), False
@@ -171,11 +177,8 @@ class ChatSession:
         if fresh and len(ids) - pinned > room:
             # A rebuild keeps what fits: the most recent messages (older ones would be evicted again at once).
             history, ids, dropped = self._fit(history, {"role": "user", "content": user_text}, pinned)
-        if len(ids) - pinned > room:
-            raise PromptTooLongError(
-                f"this message is {len(ids) - pinned} tokens but the cache window holds {room}; "
-                f"shorten it or rebuild with a larger --window"
-            )
+        # A message longer than the window still goes in: it streams through (StreamingLLM evicts as it goes)
+        # and the reply sees its sinks and its most recent `window` tokens.
         if fresh and self.engine.position:
             self.engine.reset()
         if fresh:
@@ -185,14 +188,23 @@ class ChatSession:
             self.spans = self._rendered_spans(history) if history else []  # everything before is rendered anew
         self.messages = history
         begin = self.spans[-1][1] if fresh and self.spans else self.engine.position
+        self._partial = False
         start = time.perf_counter()
-        logits = self.engine.prefill(ids)
+        logits = self._prefill(ids, emit)
         prefill_ms = (time.perf_counter() - start) * 1e3
         self.messages.append({"role": "user", "content": user_text})
         self.spans.append((begin, self.engine.position))
         self._owed = []
-        emit(Prefill(len(ids), round(prefill_ms, 2), self.engine.stats))
+        emit(Prefill(self.engine.position - begin if logits is None else len(ids), round(prefill_ms, 2),
+                     self.engine.stats))
         emit(self.context())
+        if logits is None:  # stopped while the message streamed in: no reply, and the next turn rebuilds
+            self._partial = True
+            self.messages.append({"role": "assistant", "content": ""})
+            self.spans.append((self.engine.position, self.engine.position))
+            emit(Done(0, 0.0, 0.0, "stopped", self.engine.stats))
+            emit(self.context())
+            return TurnResult("", 0, self.engine.position - begin, prefill_ms, 0.0, "stopped")
 
         sampler = Sampler(self.settings.sampling)
         recent: deque[int] = deque(maxlen=max(1, self.settings.sampling.repeat_last_n))
@@ -230,6 +242,21 @@ class ChatSession:
         emit(Done(generated, round(decode_ms, 2), round(tok_s, 2), reason, self.engine.stats))
         emit(self.context())
         return TurnResult(reply, generated, len(ids), prefill_ms, decode_ms, reason)
+
+    def _prefill(self, ids: list[int], emit: EventSink) -> np.ndarray | None:
+        """Feeds a turn's tokens; the logits after the last, or None if the stop flag ended it part-way. A turn
+        longer than the window goes in chunk by chunk, with a progress event and a look at the stop flag after
+        each (a reply to it would see only its tail anyway, so stopping early loses nothing it would have kept)."""
+        if len(ids) <= self.engine.settings.window:
+            return self.engine.prefill(ids)
+        step = self.engine.chunk
+        logits = None
+        for done in range(0, len(ids), step):
+            if self.stop_flag.is_set():
+                return None
+            logits = self.engine.prefill(ids[done : done + step])
+            emit(PrefillProgress(min(done + step, len(ids)), len(ids), self.engine.stats))
+        return logits
 
     def stop(self) -> None:
         """Thread-safe: the generation loop sees it before its next token."""
