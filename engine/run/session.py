@@ -169,7 +169,7 @@ class ChatSession:
         self.stop_flag.clear()
         history = self.messages or self._opening()
         ids, rebuild = self._turn_tokens(history, user_text)
-        # Refused before anything changes: messages, cache and owed tokens stay as they were.
+        # A refusal (a pinned system prompt past the sink bound) comes before anything changes.
         fresh = rebuild or self.engine.position == 0
         pinned = self._pinned_tokens(history, ids) if fresh else 0  # a pinned prompt goes to the sinks
         room = self.engine.settings.window
@@ -246,7 +246,7 @@ class ChatSession:
     def _prefill(self, ids: list[int], emit: EventSink) -> np.ndarray | None:
         """Feeds a turn's tokens; the logits after the last, or None if the stop flag ended it part-way. A turn
         longer than the window goes in chunk by chunk, with a progress event and a look at the stop flag after
-        each (a reply to it would see only its tail anyway, so stopping early loses nothing it would have kept)."""
+        each: reading a long document can take minutes, and the user may change their mind."""
         if len(ids) <= self.engine.settings.window:
             return self.engine.prefill(ids)
         step = self.engine.chunk
