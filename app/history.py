@@ -1,4 +1,4 @@
-"""Which part of a stored chat to put back into the cache, and where each message lands in it.
+"""Which part of a stored chat to put back into the cache.
 
 Rebuilding the cache for a chat (opening it, regenerating, editing) costs a prefill of everything kept, so
 only the most recent messages that fit the cache are kept: older ones would be evicted again at once.
@@ -23,7 +23,7 @@ class FittedHistory:
     messages: list[dict]  # what the session resumes from: the system message (if any), then history[first:]
     first: int            # index in `history` of the first message kept
     ids: list[int] = field(default_factory=list)  # the rendered tokens of `messages` ([] if nothing is kept)
-    spans: list[tuple[int, int]] = field(default_factory=list)  # cache positions of history[first:], in order
+    # Where each message lands in the cache is the session's to say (ChatSession.resume, its context event).
 
 
 def _starts(history: list[dict], start: int) -> int:
@@ -51,13 +51,4 @@ def fit_history(tokenizer: ChatTokenizer, system: str | None, history: list[dict
     kept = history[start:]
     if not kept:
         return FittedHistory(list(opening), len(history))
-    messages = [*opening, *kept]
-    # Each message's span: from the end of the rendered chat before it to the end of the one including it.
-    ends = [len(tokenizer.encode_chat(messages[: j + 1], add_generation_prompt=False))
-            for j in range(len(opening), len(messages) - 1)] + [len(ids)]
-    begin = len(tokenizer.encode_chat(opening, add_generation_prompt=False)) if opening else 0
-    spans = []
-    for end in ends:
-        spans.append((begin, max(begin, end)))
-        begin = max(begin, end)
-    return FittedHistory(messages, start, ids, spans)
+    return FittedHistory([*opening, *kept], start, ids)

@@ -38,7 +38,7 @@ class EngineWorker(QObject):
     token = Signal(str)
     done = Signal(object)        # the engine's done event, plus "reply" (the whole text) and "ticket"
     cache = Signal(object)       # CacheStats as a dict
-    context = Signal(object)     # {"first": i, "spans": [[start, end], ...]} after the cache was rebuilt
+    context = Signal(object)     # {"first": i, "spans": [[start, end], ...], "left": [...]} after each prefill
     error = Signal(str, str)     # kind, message for the user
     pong = Signal(int)           # answers ping(): every request queued before it has been handled
     finished = Signal()
@@ -224,8 +224,8 @@ class EngineWorker(QObject):
             budget = engine.settings.capacity - (len(tokenizer.encode_text(reserve)) + 8 if reserve else 0)
             fitted = fit_history(tokenizer, self._chat_settings.system_prompt, list(history), max(0, budget))
             self._first = fitted.first
-            event = session.resume(fitted.messages, fitted.ids if fitted.spans else [])
-            if fitted.spans:
+            event = session.resume(fitted.messages, fitted.ids)
+            if fitted.ids:
                 self.prefill.emit({**event.to_dict(), "kind": "rebuild", **tag})
         except Exception as e:
             log.exception("rebuilding the cache failed")

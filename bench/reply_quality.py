@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import re
 import statistics
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -28,6 +26,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from machine import cpu_info  # noqa: E402  (bench/machine.py, beside this script)
 
 from app.settings import AppSettings  # noqa: E402  (the app's settings: the point is to use its path)
 from engine.run.generation import sampling_params  # noqa: E402
@@ -83,22 +83,6 @@ def loops(text: str, n: int = 4, times: int = 4) -> bool:
     words = re.findall(r"\w+", text.lower())
     grams = Counter(tuple(words[i:i + n]) for i in range(len(words) - n + 1))
     return any(c >= times for c in grams.values())
-
-
-def cpu_info() -> dict:
-    info = {"machine": platform.machine()}
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-        for line in out.splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() in ("Model name", "CPU(s)"):
-                info[key.strip()] = value.strip()
-            if key.strip() == "Flags":
-                flags = value.split()
-                info["simd"] = [f for f in flags if f.startswith(("avx", "fma", "amx"))]
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return info
 
 
 def run_config(model, label: str, overrides: dict | None, prompts: list, seeds: list[int], max_new: int) -> dict:

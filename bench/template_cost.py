@@ -16,7 +16,6 @@ import argparse
 import json
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,6 +24,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from machine import cpu_info  # noqa: E402  (bench/machine.py, beside this script)
+
 from engine.build.checkpoint import resolve_model, save_tokenizer  # noqa: E402
 from engine.run.tokenizer import Tokenizer  # noqa: E402
 
@@ -32,21 +33,6 @@ CHECKPOINTS = (10, 100, 500, 1000)
 USER = "Could you tell me a little more about {i}, and why it matters for the rest of the plan?"
 REPLY = ("Sure. Point {i} is about keeping the work small and steady: each step is checked before the next "
          "one starts, so a mistake is cheap to find and the whole plan stays easy to follow.")
-
-
-def cpu_info() -> dict:
-    info = {"machine": platform.machine()}
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-        for line in out.splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() in ("Model name", "CPU(s)"):
-                info[key.strip()] = value.strip()
-            if key.strip() == "Flags":
-                info["simd"] = [f for f in value.split() if f.startswith(("avx", "fma", "amx"))]
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return info
 
 
 def timed(fn) -> float:

@@ -391,14 +391,10 @@ def test_fit_history_keeps_recent_messages_that_fit(tiny):
     assert fitted.messages[0] == {"role": "system", "content": "You are terse."}
     assert fitted.messages[1:] == history[fitted.first:]
     assert len(fitted.ids) <= 60 and fitted.ids == tok.encode_chat(fitted.messages, add_generation_prompt=False)
-    assert len(fitted.spans) == len(history) - fitted.first
-    assert fitted.spans[-1][1] == len(fitted.ids)
-    assert all(a < b for a, b in fitted.spans) and all(fitted.spans[i][1] == fitted.spans[i + 1][0]
-                                                       for i in range(len(fitted.spans) - 1))
     everything = fit_history(tok, None, history[:2], budget=1000)
-    assert everything.first == 0 and everything.spans[0][0] == 0
+    assert everything.first == 0 and everything.messages == history[:2]
     nothing = fit_history(tok, None, [{"role": "user", "content": "word " * 200}], budget=50)
-    assert nothing.first == 1 and nothing.ids == [] and nothing.spans == []
+    assert nothing.first == 1 and nothing.ids == [] and nothing.messages == []
 
 
 def test_app_modules_do_not_import_torch():

@@ -18,7 +18,7 @@ from ..errors import PromptTooLongError
 from ..events import Context, Done, Event, Prefill, PrefillProgress, Token
 from .runtime import StreamingEngine
 from .sampling import Sampler, SamplingParams
-from .tokenizer import Tokenizer, valid_text
+from .tokenizer import Tokenizer, common_prefix, valid_text
 
 EventSink = Callable[[Event], None]
 
@@ -153,7 +153,7 @@ class ChatSession:
             return 0
         probes = [self.tokenizer.encode_chat([history[0], {"role": "user", "content": text}], add_generation_prompt=True)
                   for text in ("A", "B")]
-        n = len(_shared(_shared(probes[0], probes[1]), ids))
+        n = min(common_prefix(probes[0], probes[1]), common_prefix(probes[0], ids))
         bound = self.engine.settings.sink_slots
         if n > bound:
             raise PromptTooLongError(f"the system prompt takes {n} tokens but the cache pins at most {bound}; "
@@ -261,13 +261,3 @@ class ChatSession:
     def stop(self) -> None:
         """Thread-safe: the generation loop sees it before its next token."""
         self.stop_flag.set()
-
-
-def _shared(a: list[int], b: list[int]) -> list[int]:
-    """The longest common prefix of two token lists."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return a[:n]

@@ -219,7 +219,7 @@ def _split_at(pieces: list[tuple[str, bool]], pos: int) -> tuple[list[tuple[str,
     return _merge(head), _merge(tail)
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a: list[int], b: list[int]) -> int:
     n = 0
     while n < min(len(a), len(b)) and a[n] == b[n]:
         n += 1
@@ -348,7 +348,7 @@ class Tokenizer:
         if head != base[:-1]:
             return None
         ending, going_on = self._encode_pieces(base[-1:]), self._encode_pieces(rest)
-        return going_on[_common_prefix(ending, going_on):]
+        return going_on[common_prefix(ending, going_on):]
 
     def turn_suffix(self, history: list[dict]) -> str:
         """Template text that closes an assistant turn (ChatML: "<|im_end|>\\n"), or "" if it cannot be told.
@@ -373,7 +373,7 @@ class Tokenizer:
         if not going_on or going_on.startswith(ending):
             return ending
         ids = self.encode_template(ending)
-        return self.decode(ids[:_common_prefix(ids, self.encode_template(going_on))])
+        return self.decode(ids[:common_prefix(ids, self.encode_template(going_on))])
 
     def _closing_text(self, probe: list[dict], marks: frozenset[str] = frozenset(),
                       strict: bool = False) -> str | None:
