@@ -6,6 +6,8 @@ from PySide6.QtCore import QRectF, QSize, Qt
 from PySide6.QtGui import QBrush, QColor, QPainter, QPainterPath, QPalette
 from PySide6.QtWidgets import QSizePolicy, QWidget
 
+from engine.events import CacheStats
+
 from .chat_view import blend
 
 SINK_COLOUR = QColor("#e0803a")    # warm: kept forever
@@ -20,40 +22,40 @@ class CacheBar(QWidget):
         self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
         self.setMinimumHeight(22)
         self.setAccessibleName("Cache window")
-        self.stats = {"sinks": 0, "window": 0, "capacity": 0, "used": 0, "evicted": 0, "position": 0, "pinned": 0}
+        self.stats = CacheStats(0, 0, 0, 0, 0, 0)
         self._describe()
 
-    def set_stats(self, stats: dict) -> None:
-        self.stats = {k: int(stats.get(k, 0)) for k in self.stats}
+    def set_stats(self, stats: CacheStats) -> None:
+        self.stats = stats
         self._describe()
         self.update()
 
     @property
     def window_used(self) -> int:
         s = self.stats
-        return max(0, min(s["used"], s["capacity"]) - s["sinks"])
+        return max(0, min(s.used, s.capacity) - s.sinks)
 
     def legend_html(self) -> str:
         """The bar's numbers, with colour keys, for a label next to it."""
         s = self.stats
-        if not s["capacity"]:
+        if not s.capacity:
             return "No model loaded"
-        pinned = (f"<span style='color:{PIN_COLOUR.name()}'>■</span> system prompt pinned ({s['pinned']}) &nbsp; "
-                  if s["pinned"] else "")
-        return (f"{pinned}<span style='color:{SINK_COLOUR.name()}'>■</span> sinks {min(s['used'], s['sinks'])}/{s['sinks']}"
-                f" &nbsp; <span style='color:{WINDOW_COLOUR.name()}'>■</span> window {self.window_used:,}/{s['window']:,}"
-                f"<br>{s['evicted']:,} tokens evicted · {s['position']:,} seen in this chat")
+        pinned = (f"<span style='color:{PIN_COLOUR.name()}'>■</span> system prompt pinned ({s.pinned}) &nbsp; "
+                  if s.pinned else "")
+        return (f"{pinned}<span style='color:{SINK_COLOUR.name()}'>■</span> sinks {min(s.used, s.sinks)}/{s.sinks}"
+                f" &nbsp; <span style='color:{WINDOW_COLOUR.name()}'>■</span> window {self.window_used:,}/{s.window:,}"
+                f"<br>{s.evicted:,} tokens evicted · {s.position:,} seen in this chat")
 
     def summary(self) -> str:
         s = self.stats
-        if not s["capacity"]:
+        if not s.capacity:
             return "No model loaded"
-        pinned = f"system prompt pinned in {s['pinned']} sinks · " if s["pinned"] else ""
-        return (f"{pinned}{min(s['used'], s['sinks'])}/{s['sinks']} sinks · window {self.window_used:,}/{s['window']:,} used · "
-                f"{s['evicted']:,} evicted")
+        pinned = f"system prompt pinned in {s.pinned} sinks · " if s.pinned else ""
+        return (f"{pinned}{min(s.used, s.sinks)}/{s.sinks} sinks · window {self.window_used:,}/{s.window:,} used · "
+                f"{s.evicted:,} evicted")
 
     def _describe(self) -> None:
-        self.setToolTip(f"{self.summary()}\n{self.stats['position']:,} tokens seen in this conversation.\n"
+        self.setToolTip(f"{self.summary()}\n{self.stats.position:,} tokens seen in this conversation.\n"
                         "Sinks (orange) keep the conversation's first tokens forever, a pinned system prompt "
                         "(purple) among them; the window (blue) keeps the most recent ones. Older tokens are "
                         "evicted.")
@@ -72,23 +74,23 @@ class CacheBar(QWidget):
         outline.addRoundedRect(rect, 5, 5)
         free = blend(pal.color(QPalette.ColorRole.Base), pal.color(QPalette.ColorRole.Text), 0.08)
         painter.fillPath(outline, free)
-        if s["capacity"]:
+        if s.capacity:
             painter.save()
             painter.setClipPath(outline)
-            sink_w = max(MIN_SINK_PX, rect.width() * s["sinks"] / s["capacity"]) if s["sinks"] else 0.0
+            sink_w = max(MIN_SINK_PX, rect.width() * s.sinks / s.capacity) if s.sinks else 0.0
             window_w = rect.width() - sink_w
-            used_sinks = min(s["used"], s["sinks"])
+            used_sinks = min(s.used, s.sinks)
             if used_sinks:
-                painter.fillRect(QRectF(rect.left(), rect.top(), sink_w * used_sinks / s["sinks"], rect.height()),
+                painter.fillRect(QRectF(rect.left(), rect.top(), sink_w * used_sinks / s.sinks, rect.height()),
                                  SINK_COLOUR)
-            pinned = min(s["pinned"], used_sinks)
+            pinned = min(s.pinned, used_sinks)
             if pinned:
-                painter.fillRect(QRectF(rect.left(), rect.top(), sink_w * pinned / s["sinks"], rect.height()),
+                painter.fillRect(QRectF(rect.left(), rect.top(), sink_w * pinned / s.sinks, rect.height()),
                                  PIN_COLOUR)
-            if s["window"]:
-                used_w = window_w * self.window_used / s["window"]
+            if s.window:
+                used_w = window_w * self.window_used / s.window
                 painter.fillRect(QRectF(rect.left() + sink_w, rect.top(), used_w, rect.height()), WINDOW_COLOUR)
-            if s["evicted"]:
+            if s.evicted:
                 # The window is a ring: once it is full every new token evicts the oldest. Hatching says so.
                 hatch = QColor(pal.color(QPalette.ColorRole.Base))
                 hatch.setAlpha(90)

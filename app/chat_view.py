@@ -372,8 +372,7 @@ class ChatView(QScrollArea):
         n = self.model.forgotten()
         self.layout_.removeWidget(self.marker)
         if 0 < n <= len(self.widgets):
-            dropped = any(m.span is None for m in self.model.messages[:n])
-            self.marker.set_counts(self.model.evicted, self.model.sinks, dropped)
+            self.marker.set_counts(self.model.evicted, self.model.sinks, self.model.left_out)
             # Index in the layout: the empty label first, then the message widgets.
             self.layout_.insertWidget(1 + n, self.marker)
             self.marker.show()

@@ -1,8 +1,8 @@
 """The app's logic: chats, the store and the engine worker glued together. No widgets here.
 
 Every user action arrives as a method call; everything the views show lives in the models (ChatModel,
-ConversationListModel, TurnStatsModel) or comes out as a signal. Memory is the truth: a failed save leaves
-the chat in memory, marked unsaved, and a timer writes it again until it works.
+ConversationListModel, TurnStatsModel) or comes out as a signal. What the cache holds is the engine's to
+say (its typed events); saving that fails is retried by the SaveQueue (app/saving.py).
 """
 from __future__ import annotations
 
@@ -12,21 +12,21 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
-from PySide6.QtCore import QObject, QTimer, Signal
+from PySide6.QtCore import QObject, Signal
 
+from engine.events import CacheStats, Context, DecodeProgress, Done, Prefill, Token
 from engine.run.generation import ChatDefaults
 
 from .models import ChatModel, ConversationListModel, Message, TurnStatsModel
+from .saving import SaveQueue
 from .settings import AppSettings, load_settings, save_settings
 from .store import ConversationRow, Store, StoreError, TurnRow
 from .transcript import to_json, to_markdown
-from .worker import TURN_ERRORS, EngineHost
+from .worker import TURN_ERRORS, EngineHost, Origin
 
 log = logging.getLogger(__name__)
 
 NEW_CHAT_TITLE = "New chat"
-RETRY_SAVE_MS = 15_000
-LIVE_RATE_EVERY_S = 0.1
 
 
 @dataclass
@@ -38,9 +38,7 @@ class InFlight:
     reply_index: int
     user_text: str
     stat_row: int = -1
-    prefill_at: float = 0.0
-    tokens: int = 0
-    last_rate_at: float = 0.0
+    prefill: Prefill | None = None
 
 
 class ChatController(QObject):
@@ -49,16 +47,18 @@ class ChatController(QObject):
     model_info_changed = Signal(object)
     load_progress = Signal(str, float)
     notice = Signal(str, str, str)     # level ("info" | "warning" | "error"), text, action ("" | "retry_load" | "settings" | "retry_save")
-    cache_changed = Signal(object)
-    turn_prefilled = Signal(object)    # a prefill event (with "kind")
+    cache_changed = Signal(object)     # CacheStats
+    turn_prefilled = Signal(object)    # the Prefill of a turn's message
+    rebuilt = Signal(object)           # the Prefill of a chat put back into the cache
     live_rate = Signal(float, int)     # decode tokens/s so far, tokens so far
-    turn_finished = Signal(object)     # the done event
+    turn_finished = Signal(object)     # the turn's TurnRow, as stored
     restore_input = Signal(str)        # a message that was not sent goes back into the input box
     conversation_opened = Signal()
     current_changed = Signal()         # the open chat got an id (first message saved) or lost it
     closed = Signal()                  # shutdown() finished: the engine thread has ended, the store is closed
 
-    def __init__(self, data_dir: Path, model_override: str | None = None, parent: QObject | None = None) -> None:
+    def __init__(self, data_dir: Path, model_override: str | None = None, parent: QObject | None = None,
+                 host: EngineHost | None = None) -> None:
         super().__init__(parent)
         self.data_dir = data_dir
         self.store = Store.open(data_dir)
@@ -69,26 +69,27 @@ class ChatController(QObject):
         self.turns = TurnStatsModel(self)
         self.model_state = "none"
         self.model_info: dict = {}
-        self.cache: dict = {}
+        self.cache = CacheStats(0, 0, 0, 0, 0, 0)
         self._turn: InFlight | None = None
         self._after_idle: list[Callable[[], None]] = []
         self._closing = False
         self._next_temp_id = -1
-        # Chats whose copy on disk is behind memory: id -> None (the open chat, read live) or a snapshot.
-        self._unsaved: dict[int, tuple[str, list[Message]] | None] = {}
-        self._retry = QTimer(self)
-        self._retry.setInterval(RETRY_SAVE_MS)
-        self._retry.timeout.connect(self.retry_saves)
+        self.saves = SaveQueue(self.store, lambda: (self.chat.conversation_id, self.chat.title, self.chat.messages),
+                               self)
+        self.saves.failed.connect(lambda text: self.notice.emit("error", text, "retry_save"))
+        self.saves.all_saved.connect(lambda: self.notice.emit("info", "All chats are saved again.", ""))
+        self.saves.moved.connect(self._on_saved_under)
 
         self.conversations.rename_requested.connect(self.rename_chat)
-        self.host = EngineHost(self)
+        self.host = host or EngineHost(self)  # a test may hand it one without a model
         w = self.host.worker
         w.progress.connect(self.load_progress)
         w.loaded.connect(self._on_loaded)
         w.prefill.connect(self._on_prefill)
+        w.prefill_progress.connect(lambda ev, _origin: self._on_cache(ev.cache))
         w.token.connect(self._on_token)
+        w.decode_progress.connect(self._on_decode_progress)
         w.done.connect(self._on_done)
-        w.cache.connect(self._on_cache)
         w.context.connect(self._on_context)
         w.error.connect(self._on_error)
         self.host.stopped.connect(self._on_engine_stopped)
@@ -209,10 +210,9 @@ class ChatController(QObject):
             self._when_idle(lambda: self.open_chat(conv_id))
             return
         self._leave_current()
-        snapshot = self._unsaved.get(conv_id)
+        snapshot = self.saves.reopen(conv_id)
         if snapshot is not None:
             title, messages = snapshot
-            self._unsaved[conv_id] = None  # the open chat is read live from now on
             turns: list[TurnRow] = []
         else:
             row = self._read(lambda: self.store.conversation(conv_id), None)
@@ -228,9 +228,7 @@ class ChatController(QObject):
         self._sync_engine()
 
     def _leave_current(self) -> None:
-        conv_id = self.chat.conversation_id
-        if conv_id is not None and conv_id in self._unsaved:
-            self._unsaved[conv_id] = (self.chat.title, list(self.chat.messages))
+        self.saves.leave(self.chat.conversation_id, self.chat.title, self.chat.messages)
 
     def rename_chat(self, conv_id: int, title: str) -> None:
         title = title.strip()
@@ -253,7 +251,7 @@ class ChatController(QObject):
         except StoreError as e:
             self.notice.emit("error", str(e), "")
             return
-        self._unsaved.pop(conv_id, None)
+        self.saves.forget(conv_id)
         self.conversations.remove(conv_id)
         if conv_id == self.chat.conversation_id:
             if self.conversations.rows:
@@ -283,8 +281,7 @@ class ChatController(QObject):
         self.chat.truncate(user + 1)
         self._truncate_saved(user + 1)
         self.chat.update(user, pending=True)
-        text = msgs[user].content
-        self._start_turn(self.host.regenerate(self.chat.history(user), text), user, text)
+        self._start_turn(self.host.regenerate(), user, msgs[user].content)
         return True
 
     def last_user_text(self) -> str | None:
@@ -300,12 +297,11 @@ class ChatController(QObject):
         user = self._last_user_index()
         if not new_text or user is None or not self.can_send:
             return False
-        history = self.chat.history(user)
         self.chat.truncate(user)
         self._truncate_saved(user)
         index = self.chat.append(Message("user", new_text, pending=True))
         self._save_message(index)
-        self._start_turn(self.host.edit_resend(history, new_text), index, new_text)
+        self._start_turn(self.host.edit_resend(new_text), index, new_text)
         return True
 
     def stop(self) -> None:
@@ -333,73 +329,71 @@ class ChatController(QObject):
         if stop:
             self.stop()
 
-    # --- engine events -------------------------------------------------------------------------------------
+    # --- engine events (typed, from engine/events.py; the engine says where everything is) -------------
 
-    def _on_prefill(self, ev: dict) -> None:
-        if ev.get("switch", -1) not in (-1, self.host.latest_switch):
-            return  # a rebuild for a chat that is no longer open
-        self._on_cache(ev["cache"])
+    def _current(self, origin: Origin) -> bool:
+        """Whether an event answers the request in progress, or the latest chat switch (not an older one)."""
+        if origin.rebuild:
+            return origin.switch == self.host.latest_switch
+        return self._turn is not None and origin.ticket == self._turn.ticket
+
+    def _on_prefill(self, ev: Prefill, origin: Origin) -> None:
+        if not self._current(origin):
+            return
+        if origin.rebuild:
+            if ev.new_tokens:
+                row = TurnRow("rebuild", ev.new_tokens, ev.ms, cache=ev.cache.to_dict())
+                self.turns.append(row)
+                conv_id = self.chat.conversation_id
+                if conv_id is not None:
+                    self._write(conv_id, lambda: self.store.add_turn(conv_id, row), stats_only=True)
+                self.rebuilt.emit(ev)
+            return
         turn = self._turn
-        if ev["kind"] == "rebuild":
-            row = TurnRow("rebuild", ev["new_tokens"], ev["ms"], cache=ev["cache"])
-            self.turns.append(row)
-            conv_id = self.chat.conversation_id
-            if conv_id is not None:
-                self._write(conv_id, lambda: self.store.add_turn(conv_id, row), stats_only=True)
-        elif turn is not None and ev["ticket"] == turn.ticket:
-            pos, n = ev["cache"]["position"], ev["new_tokens"]
-            self.chat.update(turn.user_index, span=(pos - n, pos), pending=False)
-            self.chat.update(turn.reply_index, span=(pos, pos))
-            turn.stat_row = self.turns.append(TurnRow("turn", n, ev["ms"]), live=True)
-            turn.prefill_at = turn.last_rate_at = time.perf_counter()
+        turn.prefill = ev
+        turn.stat_row = self.turns.append(TurnRow("turn", ev.new_tokens, ev.ms), live=True)
         self.turn_prefilled.emit(ev)
 
-    def _on_token(self, text: str) -> None:
-        turn = self._turn
-        if turn is None:
-            return
-        self.chat.add_text(turn.reply_index, text)
-        turn.tokens += 1
-        now = time.perf_counter()
-        if now - turn.last_rate_at >= LIVE_RATE_EVERY_S:
-            turn.last_rate_at = now
-            rate = turn.tokens / max(now - turn.prefill_at, 1e-6)
-            self.live_rate.emit(rate, turn.tokens)
-            if turn.stat_row >= 0:
-                self.turns.update(turn.stat_row, tokens=turn.tokens, tok_s=rate)
+    def _on_token(self, ev: Token, origin: Origin) -> None:
+        if self._current(origin):
+            self.chat.add_text(self._turn.reply_index, ev.text)
 
-    def _on_done(self, ev: dict) -> None:
-        turn = self._turn
-        if turn is None or ev.get("ticket") != turn.ticket:
+    def _on_decode_progress(self, ev: DecodeProgress, origin: Origin) -> None:
+        if not self._current(origin):
             return
-        self._on_cache(ev["cache"])
-        start = self.chat.messages[turn.reply_index].span
-        meta = {"tokens": ev["tokens"], "tok_s": ev["tok_s"], "stop_reason": ev["stop_reason"],
-                "prefill_tokens": ev["prefill_tokens"], "prefill_ms": ev["prefill_ms"]}
-        self.chat.update(turn.reply_index, content=ev["reply"], streaming=False, pending=False, meta=meta,
-                         span=(start[0] if start else ev["cache"]["position"], ev["cache"]["position"]))
+        self.live_rate.emit(ev.tok_s, ev.tokens)
+        if self._turn.stat_row >= 0:
+            self.turns.update(self._turn.stat_row, tokens=ev.tokens, tok_s=ev.tok_s)
+
+    def _on_done(self, ev: Done, origin: Origin) -> None:
+        if not self._current(origin):
+            return
+        turn = self._turn
+        prefill = turn.prefill or Prefill(0, 0.0, ev.cache)
+        meta = {"tokens": ev.tokens, "tok_s": ev.tok_s, "stop_reason": ev.stop_reason,
+                "prefill_tokens": prefill.new_tokens, "prefill_ms": prefill.ms}
+        self.chat.update(turn.reply_index, streaming=False, pending=False, meta=meta)
         if turn.stat_row >= 0:
-            self.turns.update(turn.stat_row, tokens=ev["tokens"], decode_ms=ev["ms"], tok_s=ev["tok_s"],
-                              stop_reason=ev["stop_reason"], live=False)
+            self.turns.update(turn.stat_row, tokens=ev.tokens, decode_ms=ev.ms, tok_s=ev.tok_s,
+                              stop_reason=ev.stop_reason, live=False)
         conv_id = turn.conversation_id
         saved = self._save_message(turn.reply_index)
         message_id = self.chat.messages[turn.reply_index].id if saved else None
-        row = TurnRow("turn", ev["prefill_tokens"], ev["prefill_ms"], ev["tokens"], ev["ms"], ev["tok_s"],
-                      ev["stop_reason"], ev["cache"], message_id)
+        row = TurnRow("turn", prefill.new_tokens, prefill.ms, ev.tokens, ev.ms, ev.tok_s, ev.stop_reason,
+                      ev.cache.to_dict(), message_id)
         self._write(conv_id, lambda: self.store.add_turn(conv_id, row), stats_only=True)
-        self.live_rate.emit(float(ev["tok_s"]), int(ev["tokens"]))
-        self.turn_finished.emit(ev)
+        self.live_rate.emit(ev.tok_s, ev.tokens)
+        self.turn_finished.emit(row)
         self._end_turn()
 
-    def _on_cache(self, cache: dict) -> None:
+    def _on_cache(self, cache: CacheStats) -> None:
         self.cache = cache
-        self.chat.set_cache(cache)
         self.cache_changed.emit(cache)
 
-    def _on_context(self, ctx: dict) -> None:
-        if ctx.get("switch", -1) not in (-1, self.host.latest_switch):
-            return
-        self.chat.apply_context(ctx["first"], ctx["spans"])
+    def _on_context(self, ctx: Context, origin: Origin) -> None:
+        if self._current(origin):  # not a rebuild for a chat that is no longer open
+            self.chat.apply_context(ctx)
+            self._on_cache(ctx.cache)
 
     def _on_error(self, kind: str, message: str) -> None:
         if kind in TURN_ERRORS:
@@ -437,7 +431,7 @@ class ChatController(QObject):
                 self.store.delete_conversation(conv_id)
         except StoreError:
             return  # it stays in the list, empty: harmless
-        self._unsaved.pop(conv_id, None)
+        self.saves.forget(conv_id)
         self.conversations.remove(conv_id)
         self.chat.conversation_id, self.chat.title = None, NEW_CHAT_TITLE
         self.current_changed.emit()
@@ -465,7 +459,7 @@ class ChatController(QObject):
         except StoreError as e:
             conv_id = self._next_temp_id  # not on disk yet: saved under a real id once the store works
             self._next_temp_id -= 1
-            self._mark_unsaved(conv_id, e)
+            self.saves.mark(conv_id, e)
         self.chat.conversation_id = conv_id
         now = time.time()
         self.conversations.upsert(ConversationRow(conv_id, title, now, now))
@@ -487,8 +481,8 @@ class ChatController(QObject):
 
     def _write(self, conv_id: int, fn: Callable[[], object], stats_only: bool = False) -> bool:
         """One store write for a chat; if the chat is already behind on disk, writes it whole instead."""
-        if conv_id in self._unsaved:
-            return False if stats_only else self._flush(conv_id)
+        if conv_id in self.saves:
+            return False if stats_only else self.saves.flush(conv_id)
         try:
             fn()
             return True
@@ -498,53 +492,23 @@ class ChatController(QObject):
             if stats_only or conv_id != self.chat.conversation_id:
                 self.notice.emit("warning", str(e), "")
             else:
-                self._mark_unsaved(conv_id, e)
+                self.saves.mark(conv_id, e)
             return False
 
-    def _mark_unsaved(self, conv_id: int, error: StoreError) -> None:
-        """The open chat is behind on disk: it is read live from memory until a retry writes it."""
-        log.warning("saving failed: %s", error)
-        self._unsaved[conv_id] = None
-        self.notice.emit("error", f"{error} Your chat is kept in memory and Eddy will keep trying to save it.",
-                         "retry_save")
-        if not self._retry.isActive():
-            self._retry.start()
-
-    def _flush(self, conv_id: int) -> bool:
-        """Writes a whole unsaved chat; True if it is now on disk."""
-        snapshot = self._unsaved.get(conv_id)
-        live = snapshot is None
-        title, messages = (self.chat.title, self.chat.messages) if live else snapshot
-        done = [m for m in messages if not m.streaming]
-        try:
-            real_id = self.store.create_conversation(title) if conv_id < 0 else conv_id
-            ids = self.store.replace_messages(real_id, title, [(m.role, m.content) for m in done])
-        except StoreError:
-            return False
-        for message, mid in zip(done, ids):
-            message.id = mid
-        del self._unsaved[conv_id]
-        if real_id != conv_id:
-            if live:
-                self.chat.conversation_id = real_id
-            if self._turn is not None and self._turn.conversation_id == conv_id:
-                self._turn.conversation_id = real_id
-            i = self.conversations.row_of(conv_id)
-            if i >= 0:
-                self.conversations.upsert(replace(self.conversations.rows[i], id=real_id), to_top=False)
-            if live:
-                self.current_changed.emit()
-        return True
+    def _on_saved_under(self, temp_id: int, real_id: int) -> None:
+        """A chat first kept under a temporary id is on disk now: everything that names it follows."""
+        if self._turn is not None and self._turn.conversation_id == temp_id:
+            self._turn.conversation_id = real_id
+        i = self.conversations.row_of(temp_id)
+        if i >= 0:
+            self.conversations.upsert(replace(self.conversations.rows[i], id=real_id), to_top=False)
+        if self.chat.conversation_id == temp_id:
+            self.chat.conversation_id = real_id
+            self.current_changed.emit()
 
     def retry_saves(self) -> bool:
-        """Tries to write every unsaved chat; True if none is left."""
-        for conv_id in list(self._unsaved):
-            self._flush(conv_id)
-        if self._unsaved:
-            return False
-        self._retry.stop()
-        self.notice.emit("info", "All chats are saved again.", "")
-        return True
+        """Tries to write every unsaved chat now; True if none is left."""
+        return self.saves.retry()
 
     # --- export --------------------------------------------------------------------------------------------
 
@@ -577,11 +541,7 @@ class ChatController(QObject):
     def _on_engine_stopped(self) -> None:
         # Every event the worker sent before it ended has been handled by now (queued in order), so the
         # stopped reply is already in the chat: write whatever is still unsaved, then close the store.
-        self._retry.stop()
-        for conv_id in list(self._unsaved):
-            self._flush(conv_id)
-        if self._unsaved:
-            log.error("%d chat(s) could not be saved before closing", len(self._unsaved))
+        self.saves.close()
         self.store.close()
         self.closed.emit()
 

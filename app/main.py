@@ -19,7 +19,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
 
 if TYPE_CHECKING:
+    from engine.events import Token
+
     from .main_window import MainWindow
+    from .store import TurnRow
 
 APP_NAME = "Eddy"
 
@@ -168,21 +171,21 @@ def _ask_class():
             if level == "error":
                 self._fail(None)
 
-        @Slot(str)
-        def _on_token(self, text: str) -> None:
+        @Slot(object, object)
+        def _on_token(self, ev: Token, _origin: object) -> None:
             if self.first_token_s is None:
                 self.first_token_s = seconds_since_process_start()
-            sys.stdout.write(text)
+            sys.stdout.write(ev.text)
             sys.stdout.flush()
 
         @Slot(object)
-        def _on_finished(self, ev: dict) -> None:
+        def _on_finished(self, turn: TurnRow) -> None:
             sys.stdout.write("\n")
             sys.stdout.flush()
             if self.first_token_s is not None:
                 print(f"eddy-gui: first token {self.first_token_s:.2f} s after the process started; "
-                      f"{ev.get('tokens')} tokens", file=sys.stderr, flush=True)
-            self.code = 0 if ev.get("reply", "").strip() else 1
+                      f"{turn.tokens} tokens", file=sys.stderr, flush=True)
+            self.code = 0 if self.window.controller.chat.messages[-1].content.strip() else 1
             if self.code:
                 print("eddy-gui: error: the reply was empty", file=sys.stderr, flush=True)
             self._close()

@@ -67,6 +67,8 @@ class MainWindow(QMainWindow):
         c.notice.connect(self.notice.show_notice)
         c.cache_changed.connect(self.stats.show_cache)
         c.turn_prefilled.connect(self.stats.show_prefill)
+        c.rebuilt.connect(self.stats.show_rebuild)
+        c.cache_changed.connect(self._show_status)
         c.live_rate.connect(self.stats.show_rate)
         c.restore_input.connect(self._restore_input)
         c.conversation_opened.connect(self._on_conversation_opened)
@@ -394,9 +396,18 @@ class MainWindow(QMainWindow):
             self.status_label.setText("No model loaded")
         self._update_controls()
 
-    def _on_model_info(self, info: dict) -> None:
+    def _on_model_info(self, _info: dict) -> None:
+        self._show_status()
+
+    def _show_status(self, *_: object) -> None:
+        """The model and its cache: the sinks in force in this chat (more when a system prompt is pinned)."""
+        info, cache = self.controller.model_info, self.controller.cache
+        if self.controller.model_state != "ready" or not info:
+            return
         s = info["settings"]
-        self.status_label.setText(f"{info['model']} · {s['dtype']} · {s['device']} · cache {s['sinks']} sinks + "
+        sinks = cache.sinks or s["sinks"]
+        pinned = f" ({cache.pinned} pinned)" if cache.pinned else ""
+        self.status_label.setText(f"{info['model']} · {s['dtype']} · {s['device']} · cache {sinks} sinks{pinned} + "
                                   f"{s['window']} window · loaded in {info['seconds']:.1f} s")
 
     def _update_controls(self, *_: object) -> None:

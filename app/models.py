@@ -11,6 +11,8 @@ from typing import Any
 from PySide6.QtGui import QFont
 from PySide6.QtCore import QAbstractListModel, QAbstractTableModel, QModelIndex, QObject, QPersistentModelIndex, Qt, Signal
 
+from engine.events import Context
+
 from .store import ConversationRow, TurnRow
 
 Index = QModelIndex | QPersistentModelIndex
@@ -24,7 +26,7 @@ class Message:
     span: tuple[int, int] | None = None  # token positions in the current cache; None: not in it
     meta: dict[str, Any] = field(default_factory=dict)  # a reply's stats: tokens, tok_s, stop_reason
     streaming: bool = False              # a reply still being written
-    pending: bool = False                # sent, but the cache has not reported where it went yet
+    pending: bool = False                # sent, but the engine has not reported where it went yet
 
     def as_dict(self) -> dict[str, str]:
         return {"role": self.role, "content": self.content}
@@ -44,14 +46,11 @@ class ChatModel(QObject):
         self.conversation_id: int | None = None
         self.title = ""
         self.messages: list[Message] = []
-        self.sinks = 0
-        self.evicted = 0
-        self.context_known = False  # False until the engine said which messages it holds
+        self.context: Context | None = None  # what the engine last said about the cache (None: nothing yet)
 
     def load(self, conversation_id: int | None, title: str, messages: list[Message]) -> None:
         self.conversation_id, self.title, self.messages = conversation_id, title, list(messages)
-        self.evicted = 0
-        self.context_known = False
+        self.context = None
         self.reset.emit()
         self.window_changed.emit()
 
@@ -84,36 +83,36 @@ class ChatModel(QObject):
 
     # --- the cache window ----------------------------------------------------------------------------------
 
-    def apply_context(self, first: int, spans: list[list[int]]) -> None:
-        """What the engine reports after each prefill: messages before `first` were left out of the cache; the
-        rest sit at `spans` (the eviction count comes with the cache stats)."""
+    def apply_context(self, ctx: Context) -> None:
+        """What the engine reports after each prefill and reply: messages before `ctx.first` were left out of the
+        cache, the rest sit at `ctx.spans`; a message the engine has placed is no longer pending."""
         for i, message in enumerate(self.messages):
-            message.span = tuple(spans[i - first]) if first <= i < first + len(spans) else None
-        self.context_known = True
+            inside = ctx.first <= i < ctx.first + len(ctx.spans)
+            message.span = ctx.spans[i - ctx.first] if inside else None
+            if inside:
+                message.pending = False
+        self.context = ctx
         self.window_changed.emit()
 
-    def set_cache(self, cache: dict) -> None:
-        sinks, evicted = int(cache.get("sinks", 0)), int(cache.get("evicted", 0))
-        if (sinks, evicted) != (self.sinks, self.evicted):
-            self.sinks, self.evicted = sinks, evicted
-            self.window_changed.emit()
+    @property
+    def sinks(self) -> int:
+        return self.context.cache.sinks if self.context else 0
+
+    @property
+    def evicted(self) -> int:
+        return self.context.cache.evicted if self.context else 0
+
+    @property
+    def left_out(self) -> bool:
+        """Whether messages at the start were not put back into the cache at all (a rebuild kept what fits)."""
+        return bool(self.context and self.context.first)
 
     def forgotten(self) -> int:
-        """How many leading messages the model no longer sees (their last token left the window)."""
-        if not self.context_known:
-            return 0
-        horizon = self.sinks + self.evicted  # positions before this (past the sinks) are gone
-        count = 0
-        for i, message in enumerate(self.messages):
-            if message.pending:
-                continue
-            if message.span is None or (self.evicted > 0 and message.span[1] <= horizon):
-                count = i + 1
-        return count
+        """How many leading messages the model no longer sees (the engine's count)."""
+        return min(self.context.forgotten, len(self.messages)) if self.context else 0
 
     def partly_forgotten(self, index: int) -> bool:
-        span = self.messages[index].span
-        return span is not None and self.evicted > 0 and span[0] < self.sinks + self.evicted < span[1]
+        return self.context is not None and self.context.cut == index
 
 
 class ConversationListModel(QAbstractListModel):

@@ -120,7 +120,7 @@ def main_window(out: Path, model: str | None, max_turns: int, grab_after: int, d
         def send_next() -> None:
             if state["grabbed"]:
                 return
-            if state["grab_turn"] is None and (c.cache.get("evicted", 0) > 0 or state["sent"] >= max_turns - 1):
+            if state["grab_turn"] is None and (c.cache.evicted > 0 or state["sent"] >= max_turns - 1):
                 state["grab_turn"] = state["sent"] + 1
             if state["grab_turn"] is not None and state["sent"] >= state["grab_turn"]:
                 grab()  # the grab turn ended before enough tokens streamed: take it as it is

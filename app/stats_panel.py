@@ -5,6 +5,8 @@ from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QPalette
 from PySide6.QtWidgets import QAbstractItemView, QFrame, QGridLayout, QHeaderView, QLabel, QTableView, QVBoxLayout, QWidget
 
+from engine.events import CacheStats, Prefill
+
 from .cache_bar import CacheBar
 from .models import TurnStatsModel
 from .ttft_chart import TtftChart
@@ -93,7 +95,7 @@ class StatsPanel(QFrame):
 
     # --- fed by the controller's signals -------------------------------------------------------------------
 
-    def show_cache(self, stats: dict) -> None:
+    def show_cache(self, stats: CacheStats) -> None:
         self.cache_bar.set_stats(stats)
         self.cache_label.setText(self.cache_bar.legend_html())
         self.cache_label.setAccessibleDescription(self.cache_bar.summary())
@@ -107,14 +109,18 @@ class StatsPanel(QFrame):
         self.context_label.setText(f"The model sees the last {seen} of {total} messages. "
                                    f"<a href='#marker' style='color:{link}'>Show where</a>")
 
-    def show_prefill(self, ev: dict) -> None:
-        n, ms = ev["new_tokens"], ev["ms"]
-        rate = n / (ms / 1e3) if ms else 0.0
-        what = "rebuilt cache" if ev.get("kind") == "rebuild" else "new"
-        self.prefill_value.setText(f"{n:,} ({what}) · {rate:,.0f} tok/s")
-        self.ttft_value.setText(f"{ms:,.1f} ms")
-        if ev.get("kind") != "rebuild":
-            self.rate_value.setText("…")
+    def show_prefill(self, ev: Prefill) -> None:
+        """A turn's message went in: its prefill is the time to first token; the decode figure follows."""
+        self._show_prefill(ev, "new")
+        self.rate_value.setText("…")
+
+    def show_rebuild(self, ev: Prefill) -> None:
+        self._show_prefill(ev, "rebuilt cache")
+
+    def _show_prefill(self, ev: Prefill, what: str) -> None:
+        rate = ev.new_tokens / (ev.ms / 1e3) if ev.ms else 0.0
+        self.prefill_value.setText(f"{ev.new_tokens:,} ({what}) · {rate:,.0f} tok/s")
+        self.ttft_value.setText(f"{ev.ms:,.1f} ms")
 
     def show_rate(self, tok_s: float, tokens: int) -> None:
         self.rate_value.setText(f"{tok_s:,.1f} tok/s")

@@ -5,48 +5,60 @@ edit_resend, switch_chat, shutdown. Two calls are made directly from the GUI thr
 busy inside the engine when they matter: request_stop() (the session's stop flag is thread-safe) and
 cancel_load() (a flag the build polls).
 
-Events (worker -> GUI): progress(stage, fraction), loaded(info), prefill(event), token(text), done(event),
-cache(stats), context(spans), error(kind, message), finished().
+Events (worker -> GUI): the session's own typed events (engine/events.py), one signal per kind, each with
+the Origin of the request it answers; plus progress(stage, fraction) and loaded(info) for model loads and
+error(kind, message). The worker computes nothing about the cache: the session says it all.
 """
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 from PySide6.QtCore import QObject, QThread, Signal, Slot
 
 from engine.errors import BuildCancelled, EddyError, PromptTooLongError
-from engine.events import Context, Done, Event, Prefill, PrefillProgress, Token
+from engine.events import Context, DecodeProgress, Done, Event, Prefill, PrefillProgress, Token
 from engine.run.generation import ChatDefaults, sampling_params
-from engine.run.session import ChatSettings
-
-from .history import fit_history
+from engine.run.session import ChatSession, ChatSettings, EventSink
 
 log = logging.getLogger(__name__)
 
 # Error kinds: "load" (the model could not be opened or built), "cancelled" (the user cancelled a build),
-# "too_long" (the message does not fit the window; nothing changed), "turn" (a reply failed),
+# "too_long" (the message does not fit; nothing changed), "turn" (a reply failed),
 # "rebuild" (restoring a chat into the cache failed), "settings" (a rejected setting).
 TURN_ERRORS = ("turn", "too_long")
 
 
+@dataclass(frozen=True)
+class Origin:
+    """Which request an event answers: a reply (its ticket) or a chat put back into the cache (its switch)."""
+    ticket: int = -1
+    switch: int = -1
+
+    @property
+    def rebuild(self) -> bool:
+        return self.switch >= 0
+
+
 class EngineWorker(QObject):
     progress = Signal(str, float)
-    loaded = Signal(object)      # {"model", "folder", "settings", "seconds", "built", "cache", "chat_defaults"}
-    prefill = Signal(object)     # the engine's prefill event, plus "kind" ("turn" or "rebuild") and "ticket"
-    token = Signal(str)
-    done = Signal(object)        # the engine's done event, plus "reply" (the whole text) and "ticket"
-    cache = Signal(object)       # CacheStats as a dict
-    context = Signal(object)     # {"first": i, "spans": [[start, end], ...], "left": [...]} after each prefill
-    error = Signal(str, str)     # kind, message for the user
-    pong = Signal(int)           # answers ping(): every request queued before it has been handled
+    loaded = Signal(object)            # {"model", "folder", "settings", "seconds", "built", "cache", "chat_defaults"}
+    prefill = Signal(object, object)   # each engine event kind with its Origin
+    prefill_progress = Signal(object, object)
+    token = Signal(object, object)
+    decode_progress = Signal(object, object)
+    done = Signal(object, object)
+    context = Signal(object, object)
+    error = Signal(str, str)           # kind, message for the user
+    pong = Signal(int)                 # answers ping(): every request queued before it has been handled
     finished = Signal()
 
     def __init__(self) -> None:
         super().__init__()
         self._model: Any = None
-        self._session: Any = None
+        self._session: ChatSession | None = None
         self._chat_settings = ChatSettings()
         # Loads are numbered; a cancel covers every load up to the one current when it was asked for, so
         # it can neither be lost (load not started yet) nor leak into a later load.
@@ -57,7 +69,10 @@ class EngineWorker(QObject):
         self._ticket = -1
         self._stop_ticket = -1
         self._latest_switch = 0
-        self._first = 0  # index in the GUI's history of the first message the session holds
+        self._signals: dict[type, Signal] = {
+            Prefill: self.prefill, PrefillProgress: self.prefill_progress, Token: self.token,
+            DecodeProgress: self.decode_progress, Done: self.done, Context: self.context,
+        }
 
     # --- called from the GUI thread --------------------------------------------------------------------
 
@@ -119,7 +134,7 @@ class EngineWorker(QObject):
             "settings": engine.settings.to_dict(),
             "seconds": round(time.perf_counter() - start, 2),
             "built": built,
-            "cache": engine.stats.to_dict(),
+            "cache": engine.stats,
             "chat_defaults": self._model.chat_defaults.to_dict(),
         })
 
@@ -135,26 +150,28 @@ class EngineWorker(QObject):
 
     @Slot(int, str)
     def send(self, ticket: int, text: str) -> None:
-        self._generate(ticket, text)
+        self._turn(ticket, lambda session, on_event: session.answer(text, on_event))
 
-    @Slot(int, object, str)
-    def regenerate(self, ticket: int, history: list, user_text: str) -> None:
-        """Answers `user_text` again after `history` (the chat before that user message)."""
-        if self._rebuild(history, reserve=user_text, tag={"ticket": ticket, "switch": -1}):
-            self._generate(ticket, user_text)
-        else:
-            self.error.emit("turn", "The chat could not be restored into the model's cache.")
+    @Slot(int)
+    def regenerate(self, ticket: int) -> None:
+        self._turn(ticket, lambda session, on_event: session.regenerate(on_event))
 
-    @Slot(int, object, str)
-    def edit_resend(self, ticket: int, history: list, new_text: str) -> None:
-        # The cache holds the old message's tokens, so it is rebuilt exactly as for a regenerate.
-        self.regenerate(ticket, history, new_text)
+    @Slot(int, str)
+    def edit_resend(self, ticket: int, new_text: str) -> None:
+        self._turn(ticket, lambda session, on_event: session.edit_last(new_text, on_event))
 
     @Slot(int, object)
     def switch_chat(self, seq: int, history: list) -> None:
-        if seq < self._latest_switch:
+        """Puts a chat (its user and assistant messages) into the cache: the session keeps what fits."""
+        session = self._session
+        if seq < self._latest_switch or session is None:
             return
-        self._rebuild(history, tag={"ticket": -1, "switch": seq})
+        origin = Origin(switch=seq)
+        try:
+            session.resume(history, lambda event: self._forward(event, origin))
+        except Exception as e:
+            log.exception("rebuilding the cache failed")
+            self.error.emit("rebuild", f"Could not restore the chat into the model's cache: {e}")
 
     @Slot(int)
     def ping(self, n: int) -> None:
@@ -167,92 +184,32 @@ class EngineWorker(QObject):
 
     # --- internals -------------------------------------------------------------------------------------------
 
-    def _generate(self, ticket: int, text: str) -> None:
+    def _turn(self, ticket: int, run: Callable[[ChatSession, EventSink], object]) -> None:
         session = self._session
         if session is None:
             self.error.emit("turn", "No model is loaded.")
             return
         self._ticket = ticket
-        before = list(session.messages)
-        final: dict = {}
+        origin = Origin(ticket=ticket)
 
         def on_event(event: Event) -> None:
             if self._stop_ticket == ticket:
                 session.stop()
-            if isinstance(event, Token):
-                self.token.emit(event.text)
-            elif isinstance(event, Prefill):
-                self.prefill.emit({**event.to_dict(), "kind": "turn", "ticket": ticket, "switch": -1})
-                self.cache.emit(event.cache.to_dict())
-            elif isinstance(event, PrefillProgress):  # a long message streaming in: the cache bar moves
-                self.cache.emit(event.cache.to_dict())
-            elif isinstance(event, Context):
-                self._forward_context(event, {"ticket": ticket, "switch": -1})
-            elif isinstance(event, Done):
-                final.update(event.to_dict())
+            self._forward(event, origin)
 
         try:
-            result = session.send(text, on_event)
+            run(session, on_event)
         except PromptTooLongError as e:
             self.error.emit("too_long", str(e))
-            return
         except Exception as e:
+            # The session keeps the chat as it was before this message and rebuilds the cache next turn.
             log.exception("a turn failed")
-            # The cache may hold half a turn: put the chat back as it was before this message.
-            self._rebuild_quietly(before)
             self.error.emit("turn", str(e) if isinstance(e, EddyError) else f"Generation failed: {e!r}")
-            return
         finally:
             self._ticket = -1
-        stats = session.engine.stats.to_dict()
-        self.done.emit({"event": "done", "tokens": result.tokens, "ms": round(result.decode_ms, 2), "tok_s": 0.0,
-                        "stop_reason": result.stop_reason, "cache": stats, **final, "reply": result.text,
-                        "prefill_tokens": result.prefill_tokens, "prefill_ms": round(result.prefill_ms, 2),
-                        "ticket": ticket})
-        self.cache.emit(stats)
 
-    def _rebuild(self, history: list, reserve: str = "", tag: dict | None = None) -> bool:
-        """Clears the cache and prefills the recent part of `history` that fits; says if it worked.
-
-        `tag` ({"ticket", "switch"}) goes into the events so the GUI can tell which request they answer."""
-        tag = tag or {"ticket": -1, "switch": -1}
-        session = self._session
-        if session is None:
-            return False
-        engine, tokenizer = session.engine, session.tokenizer
-        try:
-            budget = engine.settings.capacity - (len(tokenizer.encode_text(reserve)) + 8 if reserve else 0)
-            fitted = fit_history(tokenizer, self._chat_settings.system_prompt, list(history), max(0, budget))
-            self._first = fitted.first
-            event = session.resume(fitted.messages, fitted.ids)
-            if fitted.ids:
-                self.prefill.emit({**event.to_dict(), "kind": "rebuild", **tag})
-        except Exception as e:
-            log.exception("rebuilding the cache failed")
-            session.reset()
-            self.error.emit("rebuild", f"Could not restore the chat into the model's cache: {e}")
-            self.cache.emit(engine.stats.to_dict())
-            return False
-        self._forward_context(session.context(), tag)
-        self.cache.emit(engine.stats.to_dict())
-        return True
-
-    def _forward_context(self, context: Context, tag: dict) -> None:
-        """The session's message spans in the GUI's numbering: its history has no system message, and the
-        session holds the part from `_first` on (what the last rebuild kept)."""
-        session = self._session
-        skip = 1 if session is not None and session.messages and session.messages[0].get("role") == "system" else 0
-        first = self._first + context.dropped
-        spans = [list(span) for span in context.spans[skip:]]
-        left = [first + i - skip for i in context.left if i >= skip]
-        self.context.emit({"first": first, "spans": spans, "left": left, **tag})
-
-    def _rebuild_quietly(self, history: list[dict]) -> None:
-        rest = history[1:] if history and history[0].get("role") == "system" else history
-        try:
-            self._rebuild(rest)
-        except Exception:  # already reported by _rebuild
-            pass
+    def _forward(self, event: Event, origin: Origin) -> None:
+        self._signals[type(event)].emit(event, origin)
 
 
 def _chat_settings(chat: dict, defaults: ChatDefaults | None) -> ChatSettings:
@@ -269,8 +226,8 @@ class EngineHost(QObject):
     _load = Signal(int, str, object, object)
     _configure = Signal(object)
     _send = Signal(int, str)
-    _regenerate = Signal(int, object, str)
-    _edit_resend = Signal(int, object, str)
+    _regenerate = Signal(int)
+    _edit_resend = Signal(int, str)
     _switch = Signal(int, object)
     _ping = Signal(int)
     _shutdown = Signal()
@@ -318,14 +275,16 @@ class EngineHost(QObject):
         self._send.emit(self._tickets, text)
         return self._tickets
 
-    def regenerate(self, history: list[dict], user_text: str) -> int:
+    def regenerate(self) -> int:
+        """Answers the last user message again (the engine's session holds the conversation)."""
         self._tickets += 1
-        self._regenerate.emit(self._tickets, history, user_text)
+        self._regenerate.emit(self._tickets)
         return self._tickets
 
-    def edit_resend(self, history: list[dict], new_text: str) -> int:
+    def edit_resend(self, new_text: str) -> int:
+        """Replaces the last user message (and its reply) with `new_text` and answers it."""
         self._tickets += 1
-        self._edit_resend.emit(self._tickets, history, new_text)
+        self._edit_resend.emit(self._tickets, new_text)
         return self._tickets
 
     @property

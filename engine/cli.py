@@ -9,7 +9,10 @@ from typing import Callable, Sequence
 
 from .config import DEVICES, DTYPES, PIN_SLOTS, TARGET_CPUS, BuildSettings
 from .errors import EddyError
-from .events import Context, Done, Error, Event, PrefillProgress, Token
+from .events import Done, Error, Event, Prefill, PrefillProgress, Token
+
+# What --json prints: DESIGN.md's lines (the other events are for live displays).
+JSON_LINES = (Prefill, Token, Done, Error)
 from .run.generation import EDDY_CHAT_DEFAULTS
 from .run.sampling import SamplingParams
 
@@ -170,7 +173,7 @@ def _chat(args: argparse.Namespace) -> int:
 
     def on_event(event: Event) -> None:
         if args.json:
-            if not isinstance(event, (Context, PrefillProgress)):  # DESIGN.md's lines: prefill, token, done, error
+            if isinstance(event, JSON_LINES):
                 print(event.to_json(), flush=True)
         elif isinstance(event, PrefillProgress):
             end = "\n" if event.done == event.total else ""
@@ -191,7 +194,7 @@ def _chat(args: argparse.Namespace) -> int:
 
         def work() -> None:
             try:
-                session.send(text, on_event)
+                session.answer(text, on_event)
             except BaseException as e:  # re-raised on the main thread
                 failure.append(e)
 

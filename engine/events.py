@@ -41,7 +41,7 @@ class _Event:
 
 @dataclass(frozen=True)
 class Prefill(_Event):
-    """New tokens were written to the cache (a turn's prompt, or a rebuild when `rebuild`)."""
+    """New tokens were written to the cache: a turn's prompt, or a whole chat put back (ChatSession.resume)."""
     kind: ClassVar[str] = "prefill"
     new_tokens: int
     ms: float
@@ -74,18 +74,35 @@ class Done(_Event):
 
 
 @dataclass(frozen=True)
-class Context(_Event):
-    """Where each of the session's messages sits in the token stream, after a prefill.
+class DecodeProgress(_Event):
+    """A reply is being written: `tokens` so far at `tok_s` (sent a few times a second, for live displays)."""
+    kind: ClassVar[str] = "decode_progress"
+    tokens: int
+    tok_s: float
 
-    `spans[i]` is message i's [start, end) position (the session's messages, system message first if any);
-    `left` lists those that have left the window (every one of their tokens past the sinks was evicted);
-    `dropped` counts the leading messages a rebuild let go since the session was reset or resumed (the
-    session's message i is the conversation's message dropped + i, after the system message).
+
+@dataclass(frozen=True)
+class Context(_Event):
+    """Where the conversation sits in the cache, after every prefill and reply.
+
+    Messages are numbered in the conversation, the system prompt apart (it is `system`, a span; (0, 0) when
+    there is none). `first` is the first message the cache was filled from: a rebuild keeps the recent ones
+    that fit, and those before `first` are not in it. `spans[i]` is message first + i's [start, end) position
+    in the token stream; `left` lists the messages that have left the window (every one of their tokens past
+    the sinks evicted); `cut` is the one the eviction horizon falls inside (-1: none).
     """
     kind: ClassVar[str] = "context"
+    first: int
     spans: tuple[tuple[int, int], ...]
     left: tuple[int, ...]
-    dropped: int = 0
+    cut: int
+    system: tuple[int, int]
+    cache: CacheStats
+
+    @property
+    def forgotten(self) -> int:
+        """How many leading messages the model no longer sees: left out of the cache, or left the window."""
+        return max([self.first, *(i + 1 for i in self.left)])
 
 
 @dataclass(frozen=True)
@@ -94,4 +111,4 @@ class Error(_Event):
     message: str
 
 
-Event = Prefill | PrefillProgress | Token | Done | Context | Error
+Event = Prefill | PrefillProgress | Token | DecodeProgress | Done | Context | Error

@@ -109,3 +109,13 @@ def transformers_model(cfg: dict, state: dict):
     assert set(missing) <= {"lm_head.weight"} and not unexpected
     model.tie_weights()
     return model
+
+
+# ChatML, but the latest user message is marked wherever it stands: every new turn changes an earlier one, so
+# the session rebuilds the cache on its own each turn, keeping the recent messages that fit the window.
+MARK_LATEST_USER = (
+    "{% set ns = namespace(last=-1) %}{% for m in messages %}{% if m.role == 'user' %}{% set ns.last = loop.index0 %}"
+    "{% endif %}{% endfor %}{% for m in messages %}<|im_start|>{{ m.role }}{% if loop.index0 == ns.last %} (latest)"
+    "{% endif %}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% endif %}"
+)

@@ -61,8 +61,8 @@ def close_window(qtbot, window) -> None:
     assert not window.controller.host.running
 
 
-def send_text(qtbot, window, text: str) -> dict:
-    """Types `text` into the input, presses Enter and waits for the reply to finish; returns the done event."""
+def send_text(qtbot, window, text: str):
+    """Types `text` into the input, presses Enter and waits for the reply to finish; returns its TurnRow."""
     from PySide6.QtCore import Qt
 
     window.compose.setFocus()
@@ -70,3 +70,7 @@ def send_text(qtbot, window, text: str) -> dict:
     with qtbot.waitSignal(window.controller.turn_finished, timeout=TURN_TIMEOUT_MS) as blocker:
         qtbot.keyClick(window.compose, Qt.Key.Key_Return)
     return blocker.args[0]
+
+
+def last_reply(window) -> str:
+    return window.controller.chat.messages[-1].content

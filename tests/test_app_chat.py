@@ -6,7 +6,7 @@ import sqlite3
 
 import pytest
 
-from conftest_app import TURN_TIMEOUT_MS, open_window, send_text, wait_idle, write_settings
+from conftest_app import TURN_TIMEOUT_MS, last_reply, open_window, send_text, wait_idle, write_settings
 
 from PySide6.QtCore import Qt
 from PySide6.QtGui import QKeySequence
@@ -33,20 +33,21 @@ def test_message_streams_and_turn_finishes(qtbot, window):
     tokens = []
     window.controller.chat.changed.connect(lambda i: i == 1 and tokens.append(window.controller.chat.messages[1].content))
     done = send_text(qtbot, window, "Hello there")
+    reply = last_reply(window)
     chat = window.controller.chat
-    assert done["stop_reason"] in ("length", "eos") and done["tokens"] > 0
+    assert done.stop_reason in ("length", "eos") and done.tokens > 0
     # Streamed piece by piece (each update a longer prefix of the reply), then the final text.
-    assert len(tokens) > 2 and tokens[-1] == done["reply"]
-    assert all(done["reply"].startswith(t) for t in tokens) and len(set(tokens)) > 2
+    assert len(tokens) > 2 and tokens[-1] == reply
+    assert all(reply.startswith(t) for t in tokens) and len(set(tokens)) > 2
     assert [m.role for m in chat.messages] == ["user", "assistant"]
-    assert chat.messages[1].content == done["reply"] and not chat.messages[1].streaming
+    assert not chat.messages[1].streaming
     assert window.compose.toPlainText() == ""
-    assert stored(window) == [("user", "Hello there"), ("assistant", done["reply"])]
+    assert stored(window) == [("user", "Hello there"), ("assistant", reply)]
     # The stats panel: one turn, its numbers, and the cache bar.
     assert window.stats.table.model().rowCount() == 1
     row = window.controller.turns.rows[0]
-    assert row.kind == "turn" and row.prefill_tokens > 0 and row.tokens == done["tokens"] and row.tok_s > 0
-    assert window.stats.cache_bar.stats["position"] == done["cache"]["position"] > 0
+    assert row.kind == "turn" and row.prefill_tokens > 0 and row.tokens == done.tokens and row.tok_s > 0
+    assert window.stats.cache_bar.stats.position == done.cache["position"] > 0
     assert "tok/s" in window.stats.rate_value.text()
     assert window.controller.chat.title == "Hello there"
     assert window.controller.conversations.rowCount() == 1
@@ -63,41 +64,42 @@ def test_stop_mid_reply(qtbot, tmp_path, tiny):
     with qtbot.waitSignal(c.turn_finished, timeout=TURN_TIMEOUT_MS) as blocker:
         qtbot.mouseClick(window.stop_button, Qt.MouseButton.LeftButton)
     done = blocker.args[0]
-    assert done["stop_reason"] == "stopped" and done["tokens"] < 4000
+    assert done.stop_reason == "stopped" and done.tokens < 4000
     assert not c.busy and window.send_button.isVisible()
     assert c.chat.messages[-1].meta["stop_reason"] == "stopped"
+    window.chat_view.flush()  # the view renders a changed message on its next tick
     assert "stopped" in window.chat_view.widgets[-1].meta.text()
-    assert stored(window)[-1] == ("assistant", done["reply"])
+    assert stored(window)[-1] == ("assistant", last_reply(window))
     # Esc stops too, and the app keeps working after a stop.
     qtbot.keyClicks(window.compose, "Again")
     qtbot.keyClick(window.compose, Qt.Key.Key_Return)
     qtbot.waitUntil(lambda: len(c.chat.messages[-1].content) > 0, timeout=TURN_TIMEOUT_MS)
     with qtbot.waitSignal(c.turn_finished, timeout=TURN_TIMEOUT_MS) as blocker:
         window.escape()
-    assert blocker.args[0]["stop_reason"] == "stopped"
+    assert blocker.args[0].stop_reason == "stopped"
     assert [m.role for m in c.chat.messages] == ["user", "assistant"] * 2
 
 
 def test_regenerate_replaces_last_reply(qtbot, window):
     c = window.controller
     first = send_text(qtbot, window, "Name a colour")
+    first_reply = last_reply(window)
     assert window.regenerate_button.isEnabled()
     with qtbot.waitSignal(c.turn_finished, timeout=TURN_TIMEOUT_MS) as blocker:
         qtbot.mouseClick(window.regenerate_button, Qt.MouseButton.LeftButton)
     again = blocker.args[0]
-    assert [(m.role, m.content) for m in c.chat.messages] == [("user", "Name a colour"), ("assistant", again["reply"])]
-    assert stored(window) == [("user", "Name a colour"), ("assistant", again["reply"])]
-    # Nothing came before the question, so there was no history to rebuild: the cache was cleared and the
-    # question prefilled again, and greedy decoding gives the same answer.
+    assert [(m.role, m.content) for m in c.chat.messages] == [("user", "Name a colour"), ("assistant", last_reply(window))]
+    assert stored(window) == [("user", "Name a colour"), ("assistant", last_reply(window))]
+    # The cache went back to before the question, which was prefilled again; greedy decoding gives the same answer.
     assert [r.kind for r in c.turns.rows] == ["turn", "turn"]
-    assert again["reply"] == first["reply"]
-    assert again["prefill_tokens"] == first["prefill_tokens"]
+    assert last_reply(window) == first_reply
+    assert again.prefill_tokens == first.prefill_tokens
 
 
 def test_edit_last_message_and_resend(qtbot, window):
     c = window.controller
     send_text(qtbot, window, "First question")
-    second = send_text(qtbot, window, "Second question")
+    send_text(qtbot, window, "Second question")
     qtbot.mouseClick(window.edit_button, Qt.MouseButton.LeftButton)
     assert window.editing and window.compose.toPlainText() == "Second question"
     window.compose.clear()
@@ -106,13 +108,13 @@ def test_edit_last_message_and_resend(qtbot, window):
         qtbot.keyClick(window.compose, Qt.Key.Key_Return)
     done = blocker.args[0]
     assert not window.editing
-    expected = ["First question", c.chat.messages[1].content, "Edited question", done["reply"]]
+    expected = ["First question", c.chat.messages[1].content, "Edited question", last_reply(window)]
     assert [m.content for m in c.chat.messages] == expected
     assert [m for _, m in stored(window)] == expected
-    kinds = [r.kind for r in c.turns.rows]
-    # Two turns, then the rebuild of the history before the edited message, then the edited turn.
-    assert kinds == ["turn", "turn", "rebuild", "turn"]
-    assert c.turns.rows[2].prefill_tokens > 0 and done["prefill_tokens"] <= second["prefill_tokens"] + 2
+    # The engine's session took the edit itself: three turns, the chat never sent back to it.
+    assert [r.kind for r in c.turns.rows] == ["turn", "turn", "turn"] and done.prefill_tokens > 0
+    session = c.host.worker._session
+    assert [m["content"] for m in session.messages[-4:]] == expected
 
 
 def test_eviction_shows_in_cache_bar_and_chat_view(qtbot, window):
@@ -121,9 +123,9 @@ def test_eviction_shows_in_cache_bar_and_chat_view(qtbot, window):
         send_text(qtbot, window, f"Message number {i} in a conversation longer than the window")
     window.chat_view.flush()
     bar = window.stats.cache_bar
-    assert bar.stats["evicted"] > 0 and bar.stats["used"] == bar.stats["capacity"] == 64
-    assert f"{bar.stats['evicted']:,} tokens evicted" in window.stats.cache_label.text()
-    assert f"{bar.stats['evicted']:,} evicted" in bar.summary()
+    assert bar.stats.evicted > 0 and bar.stats.used == bar.stats.capacity == 64
+    assert f"{bar.stats.evicted:,} tokens evicted" in window.stats.cache_label.text()
+    assert f"{bar.stats.evicted:,} evicted" in bar.summary()
     forgotten = c.chat.forgotten()
     assert 0 < forgotten < len(c.chat.messages)
     assert window.chat_view.marker_index() == forgotten and window.chat_view.marker.isVisible()
@@ -135,7 +137,7 @@ def test_eviction_shows_in_cache_bar_and_chat_view(qtbot, window):
     assert window.chat_view.widgets[0].forgotten and not window.chat_view.widgets[-1].forgotten
     assert "out of the model's window" in window.chat_view.widgets[0].meta.text()
     # Per-message spans agree with the engine's positions: the last reply ends where the cache is.
-    assert c.chat.messages[-1].span[1] == bar.stats["position"]
+    assert c.chat.messages[-1].span[1] == bar.stats.position
     assert window.stats.table.model().rowCount() == 4 and window.stats.chart.model.rows[-1].kind == "turn"
 
 
@@ -143,7 +145,8 @@ def test_chats_survive_a_restart_and_rebuild_the_cache(qtbot, tmp_path, tiny):
     data = tmp_path / "data"
     write_settings(data)
     first = open_window(qtbot, data)
-    done = send_text(qtbot, first, "Remember this")
+    send_text(qtbot, first, "Remember this")
+    reply = last_reply(first)
     conv_id = first.controller.chat.conversation_id
     with qtbot.waitSignal(first.closed, timeout=TURN_TIMEOUT_MS):
         first.close()
@@ -151,16 +154,16 @@ def test_chats_survive_a_restart_and_rebuild_the_cache(qtbot, tmp_path, tiny):
     second = open_window(qtbot, data)
     c = second.controller
     assert c.chat.conversation_id == conv_id and c.chat.title == "Remember this"
-    assert [(m.role, m.content) for m in c.chat.messages] == [("user", "Remember this"), ("assistant", done["reply"])]
+    assert [(m.role, m.content) for m in c.chat.messages] == [("user", "Remember this"), ("assistant", reply)]
     wait_idle(qtbot, second)
     # Opening the chat rebuilt the cache from it: a ↻ entry with its prefill time, after the stored turn.
     kinds = [r.kind for r in c.turns.rows]
     assert kinds == ["turn", "rebuild"], kinds
     assert c.turns.rows[-1].prefill_tokens > 0 and c.turns.rows[-1].prefill_ms > 0
-    assert second.stats.cache_bar.stats["position"] == c.turns.rows[-1].prefill_tokens
+    assert second.stats.cache_bar.stats.position == c.turns.rows[-1].prefill_tokens
     assert all(m.span is not None for m in c.chat.messages), [(m.span, m.content) for m in c.chat.messages]
     more = send_text(qtbot, second, "And now?")
-    assert more["prefill_tokens"] < c.turns.rows[1].prefill_tokens  # only the new turn is prefilled
+    assert more.prefill_tokens < c.turns.rows[1].prefill_tokens  # only the new turn is prefilled
 
 
 def test_new_chat_switch_filter_rename_delete(qtbot, window):
@@ -196,7 +199,7 @@ def test_new_chat_switch_filter_rename_delete(qtbot, window):
 def test_copy_and_export(qtbot, window, tmp_path):
     from PySide6.QtGui import QGuiApplication
 
-    done = send_text(qtbot, window, "Export me")
+    send_text(qtbot, window, "Export me")
     qtbot.mouseClick(window.copy_chat_button, Qt.MouseButton.LeftButton)
     assert "Export me" in QGuiApplication.clipboard().text()
     window.chat_view.widgets[0].copy.click()
@@ -205,7 +208,7 @@ def test_copy_and_export(qtbot, window, tmp_path):
     window.controller.export_chat(tmp_path / "chat.json", "json")
     assert "Export me" in (tmp_path / "chat.md").read_text()
     doc = json.loads((tmp_path / "chat.json").read_text())
-    assert doc["messages"][1]["content"] == done["reply"] and doc["turns"][0]["kind"] == "turn"
+    assert doc["messages"][1]["content"] == last_reply(window) and doc["turns"][0]["kind"] == "turn"
 
 
 def fill_database(conn: sqlite3.Connection) -> int:
@@ -232,13 +235,13 @@ def test_disk_full_keeps_the_chat_and_saves_later(qtbot, window):
     done = send_text(qtbot, window, "After the disk filled up")
     assert window.notice.isVisible() and window.notice.level == "error"
     assert "disk is full" in window.notice.label.text() and window.notice.button.text() == "Save now"
-    assert len(c.chat.messages) == 4 and c.chat.messages[3].content == done["reply"]  # nothing lost in memory
+    assert len(c.chat.messages) == 4 and c.chat.messages[3].content and done.tokens  # nothing lost in memory
     assert len(stored(window)) == 2
     assert not c.retry_saves()  # still full
     c.store.conn.execute("PRAGMA max_page_count=1073741823")
     c.store.conn.execute("DELETE FROM conversations WHERE id=?", (filler,))
     qtbot.mouseClick(window.notice.button, Qt.MouseButton.LeftButton)  # "Save now"
-    assert not c._unsaved and window.notice.level == "info" and "saved again" in window.notice.label.text()
+    assert not c.saves.pending and window.notice.level == "info" and "saved again" in window.notice.label.text()
     assert [m for _, m in stored(window)] == [m.content for m in c.chat.messages]
     send_text(qtbot, window, "Saved again")  # and saving one message at a time works again
     assert len(stored(window)) == 6
@@ -246,16 +249,16 @@ def test_disk_full_keeps_the_chat_and_saves_later(qtbot, window):
 
 def test_message_longer_than_the_window_streams_through_it(qtbot, window):
     c = window.controller
-    cached: list[dict] = []
+    cached: list = []
     c.cache_changed.connect(cached.append)
     text = "word " * 200  # far more than the 60-token window
     done = send_text(qtbot, window, text)
-    assert done["tokens"] > 0 and done["prefill_tokens"] > 200 and done["cache"]["evicted"] > 100
+    assert done.tokens > 0 and done.prefill_tokens > 200 and done.cache["evicted"] > 100
     # The cache bar moved while the message streamed in, before the reply.
-    assert len({e["position"] for e in cached}) > 3
+    assert len({e.position for e in cached}) > 3
     assert [(m.role, m.content.strip()) for m in c.chat.messages][0] == ("user", text.strip())
     assert c.store.messages(c.chat.conversation_id)[0].content.strip() == text.strip()
-    assert send_text(qtbot, window, "short")["tokens"] > 0  # and the chat goes on
+    assert send_text(qtbot, window, "short").tokens > 0  # and the chat goes on
 
 
 def test_model_that_cannot_load_leaves_the_app_usable(qtbot, tmp_path):
@@ -324,7 +327,7 @@ def test_settings_dialog_applies_generation_settings_without_a_rebuild(qtbot, wi
     # A new system prompt means a new beginning of the chat: the cache was rebuilt with it.
     assert c.turns.rows[-1].kind == "rebuild"
     done = send_text(qtbot, window, "And again")
-    assert done["tokens"] <= 7
+    assert done.tokens <= 7
     session = c.host.worker._session
     assert session.messages[0] == {"role": "system", "content": "You are Eddy. Be brief."}
     assert session.settings.sampling.top_p == 0.9
@@ -363,18 +366,8 @@ def test_settings_dialog_shows_the_models_defaults_and_resets_to_them(qtbot):
     assert not dialog.reset_sampling.isEnabled() and not rows["top_k"].font().bold()
 
 
-# ChatML, but the latest user message is marked wherever it stands: every new turn changes an earlier one, so
-# the session rebuilds the cache on its own each turn, keeping the recent messages that fit the window.
-MARK_LATEST_USER = (
-    "{% set ns = namespace(last=-1) %}{% for m in messages %}{% if m.role == 'user' %}{% set ns.last = loop.index0 %}"
-    "{% endif %}{% endfor %}{% for m in messages %}<|im_start|>{{ m.role }}{% if loop.index0 == ns.last %} (latest)"
-    "{% endif %}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
-    "{% endif %}"
-)
-
-
 def test_a_rebuild_inside_the_session_moves_the_marker_to_the_right_message(qtbot, tmp_path, tiny, tiny_reference):
-    from conftest import transformers_model
+    from conftest import MARK_LATEST_USER, transformers_model
 
     folder = tmp_path / "latest-marking-model"
     transformers_model(*tiny_reference).save_pretrained(folder, safe_serialization=True)

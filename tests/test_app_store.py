@@ -12,7 +12,6 @@ import pytest
 import conftest_app  # noqa: F401  (headless Qt platform; skips without PySide6)
 
 import app.store as store_module
-from app.history import fit_history
 from app.settings import AppSettings, load_settings, save_settings
 from app.store import DB_FILE, Store, StoreError, TurnRow
 from app.transcript import to_json, to_markdown
@@ -378,23 +377,6 @@ def test_a_users_value_stays_theirs_when_the_model_changes(tmp_path):
     # A value set to zero is still a choice (0 = off), stored and kept.
     save_settings(tmp_path, AppSettings(min_p=0.0))
     assert load_settings(tmp_path).min_p == 0.0
-
-
-def test_fit_history_keeps_recent_messages_that_fit(tiny):
-    tok = tiny.tokenizer
-    history = []
-    for i in range(12):
-        history += [{"role": "user", "content": f"question number {i} about something"},
-                    {"role": "assistant", "content": f"answer number {i}, with a few more words in it"}]
-    fitted = fit_history(tok, "You are terse.", history, budget=60)
-    assert 0 < fitted.first < len(history) and history[fitted.first]["role"] == "user"
-    assert fitted.messages[0] == {"role": "system", "content": "You are terse."}
-    assert fitted.messages[1:] == history[fitted.first:]
-    assert len(fitted.ids) <= 60 and fitted.ids == tok.encode_chat(fitted.messages, add_generation_prompt=False)
-    everything = fit_history(tok, None, history[:2], budget=1000)
-    assert everything.first == 0 and everything.messages == history[:2]
-    nothing = fit_history(tok, None, [{"role": "user", "content": "word " * 200}], budget=50)
-    assert nothing.first == 1 and nothing.ids == [] and nothing.messages == []
 
 
 def test_app_modules_do_not_import_torch():

@@ -214,7 +214,7 @@ def test_damaged_entry_is_rebuilt(tiny, private_cache):
     read_manifest(built)
     assert (built / "module.vmfb").stat().st_size > 100_000  # not the 1000-byte stub it was cut to
     m = open_folder(built)
-    assert m.chat(ChatSettings(max_new_tokens=3)).send("hello").tokens > 0
+    assert m.chat(ChatSettings(max_new_tokens=3)).answer("hello").tokens > 0
     assert not list(built.parent.glob("*.building-*")), "a staging folder was left behind"
 
 

@@ -106,7 +106,7 @@ def turn(session: ChatSession, rec: Recorder, text: str, stop_after: int | None 
     rec.decoded = []
     start = time.perf_counter()
     try:
-        result = session.send(text, on_event)
+        result = session.answer(text, on_event)
     except PromptTooLongError as e:
         assert "window holds" in str(e)
         assert (session.messages, rec.engine.position, rec.engine.mirror()) == before, "a refused turn changed state"
@@ -183,7 +183,7 @@ def test_100k_character_prompts_stream_through_the_window_and_lose_nothing(tiny,
                 if len(progress) == 3:
                     session.stop()
 
-        assert session.send(text, on_event).stop_reason == "stopped" and len(progress) == 3
+        assert session.answer(text, on_event).stop_reason == "stopped" and len(progress) == 3
         rec.check()
     assert turn(session, rec, "still there?") is not None
 

@@ -45,7 +45,7 @@ def test_pinned_system_prompt_stays_after_ten_windows_of_chat(tiny_pinning):
     events: list[dict] = []
     turn = 0
     while session.engine.position < 10 * PIN_SETTINGS.window:
-        session.send(f"Question {turn}: what is the weather like on deck today?", lambda e: events.append(e.to_dict()))
+        session.answer(f"Question {turn}: what is the weather like on deck today?", lambda e: events.append(e.to_dict()))
         turn += 1
     tok = tiny_pinning.tokenizer
     # What every first turn shares: the template's opening and the system prompt.
@@ -69,10 +69,10 @@ def test_a_system_prompt_too_long_to_pin_is_refused_and_nothing_changes(tiny_pin
                           ChatSettings(system_prompt=long_system, pin_system=True))
     session.reset()
     with pytest.raises(PromptTooLongError, match=rf"pins at most {PIN_SETTINGS.sink_slots}.*--max-sinks"):
-        session.send("Hello")
+        session.answer("Hello")
     assert session.messages == [] and session.engine.position == 0
     session.settings.system_prompt = SYSTEM  # shortened, it is pinned
-    assert session.send("Hello").stop_reason in ("eos", "length") and session.engine.pinned > 20
+    assert session.answer("Hello").stop_reason in ("eos", "length") and session.engine.pinned > 20
 
 
 def test_eddy_chat_pin_system_reports_pinned_tokens(tiny_pinning):
@@ -96,8 +96,8 @@ def test_the_cache_bar_shows_the_pinned_slots(qtbot, tmp_path, tiny_pinning):
     for i in range(3):
         send_text(qtbot, window, f"Message {i}, long enough that the chat soon leaves the window behind")
     bar = window.stats.cache_bar
-    assert bar.stats["pinned"] > 20 and bar.stats["sinks"] == bar.stats["pinned"] and bar.stats["evicted"] > 0
-    assert f"system prompt pinned ({bar.stats['pinned']})" in window.stats.cache_label.text()
+    assert bar.stats.pinned > 20 and bar.stats.sinks == bar.stats.pinned and bar.stats.evicted > 0
+    assert f"system prompt pinned ({bar.stats.pinned})" in window.stats.cache_label.text()
     image = bar.grab().toImage()
     y = image.height() // 2
     colours = {image.pixelColor(x, y).name() for x in range(2, int(image.width() * 0.02))}

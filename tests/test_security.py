@@ -156,7 +156,7 @@ def test_hostile_template_in_a_model_is_an_error_in_the_chat_not_a_crash(tiny, s
     session = ChatSession(tiny.engine, evil, ChatSettings(max_new_tokens=2))
     session.reset()
     with pytest.raises(ModelError, match="chat template is unsafe"):
-        session.send("hi")
+        session.answer("hi")
     assert not marker.exists() and session.messages == [] and tiny.engine.position == 0
 
 

@@ -1,5 +1,9 @@
 """A chat over a StreamingEngine: the template, the token-level turn bookkeeping and the generation loop.
 
+The session owns the conversation that is in the cache: `resume` puts a stored chat back (the recent part
+that fits), `answer`, `regenerate` and `edit_last` go on from there, and after every prefill and reply a
+context event says where each message sits and which have left the window. Callers keep no cache arithmetic.
+
 The cache already holds every earlier turn, so a new turn feeds only what the template adds after it:
 the tokens still owed from closing the last reply (e.g. ChatML's "\\n" after "<|im_end|>") and the new
 user message with the generation prompt. The history is never re-tokenised.
@@ -14,13 +18,16 @@ from typing import Callable
 
 import numpy as np
 
-from ..errors import PromptTooLongError
-from ..events import Context, Done, Event, Prefill, PrefillProgress, Token
+from ..errors import EddyError, PromptTooLongError
+from ..events import Context, DecodeProgress, Done, Event, Prefill, PrefillProgress, Token
 from .runtime import StreamingEngine
 from .sampling import Sampler, SamplingParams
 from .tokenizer import Tokenizer, common_prefix, valid_text
 
 EventSink = Callable[[Event], None]
+
+# How often a reply in progress reports its speed (DecodeProgress): often enough for a live figure.
+RATE_EVERY_S = 0.1
 
 
 @dataclass
@@ -41,50 +48,59 @@ class TurnResult:
     stop_reason: str  # "eos" | "length" | "stopped"
 
 
+def _ignore(_event: Event) -> None:
+    pass
+
+
 class ChatSession:
     def __init__(self, engine: StreamingEngine, tokenizer: Tokenizer, settings: ChatSettings | None = None) -> None:
         self.engine, self.tokenizer = engine, tokenizer
         self.settings = settings or ChatSettings()
+        # What the cache was filled from: the system message (if any), then the conversation from `dropped` on.
         self.messages: list[dict] = []
         self.spans: list[tuple[int, int]] = []  # each message's [start, end) positions in the token stream
-        self.dropped = 0  # leading messages let go since the last reset/resume, to fit a rebuild in the window
+        self.dropped = 0  # leading conversation messages left out of the cache: a rebuild kept those that fit
         self._owed: list[int] = []  # template tokens that close the last turn, fed with the next one
-        self._partial = False  # a prefill was stopped part-way: the cache does not hold the last message whole
+        # The cache does not hold a rendering of `messages` (a prefill stopped part-way, a turn that failed, a
+        # rewind past what the cache still has): the next turn rebuilds it.
+        self._stale = False
         self.stop_flag = threading.Event()
 
-    # --- conversation state --------------------------------------------------------------------------------
+    # --- the conversation ----------------------------------------------------------------------------------
 
-    def reset(self, messages: list[dict] | None = None) -> None:
-        """Starts over (the cache is cleared); `messages` becomes the history to resume from."""
+    def reset(self) -> None:
+        """Starts a new, empty conversation (the cache is cleared)."""
         self.engine.reset()
-        self.messages = list(messages or [])
-        self.spans = []
+        self.messages, self.spans, self._owed = [], [], []
         self.dropped = 0
-        self._owed = []
-        self._partial = False
+        self._stale = False
 
-    def resume(self, messages: list[dict], ids: list[int] | None = None,
-               on_event: EventSink | None = None) -> Prefill:
-        """Starts over from `messages` (a stored chat's recent part, system message first if any): the cache is
-        cleared and refilled with their rendering (`ids` when the caller has it), the system prompt pinned when
-        that is set. Returns the prefill event; a context event follows it. Nothing changes if it is refused
-        (PromptTooLongError)."""
-        messages = list(messages)
-        if ids is None:
-            ids = self.tokenizer.encode_chat(messages, add_generation_prompt=False) if messages else []
-        pinned = self._pinned_tokens(messages, ids)
-        spans = self._rendered_spans(messages) if ids else []
-        self.reset(messages)
+    def resume(self, history: list[dict], on_event: EventSink | None = None) -> Prefill:
+        """Starts over from a stored chat: `history` is its conversation (user and assistant messages; the
+        system prompt comes from the settings). The cache is cleared and filled with the most recent messages
+        that fit the window, from a user message on, the system prompt first (pinned when that is set); a
+        prefill event and a context event follow. Refused (PromptTooLongError) before anything changes."""
+        emit = on_event or _ignore
+        self.stop_flag.clear()
+        conversation = [{"role": m["role"], "content": valid_text(m["content"])} for m in history]
+        chat = [*self._opening(), *conversation]
+        probe = self._pin_probe(chat)
+        messages, ids, dropped = self._fit(chat, None, len(probe)) if chat else ([], [], 0)
+        pinned = self._pinned(probe, ids)
+        self.reset()
         self.engine.pin(pinned)
+        self.messages, self.dropped = messages, dropped
+        self.spans = self._rendered_spans(messages) if ids else []
         start = time.perf_counter()
-        if ids:
-            self.engine.prefill(ids)
-        ms = (time.perf_counter() - start) * 1e3
-        self.spans = spans
-        event = Prefill(len(ids), round(ms, 2), self.engine.stats)
-        if on_event:
-            on_event(event)
-            on_event(self.context())
+        try:
+            if ids and self._prefill(ids, emit) is None:
+                self._stale = True  # stopped part-way: the next turn starts again
+        except BaseException:
+            self._stale = True
+            raise
+        event = Prefill(self.engine.position, round((time.perf_counter() - start) * 1e3, 2), self.engine.stats)
+        emit(event)
+        emit(self.context())
         return event
 
     def context(self) -> Context:
@@ -92,19 +108,31 @@ class ChatSession:
         evicted (a message wholly inside the sinks, such as a pinned system prompt, never leaves)."""
         stats = self.engine.stats
         horizon = stats.sinks + stats.evicted
-        gone = tuple(i for i, (start, end) in enumerate(self.spans)
+        head = self._head()
+        spans = tuple(self.spans[head:])
+        left = tuple(self.dropped + i for i, (_, end) in enumerate(spans)
                      if stats.evicted and stats.sinks < end <= horizon)
-        return Context(tuple(self.spans), gone, self.dropped)
+        cut = next((self.dropped + i for i, (begin, end) in enumerate(spans)
+                    if stats.evicted and begin < horizon < end), -1)
+        system = self.spans[0] if head and self.spans else (0, 0)
+        return Context(self.dropped, spans, left, cut, tuple(system), stats)
 
-    def _fit(self, history: list[dict], user: dict, pinned: int) -> tuple[list[dict], list[int], int]:
-        """The most recent part of `history` that fits the window with `user` after it, starting at a user
-        message, the system message kept: (messages, their ids with `user`'s turn, messages dropped). A binary
-        search over where to start: each try renders the chat once. The new message alone may still not fit."""
-        head = 1 if history and history[0].get("role") == "system" else 0
-        starts = [i for i in range(head, len(history)) if history[i].get("role") == "user"] + [len(history)]
+    def _head(self) -> int:
+        return 1 if self.messages and self.messages[0].get("role") == "system" else 0
+
+    def _fit(self, chat: list[dict], user: dict | None, pinned: int) -> tuple[list[dict], list[int], int]:
+        """The most recent part of `chat` that fits the window (with `user`'s turn after it, if given),
+        starting at a user message, the system message kept: (messages, their ids, messages dropped). A binary
+        search over where to start: each try renders the chat once. When not even the last user message fits,
+        it is kept anyway and streams through the window."""
+        head = 1 if chat and chat[0].get("role") == "system" else 0
+        starts = [i for i in range(head, len(chat)) if chat[i].get("role") == "user"]
+        if user is not None or not starts:
+            starts.append(len(chat))
+        tail = [user] if user is not None else []
 
         def render(i: int) -> list[int]:
-            return self.tokenizer.encode_chat([*history[:head], *history[i:], user], add_generation_prompt=True)
+            return self.tokenizer.encode_chat([*chat[:head], *chat[i:], *tail], add_generation_prompt=user is not None)
 
         room = self.engine.settings.window + pinned
         lo, hi = 0, len(starts) - 1  # the earliest start that fits lies in starts[lo..hi]
@@ -116,11 +144,11 @@ class ChatSession:
                 hi, best = mid, ids
             else:
                 lo = mid + 1
-        return [*history[:head], *history[starts[hi]:]], best, starts[hi] - head
+        return [*chat[:head], *chat[starts[hi]:]], best, starts[hi] - head
 
     def _rendered_spans(self, messages: list[dict]) -> list[tuple[int, int]]:
         """Each message's span in a fresh rendering of `messages`: from the end of the chat rendered before it
-        to the end of the one including it. A rebuild's cost: it renders every prefix once."""
+        to the end of the one including it. It renders every prefix once, but only of what fits the window."""
         spans, begin = [], 0
         for j in range(len(messages)):
             end = max(begin, len(self.tokenizer.encode_chat(messages[: j + 1], add_generation_prompt=False)))
@@ -132,86 +160,125 @@ class ChatSession:
         system = self.settings.system_prompt
         return [{"role": "system", "content": valid_text(system)}] if system else []
 
-    def _turn_tokens(self, history: list[dict], user_text: str) -> tuple[list[int], bool]:
-        """The ids this turn feeds, and whether the cache must be cleared first (nothing is changed here)."""
-        user = {"role": "user", "content": user_text}
-        if self._partial:  # what the cache holds is not a rendering of the history: start again
+    def _turn_tokens(self, history: list[dict], user: dict) -> tuple[list[int], bool]:
+        """The ids this turn feeds, and whether they start a fresh cache (nothing is changed here)."""
+        if self._stale or self.engine.position == 0:
             return self.tokenizer.encode_chat([*history, user], add_generation_prompt=True), True
-        if self.engine.position == 0:
-            # A fresh cache (or one rebuilt for a restored chat): render everything so far.
-            return self.tokenizer.encode_chat([*history, user], add_generation_prompt=True), False
         delta = self.tokenizer.chat_delta(history, [user], add_generation_prompt=True)
         if delta is None:  # a template whose earlier turns change as the chat grows: rebuild from scratch
             return self.tokenizer.encode_chat([*history, user], add_generation_prompt=True), True
         return self._owed + delta, False
 
-    def _pinned_tokens(self, history: list[dict], ids: list[int]) -> int:
-        """How many of a fresh cache's first tokens hold the system prompt, when it is to be pinned: the tokens
-        every first turn shares (probed with two different user messages, so a template that writes the system
-        prompt inside the first user turn pins just its part), as far as this turn's tokens agree."""
-        if not (self.settings.pin_system and history and history[0].get("role") == "system"):
-            return 0
-        probes = [self.tokenizer.encode_chat([history[0], {"role": "user", "content": text}], add_generation_prompt=True)
+    def _pin_probe(self, chat: list[dict]) -> list[int]:
+        """The tokens every first turn of `chat` begins with, when its system prompt is to be pinned ([] when
+        not): probed with two different user messages, so a template that writes the system prompt inside the
+        first user turn pins just its part."""
+        if not (self.settings.pin_system and chat and chat[0].get("role") == "system"):
+            return []
+        probes = [self.tokenizer.encode_chat([chat[0], {"role": "user", "content": text}], add_generation_prompt=True)
                   for text in ("A", "B")]
-        n = min(common_prefix(probes[0], probes[1]), common_prefix(probes[0], ids))
+        return probes[0][: common_prefix(probes[0], probes[1])]
+
+    def _pinned(self, probe: list[int], ids: list[int]) -> int:
+        """How many of a fresh cache's first tokens (`ids`) hold the pinned system prompt."""
+        n = common_prefix(probe, ids)
         bound = self.engine.settings.sink_slots
         if n > bound:
             raise PromptTooLongError(f"the system prompt takes {n} tokens but the cache pins at most {bound}; "
                                      f"shorten it or rebuild with --max-sinks {n} or more")
         return n
 
-    # --- one turn ------------------------------------------------------------------------------------------
+    # --- turns ---------------------------------------------------------------------------------------------
 
-    def send(self, user_text: str, on_event: EventSink | None = None) -> TurnResult:
+    def answer(self, user_text: str, on_event: EventSink | None = None) -> TurnResult:
         """Answers one user turn, streaming events; returns when the reply ends or the stop flag is set."""
-        emit = on_event or (lambda event: None)
         user_text = valid_text(user_text)  # what is fed is what is kept in the history (and saved)
         self.stop_flag.clear()
+        before = (list(self.messages), list(self.spans), self.dropped, list(self._owed), self._stale)
+        try:
+            return self._answer(user_text, on_event or _ignore)
+        except PromptTooLongError:
+            raise  # refused before anything changed
+        except BaseException:
+            # Half a turn may be in the cache: the conversation stays as it was and the next turn rebuilds it.
+            self.messages, self.spans, self.dropped, self._owed, _ = before
+            self._stale = True
+            raise
+
+    def regenerate(self, on_event: EventSink | None = None) -> TurnResult:
+        """Answers the last user message again, in place of its reply."""
+        m = self.messages
+        if len(m) - self._head() < 2 or m[-1]["role"] != "assistant" or m[-2]["role"] != "user":
+            raise EddyError("there is no reply to regenerate")
+        return self._redo(len(m) - 2, m[-2]["content"], on_event)
+
+    def edit_last(self, text: str, on_event: EventSink | None = None) -> TurnResult:
+        """Replaces the last user message, and everything after it, with `text`, and answers it."""
+        last = next((i for i in range(len(self.messages) - 1, self._head() - 1, -1)
+                     if self.messages[i]["role"] == "user"), None)
+        if last is None:
+            raise EddyError("there is no message to edit")
+        return self._redo(last, text, on_event)
+
+    def _redo(self, i: int, text: str, on_event: EventSink | None) -> TurnResult:
+        """Forgets messages[i:] and answers `text` in their place. The cache goes back to where message i began
+        when nothing it held since has left it (the kept turns are not fed again); otherwise the turn rebuilds."""
+        start = self.spans[i][0]
+        self.messages, self.spans, self._owed = self.messages[:i], self.spans[:i], []
+        if self._stale or start < self.engine.pinned or not self.engine.truncate(start):
+            self._stale = True
+        return self.answer(text, on_event)
+
+    def _answer(self, user_text: str, emit: EventSink) -> TurnResult:
         history = self.messages or self._opening()
-        ids, rebuild = self._turn_tokens(history, user_text)
-        # A refusal (a pinned system prompt past the sink bound) comes before anything changes.
-        fresh = rebuild or self.engine.position == 0
-        pinned = self._pinned_tokens(history, ids) if fresh else 0  # a pinned prompt goes to the sinks
-        room = self.engine.settings.window
-        dropped = 0
-        if fresh and len(ids) - pinned > room:
-            # A rebuild keeps what fits: the most recent messages (older ones would be evicted again at once).
-            history, ids, dropped = self._fit(history, {"role": "user", "content": user_text}, pinned)
-        # A message longer than the window still goes in: it streams through (StreamingLLM evicts as it goes)
-        # and the reply sees its sinks and its most recent `window` tokens.
-        if fresh and self.engine.position:
-            self.engine.reset()
+        user = {"role": "user", "content": user_text}
+        ids, fresh = self._turn_tokens(history, user)
         if fresh:
-            self._owed = []
+            # A refusal (a pinned system prompt past the sink bound) comes before anything changes.
+            probe = self._pin_probe(history)
+            pinned = self._pinned(probe, ids)
+            dropped = 0
+            if len(ids) - pinned > self.engine.settings.window:
+                # A rebuild keeps what fits: the most recent messages (older ones would be evicted again at once).
+                history, ids, dropped = self._fit(history, user, len(probe))
+                pinned = self._pinned(probe, ids)
+            # A message longer than the window still goes in: it streams through (StreamingLLM evicts as it goes)
+            # and the reply sees its sinks and its most recent `window` tokens.
+            if self.engine.position:
+                self.engine.reset()
             self.engine.pin(pinned)
             self.dropped += dropped
             self.spans = self._rendered_spans(history) if history else []  # everything before is rendered anew
-        self.messages = history
-        begin = self.spans[-1][1] if fresh and self.spans else self.engine.position
-        self._partial = False
+            begin = self.spans[-1][1] if self.spans else 0
+        else:
+            if self._owed and self.spans:  # the tokens that close the last reply belong to it
+                first, end = self.spans[-1]
+                self.spans[-1] = (first, end + len(self._owed))
+            begin = self.engine.position + len(self._owed)
+        self.messages, self._owed, self._stale = history, [], False
+        fed_from = self.engine.position
         start = time.perf_counter()
         logits = self._prefill(ids, emit)
         prefill_ms = (time.perf_counter() - start) * 1e3
-        self.messages.append({"role": "user", "content": user_text})
+        self.messages.append(user)
         self.spans.append((begin, self.engine.position))
-        self._owed = []
-        emit(Prefill(self.engine.position - begin if logits is None else len(ids), round(prefill_ms, 2),
-                     self.engine.stats))
+        prefilled = self.engine.position - fed_from
+        emit(Prefill(prefilled, round(prefill_ms, 2), self.engine.stats))
         emit(self.context())
         if logits is None:  # stopped while the message streamed in: no reply, and the next turn rebuilds
-            self._partial = True
+            self._stale = True
             self.messages.append({"role": "assistant", "content": ""})
             self.spans.append((self.engine.position, self.engine.position))
-            emit(Done(0, 0.0, 0.0, "stopped", self.engine.stats))
             emit(self.context())
-            return TurnResult("", 0, self.engine.position - begin, prefill_ms, 0.0, "stopped")
+            emit(Done(0, 0.0, 0.0, "stopped", self.engine.stats))
+            return TurnResult("", 0, prefilled, prefill_ms, 0.0, "stopped")
 
         sampler = Sampler(self.settings.sampling)
         recent: deque[int] = deque(maxlen=max(1, self.settings.sampling.repeat_last_n))
         decoder = self.tokenizer.detokenizer()
         pieces: list[str] = []
         generated, reason = 0, "length"
-        start = time.perf_counter()
+        start = reported = time.perf_counter()
         while generated < self.settings.max_new_tokens:
             if self.stop_flag.is_set():
                 reason = "stopped"
@@ -227,6 +294,10 @@ class ChatSession:
                 pieces.append(text)
                 emit(Token(text))
             logits = self.engine.decode(token)
+            now = time.perf_counter()
+            if now - reported >= RATE_EVERY_S:
+                reported = now
+                emit(DecodeProgress(generated, round(generated / (now - start), 2)))
         tail = decoder.flush()
         if tail:
             pieces.append(tail)
@@ -239,9 +310,9 @@ class ChatSession:
         suffix = self.tokenizer.turn_suffix(self.messages[:-1])
         self._owed = self.tokenizer.encode_template(suffix) if suffix else ([token] if reason == "eos" else [])
         tok_s = generated / (decode_ms / 1e3) if decode_ms > 0 else 0.0
+        emit(self.context())  # before done, which ends the turn for whoever listens
         emit(Done(generated, round(decode_ms, 2), round(tok_s, 2), reason, self.engine.stats))
-        emit(self.context())
-        return TurnResult(reply, generated, len(ids), prefill_ms, decode_ms, reason)
+        return TurnResult(reply, generated, prefilled, prefill_ms, decode_ms, reason)
 
     def _prefill(self, ids: list[int], emit: EventSink) -> np.ndarray | None:
         """Feeds a turn's tokens; the logits after the last, or None if the stop flag ended it part-way. A turn
