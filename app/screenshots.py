@@ -138,7 +138,7 @@ def main_window(out: Path, model: str | None, max_turns: int, grab_after: int, d
         QTimer.singleShot(15 * 60 * 1000, window.close)  # never hang a script
 
     data = Path(tempfile.mkdtemp(prefix="eddy-shot-"))
-    save_settings(data, AppSettings(max_new_tokens=220, seed=1))  # the app's chat defaults, repeatable
+    save_settings(data, AppSettings.of(max_new_tokens=220, seed=1))  # the app's chat defaults, repeatable
     return main(["--data-dir", str(data)] + (["--model", model] if model else []), on_window=drive)
 
 
@@ -184,7 +184,7 @@ def settings(out: Path, model: str | None) -> int:
         window.controller.model_state_changed.connect(ready)
 
     data = Path(tempfile.mkdtemp(prefix="eddy-shot-"))
-    save_settings(data, AppSettings(top_k=20))
+    save_settings(data, AppSettings.of(top_k=20))
     return main(["--data-dir", str(data)] + (["--model", model] if model else []), on_window=drive)
 
 

@@ -1,7 +1,9 @@
-"""The app's settings: one plain dataclass, kept in an INI file in the data folder via QSettings.
+"""The app's settings, kept in an INI file in the data folder via QSettings.
 
-Two groups matter to the rest of the app: the build fields change the compiled module (a rebuild), the
-chat fields only change how the next replies are generated.
+AppSettings is made of the engine's own records rather than copies of their fields: the model, the build
+settings (engine.config.BuildSettings: a change rebuilds the compiled module) and the chat options (how the
+next replies are generated), whose sampling overrides are made from the sampler's table of options. The
+file stays flat, one key per field under the field's own name (sinks, top_k, seed, ...).
 
 Only what the user chose is stored. A sampling field left as None follows the loaded model's defaults
 (engine.run.generation: the checkpoint's recommendation, else Eddy's chat defaults), so changing the model
@@ -10,19 +12,17 @@ default reaches everyone who never touched it.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Callable
 
 from PySide6.QtCore import QSettings
 
-from engine.config import DEVICES, DTYPES, PIN_SLOTS, BuildSettings
-from engine.run.generation import SAMPLING_FIELDS, ChatDefaults, sampling_params
-from engine.run.sampling import SamplingParams
+from engine.config import PIN_SLOTS, BuildSettings
+from engine.run.generation import SAMPLING_FIELDS, ChatDefaults, SamplingOverrides, sampling_params
+from engine.run.sampling import OPTIONS
 from engine.run.session import ChatSettings
 
-# pin_system is also a build field: a pinning build compiles PIN_SLOTS sink slots.
-BUILD_FIELDS = ("model", "sinks", "window", "dtype", "device", "max_chunk", "pin_system")
 SETTINGS_FILE = "settings.ini"
 # 1: every field saved, sampling greedy by default. 2: only the fields the user set.
 SETTINGS_VERSION = 2
@@ -30,65 +30,109 @@ VERSION_KEY = "settings_version"
 
 
 @dataclass(frozen=True)
+class ChatOptions:
+    """How replies are generated. The engine's ChatSettings is made from these once the model's sampling
+    defaults are known (chat_settings; the worker does the same from chat_dict)."""
+
+    system_prompt: str = ""
+    pin_system: bool = ChatSettings.pin_system  # the system prompt stays in the cache as sinks (a build choice too)
+    max_new_tokens: int = ChatSettings.max_new_tokens
+    seed: int = -1  # -1 = a fresh seed every reply (the engine's None)
+    sampling: SamplingOverrides = SamplingOverrides()  # None = the model's default (see engine.run.generation)
+
+
+@dataclass(frozen=True)
 class AppSettings:
     model: str = ""  # "" = the default model; else a built-in name, a .gguf file or a Hugging Face folder
-    sinks: int = BuildSettings.sinks
-    window: int = BuildSettings.window
-    dtype: str = BuildSettings.dtype
-    device: str = BuildSettings.device
-    max_chunk: int = BuildSettings.max_chunk
-    system_prompt: str = ""
-    pin_system: bool = False  # the system prompt stays in the cache as sinks, however long the chat
-    max_new_tokens: int = 512
-    # Sampling: None = the model's default (see engine.run.generation).
-    temperature: float | None = None
-    top_k: int | None = None
-    top_p: float | None = None
-    min_p: float | None = None
-    repeat_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repeat_last_n: int | None = None
-    seed: int = -1  # -1 = a fresh seed every reply
+    build: BuildSettings = BuildSettings()  # its max_sinks is not the app's: pin_system decides it
+    chat: ChatOptions = ChatOptions()
+
+    @classmethod
+    def of(cls, **values: Any) -> "AppSettings":
+        """From flat names, the settings file's keys (window=..., top_k=...); the others take their defaults.
+        Raises TypeError for an unknown name, ValueError for a build value out of range."""
+        out = cls()
+        for name, value in values.items():
+            out = _with(out, name, value)
+        return out
+
+    def flat(self) -> dict[str, Any]:
+        """Every value by its flat name (the settings file's keys)."""
+        return {name: getattr(self._part(where), name) for name, where in _WHERE.items()}
+
+    def _part(self, where: tuple[str, ...]) -> Any:
+        part: Any = self
+        for attr in where:
+            part = getattr(part, attr)
+        return part
+
+    @property
+    def system_prompt(self) -> str:
+        return self.chat.system_prompt
 
     def build_settings(self) -> BuildSettings:
-        return BuildSettings(sinks=self.sinks, window=self.window, dtype=self.dtype, device=self.device,
-                             max_chunk=self.max_chunk, max_sinks=PIN_SLOTS if self.pin_system else 0)
+        return replace(self.build, max_sinks=PIN_SLOTS if self.chat.pin_system else 0)
 
     def sampling_overrides(self) -> dict[str, Any]:
         """The sampling values the user chose (the rest follow the model)."""
-        return {name: getattr(self, name) for name in SAMPLING_FIELDS if getattr(self, name) is not None}
+        return self.chat.sampling.chosen()
 
     def chat_settings(self, defaults: ChatDefaults | None = None) -> ChatSettings:
-        sampling = sampling_params(defaults or ChatDefaults(), self.sampling_overrides(),
-                                   None if self.seed < 0 else self.seed)
-        return ChatSettings(system_prompt=self.system_prompt.strip() or None,
-                            max_new_tokens=self.max_new_tokens, sampling=sampling, pin_system=self.pin_system)
+        c = self.chat
+        seed = None if c.seed < 0 else c.seed
+        sampling = sampling_params(defaults or ChatDefaults(), self.sampling_overrides(), seed)
+        return ChatSettings(system_prompt=c.system_prompt.strip() or None, max_new_tokens=c.max_new_tokens,
+                            sampling=sampling, pin_system=c.pin_system)
 
     def chat_dict(self) -> dict[str, Any]:
         """What the worker needs to make ChatSettings once it knows the model's defaults (plain data: it
         crosses threads in a queued signal)."""
-        return {"system_prompt": self.system_prompt.strip() or None, "pin_system": self.pin_system,
-                "max_new_tokens": self.max_new_tokens,
-                "overrides": self.sampling_overrides(), "seed": None if self.seed < 0 else self.seed}
+        c = self.chat
+        return {"system_prompt": c.system_prompt.strip() or None, "pin_system": c.pin_system,
+                "max_new_tokens": c.max_new_tokens,
+                "overrides": self.sampling_overrides(), "seed": None if c.seed < 0 else c.seed}
 
     def validate(self) -> None:
         """Raises ValueError with a message for the user if any value is out of range."""
         self.build_settings()  # BuildSettings checks its own ranges
         self.chat_settings()   # and so does SamplingParams
-        if self.max_new_tokens < 1:
+        if self.chat.max_new_tokens < 1:
             raise ValueError("max new tokens must be at least 1")
 
     def needs_rebuild(self, other: "AppSettings") -> bool:
-        return any(getattr(self, f) != getattr(other, f) for f in BUILD_FIELDS)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        # build_settings() holds pin_system too, as the sink slots it compiles.
+        return self.model != other.model or self.build_settings() != other.build_settings()
 
     def user_set(self) -> dict[str, Any]:
-        """The fields that differ from a fresh install's: what is stored."""
-        fresh = AppSettings()
-        return {k: v for k, v in self.to_dict().items() if v is not None and v != getattr(fresh, k)}
+        """The values that differ from a fresh install's: what is stored."""
+        fresh = AppSettings().flat()
+        return {k: v for k, v in self.flat().items() if v is not None and v != fresh[k]}
+
+
+def _where() -> dict[str, tuple[str, ...]]:
+    """Each flat name and the attributes that lead to its part of AppSettings."""
+    pairs = [("model", ())]
+    pairs += [(f.name, ("build",)) for f in fields(BuildSettings) if f.name != "max_sinks"]
+    pairs += [(f.name, ("chat",)) for f in fields(ChatOptions) if f.name != "sampling"]
+    pairs += [(name, ("chat", "sampling")) for name in SAMPLING_FIELDS]
+    out = dict(pairs)
+    if len(out) != len(pairs):  # the file is flat: a sampler option named like a build field would share its key
+        raise RuntimeError("two settings share a name in the settings file")
+    return out
+
+
+_WHERE = _where()
+
+
+def _with(settings: Any, name: str, value: Any, where: tuple[str, ...] | None = None) -> Any:
+    """`settings` with the flat-named value replaced, down through the parts that hold it."""
+    if where is None:
+        if name not in _WHERE:
+            raise TypeError(f"unknown setting {name!r}")
+        where = _WHERE[name]
+    if not where:
+        return replace(settings, **{name: value})
+    return replace(settings, **{where[0]: _with(getattr(settings, where[0]), name, value, where[1:])})
 
 
 # What version 1 wrote for a field nobody touched (it saved every field): such a value counts as untouched.
@@ -100,9 +144,9 @@ _V1_DEFAULTS: dict[str, Any] = {
 
 
 def _field_type(name: str) -> Callable[[Any], Any]:
-    if name in SAMPLING_FIELDS:
-        return type(getattr(SamplingParams(), name))
-    kind = type(getattr(AppSettings(), name))
+    if name in OPTIONS:
+        return OPTIONS[name].kind  # the default is None: the type is the option's
+    kind = type(AppSettings().flat()[name])
     return _boolean if kind is bool else kind
 
 
@@ -126,19 +170,17 @@ def load_settings(data_dir: Path) -> AppSettings:
     except (TypeError, ValueError):
         version = 1
     values: dict[str, Any] = {}
-    for f in fields(AppSettings):
-        if not qs.contains(f.name):
+    for name in _WHERE:
+        if not qs.contains(name):
             continue
         try:
-            value = _field_type(f.name)(qs.value(f.name))
+            value = _field_type(name)(qs.value(name))
         except (TypeError, ValueError):
             continue
-        if version < 2 and f.name in _V1_DEFAULTS and value == _V1_DEFAULTS[f.name]:
+        if version < 2 and name in _V1_DEFAULTS and value == _V1_DEFAULTS[name]:
             continue
-        values[f.name] = value
+        values[name] = value
     settings = _valid(values)
-    if settings.dtype not in DTYPES or settings.device not in DEVICES:
-        settings = replace(settings, dtype=AppSettings.dtype, device=AppSettings.device)
     if version < SETTINGS_VERSION and qs.allKeys():
         save_settings(data_dir, settings)
     return settings
@@ -146,7 +188,7 @@ def load_settings(data_dir: Path) -> AppSettings:
 
 def _valid(values: dict[str, Any]) -> AppSettings:
     try:
-        settings = AppSettings(**values)
+        settings = AppSettings.of(**values)
         settings.validate()
         return settings
     except (TypeError, ValueError):
@@ -154,8 +196,8 @@ def _valid(values: dict[str, Any]) -> AppSettings:
     # A hand-edited file with a bad value must not stop the app from starting: fall back field by field.
     good = AppSettings()
     for name, value in values.items():
-        trial = replace(good, **{name: value})
         try:
+            trial = _with(good, name, value)  # a build value is checked here, as BuildSettings is made
             trial.validate()
             good = trial
         except (TypeError, ValueError):
@@ -166,10 +208,10 @@ def _valid(values: dict[str, Any]) -> AppSettings:
 def save_settings(data_dir: Path, settings: AppSettings) -> None:
     qs = QSettings(str(data_dir / SETTINGS_FILE), QSettings.Format.IniFormat)
     chosen = settings.user_set()
-    for f in fields(AppSettings):
-        if f.name in chosen:
-            qs.setValue(f.name, chosen[f.name])
+    for name in _WHERE:
+        if name in chosen:
+            qs.setValue(name, chosen[name])
         else:
-            qs.remove(f.name)
+            qs.remove(name)
     qs.setValue(VERSION_KEY, SETTINGS_VERSION)
     qs.sync()

@@ -6,6 +6,7 @@ field at its default keeps it following the model; "Reset to the model's default
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import (QCheckBox, QComboBox, QDialog, QDialogButtonBox, QDoubleSpinBox, QFileDialog, QFormLayout,
@@ -13,7 +14,8 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDialog, QDialogButtonBox, 
                                QVBoxLayout, QWidget)
 
 from engine.config import DEVICES, DTYPES, PIN_SLOTS
-from engine.run.generation import SAMPLING_FIELDS, ChatDefaults
+from engine.run.generation import ChatDefaults, SamplingOverrides
+from engine.run.sampling import OPTIONS, Option
 
 from .settings import AppSettings
 
@@ -31,13 +33,22 @@ def _spin(lo: int, hi: int, value: int, name: str, special: str | None = None) -
     return box
 
 
-def _dspin(lo: float, hi: float, step: float, value: float, name: str, decimals: int = 2) -> QDoubleSpinBox:
-    box = QDoubleSpinBox()
-    box.setRange(lo, hi)
-    box.setSingleStep(step)
-    box.setDecimals(decimals)
+def _option_box(option: Option, value: Any) -> QSpinBox | QDoubleSpinBox:
+    """A sampler option's row, made from its entry in the sampler's table (engine.run.sampling.OPTIONS)."""
+    box: QSpinBox | QDoubleSpinBox
+    if option.kind is int:
+        box = QSpinBox()
+        box.setRange(int(option.low), int(option.high))
+    else:
+        box = QDoubleSpinBox()
+        box.setDecimals(option.decimals)  # before the range and value, which it rounds
+        box.setRange(option.low, option.high)
+        box.setSingleStep(option.step)
+    if option.off:
+        box.setSpecialValueText(option.off)
     box.setValue(value)
-    box.setAccessibleName(name)
+    box.setAccessibleName(option.label)
+    box.setToolTip(option.help[:1].upper() + option.help[1:])
     return box
 
 
@@ -75,19 +86,20 @@ class SettingsDialog(QDialog):
             note.setWordWrap(True)
             note.setEnabled(False)
             form.addRow("", note)
-        self.sinks = _spin(0, 256, current.sinks, "Attention sinks")
+        build = current.build
+        self.sinks = _spin(0, 256, build.sinks, "Attention sinks")
         self.sinks.setToolTip("Tokens at the start of a conversation the model keeps forever")
-        self.window = _spin(16, 32768, current.window, "Window")
+        self.window = _spin(16, 32768, build.window, "Window")
         self.window.setToolTip("Most recent tokens the model keeps")
         self.dtype = QComboBox()
         self.dtype.addItems(DTYPES)
-        self.dtype.setCurrentText(current.dtype)
+        self.dtype.setCurrentText(build.dtype)
         self.dtype.setAccessibleName("Weight type")
         self.device = QComboBox()
         self.device.addItems(DEVICES)
-        self.device.setCurrentText(current.device)
+        self.device.setCurrentText(build.device)
         self.device.setAccessibleName("Device")
-        self.max_chunk = _spin(1, 4096, current.max_chunk, "Prefill chunk")
+        self.max_chunk = _spin(1, 4096, build.max_chunk, "Prefill chunk")
         self.max_chunk.setToolTip("Longest prefill call of the compiled module")
         form.addRow("Attention sinks", self.sinks)
         form.addRow("Window", self.window)
@@ -107,34 +119,20 @@ class SettingsDialog(QDialog):
         self.defaults_note.setAccessibleName("Defaults in force")
         gen_column.addWidget(self.defaults_note)
         gen_column.addLayout(gen)
-        self.max_new_tokens = _spin(1, 32768, current.max_new_tokens, "Max new tokens")
+        chat = current.chat
+        self.max_new_tokens = _spin(1, 32768, chat.max_new_tokens, "Max new tokens")
+        gen.addRow("Max new tokens", self.max_new_tokens)
+        # One row per sampler option, in the table's order, showing the value in force.
         shown = {**self.defaults.values, **current.sampling_overrides()}
-        self.temperature = _dspin(0.0, 5.0, 0.1, shown["temperature"], "Temperature")
-        self.temperature.setToolTip("0 = greedy (always the most likely token)")
-        self.top_k = _spin(0, 100000, shown["top_k"], "Top-k", special="off")
-        self.top_p = _dspin(0.01, 1.0, 0.05, shown["top_p"], "Top-p")
-        self.min_p = _dspin(0.0, 0.99, 0.01, shown["min_p"], "Min-p", decimals=3)
-        self.min_p.setSpecialValueText("off")
-        self.min_p.setToolTip("Drops tokens less likely than this fraction of the most likely one")
-        self.repeat_penalty = _dspin(0.5, 3.0, 0.05, shown["repeat_penalty"], "Repeat penalty")
-        self.presence_penalty = _dspin(-2.0, 2.0, 0.1, shown["presence_penalty"], "Presence penalty")
-        self.frequency_penalty = _dspin(-2.0, 2.0, 0.1, shown["frequency_penalty"], "Frequency penalty")
-        self.repeat_last_n = _spin(0, 4096, shown["repeat_last_n"], "Repeat window")
-        self.repeat_last_n.setToolTip("How many recent tokens the penalties look at")
-        self.seed = _spin(-1, 2**31 - 1, current.seed, "Seed", special="random")
+        self.sampling: dict[str, QSpinBox | QDoubleSpinBox] = {}
         self._sampling_rows: dict[str, QLabel] = {}
-        for label, w, name in (("Max new tokens", self.max_new_tokens, None),
-                               ("Temperature", self.temperature, "temperature"), ("Top-k", self.top_k, "top_k"),
-                               ("Top-p", self.top_p, "top_p"), ("Min-p", self.min_p, "min_p"),
-                               ("Repeat penalty", self.repeat_penalty, "repeat_penalty"),
-                               ("Presence penalty", self.presence_penalty, "presence_penalty"),
-                               ("Frequency penalty", self.frequency_penalty, "frequency_penalty"),
-                               ("Repeat window", self.repeat_last_n, "repeat_last_n"), ("Seed", self.seed, None)):
-            row_label = QLabel(label)
-            gen.addRow(row_label, w)
-            if name is not None:
-                self._sampling_rows[name] = row_label
-                w.valueChanged.connect(self._mark_own_values)
+        for name, option in OPTIONS.items():
+            box = self.sampling[name] = _option_box(option, shown[name])
+            row_label = self._sampling_rows[name] = QLabel(option.label)
+            gen.addRow(row_label, box)
+            box.valueChanged.connect(self._mark_own_values)
+        self.seed = _spin(-1, 2**31 - 1, chat.seed, "Seed", special="random")
+        gen.addRow("Seed", self.seed)
         self.reset_sampling = QPushButton("Reset to the model's defaults")
         self.reset_sampling.setAccessibleName("Reset to the model's defaults")
         self.reset_sampling.clicked.connect(self._reset_sampling)
@@ -143,7 +141,7 @@ class SettingsDialog(QDialog):
         columns.addWidget(gen_box, 1)
 
         layout.addWidget(QLabel("System prompt"))
-        self.system_prompt = QPlainTextEdit(current.system_prompt)
+        self.system_prompt = QPlainTextEdit(chat.system_prompt)
         self.system_prompt.setAccessibleName("System prompt")
         self.system_prompt.setPlaceholderText("Optional: who the assistant is and how it answers")
         self.system_prompt.setFixedHeight(self.system_prompt.fontMetrics().lineSpacing() * 4 + 12)
@@ -151,7 +149,7 @@ class SettingsDialog(QDialog):
         self.pin_system = QCheckBox("Keep the system prompt in the cache for the whole chat (pinned in the sinks)")
         self.pin_system.setToolTip(f"Its tokens (up to {PIN_SLOTS}) become attention sinks: the assistant never "
                                    f"forgets it, however long the chat. Rebuilds the model once.")
-        self.pin_system.setChecked(current.pin_system)
+        self.pin_system.setChecked(chat.pin_system)
         layout.addWidget(self.pin_system)
 
         self.rebuild_note = QLabel("⚠ These changes rebuild the model: the first time for these settings takes "
@@ -187,21 +185,19 @@ class SettingsDialog(QDialog):
             self.model.setText(path)
 
     def value(self) -> AppSettings:
-        return replace(
-            self.current, model=self.model.text().strip(), sinks=self.sinks.value(), window=self.window.value(),
-            dtype=self.dtype.currentText(), device=self.device.currentText(), max_chunk=self.max_chunk.value(),
-            max_new_tokens=self.max_new_tokens.value(), seed=self.seed.value(),
-            system_prompt=self.system_prompt.toPlainText().strip(), pin_system=self.pin_system.isChecked(),
-            **self._sampling_values())
-
-    def _sampling_widget(self, name: str) -> QSpinBox | QDoubleSpinBox:
-        return getattr(self, name)
+        c = self.current
+        build = replace(c.build, sinks=self.sinks.value(), window=self.window.value(),
+                        dtype=self.dtype.currentText(), device=self.device.currentText(),
+                        max_chunk=self.max_chunk.value())
+        chat = replace(c.chat, max_new_tokens=self.max_new_tokens.value(), seed=self.seed.value(),
+                       system_prompt=self.system_prompt.toPlainText().strip(), pin_system=self.pin_system.isChecked(),
+                       sampling=SamplingOverrides(**self._sampling_values()))
+        return replace(c, model=self.model.text().strip(), build=build, chat=chat)
 
     def _sampling_values(self) -> dict[str, float | int | None]:
         """The user's own values; None where a field shows the model's default (so it keeps following it)."""
         out: dict[str, float | int | None] = {}
-        for name in SAMPLING_FIELDS:
-            w = self._sampling_widget(name)
+        for name, w in self.sampling.items():
             default = self.defaults.values[name]
             if isinstance(w, QDoubleSpinBox):
                 # Compare as shown: a default of 0.8999 sits in a 2-decimal box as 0.90 and is still the default.
@@ -224,8 +220,8 @@ class SettingsDialog(QDialog):
         self.reset_sampling.setEnabled(bool(own))
 
     def _reset_sampling(self) -> None:
-        for name in SAMPLING_FIELDS:
-            self._sampling_widget(name).setValue(self.defaults.values[name])
+        for name, w in self.sampling.items():
+            w.setValue(self.defaults.values[name])
 
     def _changed(self, *_: object) -> None:
         self.rebuild_note.setVisible(self.current.needs_rebuild(self.value()))

@@ -180,7 +180,7 @@ def run(model: str | None, max_new_tokens: int, idle_s: float, paste_words: int,
 
     data = Path(tempfile.mkdtemp(prefix="eddy-guibench-"))
     # Greedy with a repeat penalty, as before the chat defaults existed: figures stay comparable across runs.
-    save_settings(data, AppSettings(max_new_tokens=max_new_tokens, temperature=0.0, repeat_penalty=1.1))
+    save_settings(data, AppSettings.of(max_new_tokens=max_new_tokens, temperature=0.0, repeat_penalty=1.1))
     main(["--data-dir", str(data)] + (["--model", model] if model else []), on_window=drive)
     return result
 

@@ -87,7 +87,7 @@ def loops(text: str, n: int = 4, times: int = 4) -> bool:
 
 def run_config(model, label: str, overrides: dict | None, prompts: list, seeds: list[int], max_new: int) -> dict:
     """One configuration over every prompt and seed; `overrides` None means the app's own defaults."""
-    app = AppSettings(max_new_tokens=max_new)
+    app = AppSettings.of(max_new_tokens=max_new)
     base = app.chat_settings(model.chat_defaults)
     sampling = sampling_params(model.chat_defaults, overrides) if overrides is not None else base.sampling
     # Greedy decoding ignores the seed: one pass stands for every seed.

@@ -14,19 +14,7 @@ from .events import Done, Error, Event, Prefill, PrefillProgress, Token
 # What --json prints: DESIGN.md's lines (the other events are for live displays).
 JSON_LINES = (Prefill, Token, Done, Error)
 from .run.generation import EDDY_CHAT_DEFAULTS
-from .run.sampling import SamplingParams
-
-# (flag, type, help) of the sampling options; each maps to the SamplingParams field of the same name.
-_SAMPLING_FLAGS = (
-    ("--temperature", float, "0 = greedy"),
-    ("--top-k", int, "keep the k most likely tokens, 0 = off"),
-    ("--top-p", float, "keep the smallest set holding this probability, 1 = off"),
-    ("--min-p", float, "drop tokens less likely than this times the most likely one, 0 = off"),
-    ("--repeat-penalty", float, "divide the logits of recent tokens by this, 1 = off"),
-    ("--presence-penalty", float, "subtract this from the logits of recent tokens, 0 = off"),
-    ("--frequency-penalty", float, "subtract this per recent occurrence, 0 = off"),
-    ("--repeat-last-n", int, "how many recent tokens the penalties look at"),
-)
+from .run.sampling import OPTIONS, SamplingParams
 
 
 def _describe(values: dict) -> str:
@@ -86,10 +74,11 @@ def parser() -> argparse.ArgumentParser:
     chat.add_argument("--chat-defaults", action="store_true",
                       help="sample as the desktop app does: the model's recommended settings, else Eddy's chat "
                            f"defaults ({_describe(EDDY_CHAT_DEFAULTS)}); without it, decoding is greedy")
+    # One flag per sampler option, made from its table (engine.run.sampling.OPTIONS): top_k is --top-k.
     s = SamplingParams()
-    for flag, kind, note in _SAMPLING_FLAGS:
-        name = flag[2:].replace("-", "_")
-        chat.add_argument(flag, type=kind, default=None, help=f"{note} (default {getattr(s, name):g})")
+    for name, option in OPTIONS.items():
+        chat.add_argument("--" + name.replace("_", "-"), dest=name, type=option.kind, default=None,
+                          help=f"{option.help} (default {getattr(s, name):g})")
     chat.add_argument("--seed", type=int, default=None)
     chat.add_argument("--json", action="store_true", help="one JSON event per line on stdout")
 
@@ -158,12 +147,10 @@ def _chat(args: argparse.Namespace) -> int:
     from .loader import open_model
     from .run.session import ChatSettings
 
-    from dataclasses import asdict
-
     from .run.generation import ChatDefaults, sampling_params
 
-    given = {flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_")) for flag, _, _ in _SAMPLING_FLAGS}
-    greedy = {k: v for k, v in asdict(SamplingParams()).items() if k != "seed"}
+    given = {name: getattr(args, name) for name in OPTIONS}
+    greedy = {name: getattr(SamplingParams(), name) for name in OPTIONS}
     sampling_params(ChatDefaults(greedy), given, args.seed)  # a bad value fails here, before a long build
     model = open_model(args.model, _settings(args), _progress_printer(args.json))
     base = model.chat_defaults if args.chat_defaults else ChatDefaults(greedy)

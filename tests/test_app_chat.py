@@ -319,7 +319,7 @@ def test_settings_dialog_applies_generation_settings_without_a_rebuild(qtbot, wi
     assert dialog.rebuild_note.isHidden()
     dialog.system_prompt.setPlainText("You are Eddy. Be brief.")
     dialog.max_new_tokens.setValue(7)
-    dialog.top_p.setValue(0.9)
+    dialog.sampling["top_p"].setValue(0.9)
     new = dialog.value()
     c.apply_settings(new)
     assert c.model_state == "ready" and window.progress_dialog is None
@@ -335,7 +335,7 @@ def test_settings_dialog_applies_generation_settings_without_a_rebuild(qtbot, wi
     from engine.run.generation import EDDY_CHAT_DEFAULTS, ChatDefaults
 
     assert c.chat_defaults == ChatDefaults()
-    assert new.min_p is None and session.settings.sampling.min_p == EDDY_CHAT_DEFAULTS["min_p"]
+    assert new.chat.sampling.min_p is None and session.settings.sampling.min_p == EDDY_CHAT_DEFAULTS["min_p"]
     from app.settings import load_settings
 
     assert load_settings(window.data_dir) == new  # kept for the next start
@@ -347,22 +347,23 @@ def test_settings_dialog_shows_the_models_defaults_and_resets_to_them(qtbot):
     from engine.run.generation import chat_defaults
 
     defaults = chat_defaults({"temperature": 0.6, "top_p": 0.9}, "generation_config.json")
-    dialog = SettingsDialog(AppSettings(top_k=5), None, None, defaults)
+    dialog = SettingsDialog(AppSettings.of(top_k=5), None, None, defaults)
     qtbot.addWidget(dialog)
     # Each field shows the value in force: the user's own top-k, the model's temperature, Eddy's min-p.
-    assert (dialog.temperature.value(), dialog.top_p.value(), dialog.top_k.value(), dialog.min_p.value()) == (
+    boxes = dialog.sampling
+    assert (boxes["temperature"].value(), boxes["top_p"].value(), boxes["top_k"].value(), boxes["min_p"].value()) == (
         0.6, 0.9, 5, 0.05)
     assert "generation_config.json" in dialog.defaults_note.text()
     assert dialog.value().sampling_overrides() == {"top_k": 5}
     rows = dialog._sampling_rows
     assert rows["top_k"].font().bold() and not rows["temperature"].font().bold()
-    dialog.temperature.setValue(1.2)
-    assert dialog.value().temperature == 1.2 and rows["temperature"].font().bold()
-    dialog.temperature.setValue(0.6)  # back at the model's value: follows the model again
-    assert dialog.value().temperature is None
+    boxes["temperature"].setValue(1.2)
+    assert dialog.value().chat.sampling.temperature == 1.2 and rows["temperature"].font().bold()
+    boxes["temperature"].setValue(0.6)  # back at the model's value: follows the model again
+    assert dialog.value().chat.sampling.temperature is None
     assert dialog.reset_sampling.isEnabled()
     dialog.reset_sampling.click()
-    assert dialog.value().sampling_overrides() == {} and dialog.top_k.value() == 40
+    assert dialog.value().sampling_overrides() == {} and boxes["top_k"].value() == 40
     assert not dialog.reset_sampling.isEnabled() and not rows["top_k"].font().bold()
 
 

@@ -300,15 +300,16 @@ def test_exports():
 
 
 def test_settings_round_trip_and_bad_values(tmp_path):
-    s = AppSettings(window=60, sinks=4, dtype="f32", temperature=0.7, seed=3, system_prompt="Be brief.")
+    s = AppSettings.of(window=60, sinks=4, dtype="f32", temperature=0.7, seed=3, system_prompt="Be brief.")
     save_settings(tmp_path, s)
     assert load_settings(tmp_path) == s
-    assert s.needs_rebuild(AppSettings(window=61, sinks=4, dtype="f32")) and not s.needs_rebuild(
-        AppSettings(window=60, sinks=4, dtype="f32", temperature=0.1))
+    assert s.needs_rebuild(AppSettings.of(window=61, sinks=4, dtype="f32")) and not s.needs_rebuild(
+        AppSettings.of(window=60, sinks=4, dtype="f32", temperature=0.1))
     (tmp_path / "settings.ini").write_text("[General]\nwindow=-5\ndtype=f99\ntop_p=7\ntemperature=abc\nsinks=8\n")
     loaded = load_settings(tmp_path)  # bad values fall back to defaults, good ones are kept
     defaults = BuildSettings()
-    assert (loaded.window, loaded.dtype, loaded.top_p, loaded.temperature, loaded.sinks) == (
+    build, sampling = loaded.build, loaded.chat.sampling
+    assert (build.window, build.dtype, sampling.top_p, sampling.temperature, build.sinks) == (
         defaults.window, defaults.dtype, None, None, 8)
 
 
@@ -342,8 +343,9 @@ def test_version_1_settings_migrate_keeping_what_the_user_chose(tmp_path):
     (tmp_path / "settings.ini").write_text(V1_FILE.format(window=252, temperature=0.9))
     s = load_settings(tmp_path)
     # Chosen (different from version 1's defaults): kept. At the old greedy default: follows the model now.
-    assert (s.window, s.temperature) == (252, 0.9)
-    assert (s.top_k, s.top_p, s.repeat_penalty, s.repeat_last_n, s.min_p) == (None,) * 5
+    assert (s.build.window, s.chat.sampling.temperature) == (252, 0.9)
+    o = s.chat.sampling
+    assert (o.top_k, o.top_p, o.repeat_penalty, o.repeat_last_n, o.min_p) == (None,) * 5
     sampling = s.chat_settings().sampling
     assert (sampling.temperature, sampling.top_k, sampling.repeat_penalty) == (
         0.9, EDDY_CHAT_DEFAULTS["top_k"], EDDY_CHAT_DEFAULTS["repeat_penalty"])
@@ -368,15 +370,15 @@ def test_a_users_value_stays_theirs_when_the_model_changes(tmp_path):
 
     qwen_like = chat_defaults({"temperature": 0.7, "top_p": 0.8, "top_k": 20}, "generation_config.json")
     llama_like = chat_defaults({"temperature": 0.6, "top_p": 0.9}, "generation_config.json")
-    s = AppSettings(top_k=5)
+    s = AppSettings.of(top_k=5)
     save_settings(tmp_path, s)
     s = load_settings(tmp_path)
     a, b = s.chat_settings(qwen_like).sampling, s.chat_settings(llama_like).sampling
     assert a.top_k == b.top_k == 5  # the user's
     assert (a.temperature, a.top_p, b.temperature, b.top_p) == (0.7, 0.8, 0.6, 0.9)  # the model's
     # A value set to zero is still a choice (0 = off), stored and kept.
-    save_settings(tmp_path, AppSettings(min_p=0.0))
-    assert load_settings(tmp_path).min_p == 0.0
+    save_settings(tmp_path, AppSettings.of(min_p=0.0))
+    assert load_settings(tmp_path).chat.sampling.min_p == 0.0
 
 
 def test_app_modules_do_not_import_torch():

@@ -12,23 +12,35 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, make_dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from .sampling import SamplingParams
+from .sampling import OPTIONS, SamplingParams
 
 # The fields a model's defaults decide (the seed and the reply length are the user's alone).
-SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "presence_penalty",
-                   "frequency_penalty", "repeat_last_n")
+SAMPLING_FIELDS = tuple(OPTIONS)
 
-# Eddy's chat defaults for a checkpoint that recommends nothing (docs/QUALITY.md has the measurement).
+# Eddy's chat defaults for a checkpoint that recommends nothing (docs/QUALITY.md has the measurement); an
+# option not named here samples as the sampler's own default has it (off, for the penalties).
+_MEASURED = {"temperature": 0.7, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repeat_penalty": 1.1}
 EDDY_CHAT_DEFAULTS: dict[str, Any] = {
-    "temperature": 0.7, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repeat_penalty": 1.1,
-    "presence_penalty": 0.0, "frequency_penalty": 0.0, "repeat_last_n": 64,
-}
+    **{name: getattr(SamplingParams(), name) for name in SAMPLING_FIELDS}, **_MEASURED}
 
-# Where each field comes from in the two formats; the value's type is SamplingParams' own.
+
+def _chosen(self: Any) -> dict[str, Any]:
+    """The values set (not None): what sampling_params lays over the model's defaults."""
+    return {name: getattr(self, name) for name in SAMPLING_FIELDS if getattr(self, name) is not None}
+
+
+# The user's own sampling values, None = follow the loaded model's default: one field per sampler option, made
+# from SamplingParams so an option is never declared twice (a type checker sees no fields; replace() and
+# fields() do).
+SamplingOverrides = make_dataclass(
+    "SamplingOverrides", [(name, f"{o.kind.__name__} | None", field(default=None)) for name, o in OPTIONS.items()],
+    frozen=True, namespace={"chosen": _chosen, "__module__": __name__})
+
+# Where each field comes from in the two formats; the value's type is its Option's.
 _HF_KEYS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
             "repetition_penalty": "repeat_penalty"}
 _GGUF_KEYS = {"general.sampling.temp": "temperature", "general.sampling.top_k": "top_k",
@@ -106,7 +118,7 @@ def _from_generation_config(path: Path) -> dict[str, Any]:
         return {}
     out = {}
     for key, name in _HF_KEYS.items():
-        value = _number(raw.get(key), int if name == "top_k" else float)
+        value = _number(raw.get(key), OPTIONS[name].kind)
         if value is not None:
             out[name] = value
     return out
@@ -128,7 +140,7 @@ def _from_gguf(path: Path) -> dict[str, Any]:
             raw = f.contents()
         except Exception:
             continue
-        value = _number(raw, int if name in ("top_k", "repeat_last_n") else float)
+        value = _number(raw, OPTIONS[name].kind)
         if value is not None:
             out[name] = value
     return out

@@ -8,9 +8,9 @@ after temperature, as its MinPLogitsWarper does, so a hotter temperature lets mo
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from itertools import islice
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -19,16 +19,43 @@ import numpy as np
 _TOP_P_FIRST_LOOK = 64
 
 
+@dataclass(frozen=True)
+class Option:
+    """How one sampling field is offered to the user. The app's settings dialog and settings file and the
+    flags of `eddy chat` are all made from these, so a new option is declared once, on its field."""
+
+    kind: type     # int or float: the flag's type, the dialog's spin box
+    label: str     # the dialog's row; the flag is the field's name (top_k: --top-k)
+    help: str      # the flag's help and the row's tooltip
+    low: float     # the dialog's range; validate() holds the sampler's own limits
+    high: float
+    step: float = 1.0
+    decimals: int = 2
+    off: str = ""  # what the dialog shows at `low` when that value turns the option off
+
+
+def _option(default: float, label: str, help: str, low: float, high: float, **how: Any) -> Any:
+    return field(default=default, metadata={"option": Option(type(default), label, help, low, high, **how)})
+
+
 @dataclass
 class SamplingParams:
-    temperature: float = 0.0     # 0 => greedy
-    top_k: int = 0               # 0 => off
-    top_p: float = 1.0           # 1 => off
-    min_p: float = 0.0           # 0 => off; drop tokens less likely than min_p x the most likely one
-    repeat_penalty: float = 1.0  # 1 => off; logits of tokens in `recent` divided by penalty if >0 else multiplied
-    presence_penalty: float = 0.0   # 0 => off; subtracted once from the logit of every token in `recent`
-    frequency_penalty: float = 0.0  # 0 => off; subtracted per occurrence in `recent`
-    repeat_last_n: int = 64      # how many recent tokens every penalty looks at
+    temperature: float = _option(0.0, "Temperature", "0 = greedy, always the most likely token", 0.0, 5.0,
+                                 step=0.1)
+    top_k: int = _option(0, "Top-k", "keep the k most likely tokens, 0 = off", 0, 100000, off="off")
+    top_p: float = _option(1.0, "Top-p", "keep the smallest set holding this probability, 1 = off", 0.01, 1.0,
+                           step=0.05)
+    min_p: float = _option(0.0, "Min-p", "drop tokens less likely than this times the most likely one, 0 = off",
+                           0.0, 0.99, step=0.01, decimals=3, off="off")
+    # Logits of tokens in `recent` divided by the penalty if > 0, else multiplied (llama.cpp's).
+    repeat_penalty: float = _option(1.0, "Repeat penalty", "divide the logits of recent tokens by this, 1 = off",
+                                    0.5, 3.0, step=0.05)
+    presence_penalty: float = _option(0.0, "Presence penalty",
+                                      "subtract this from the logits of recent tokens, 0 = off", -2.0, 2.0, step=0.1)
+    frequency_penalty: float = _option(0.0, "Frequency penalty", "subtract this per recent occurrence, 0 = off",
+                                       -2.0, 2.0, step=0.1)
+    repeat_last_n: int = _option(64, "Repeat window", "how many recent tokens the penalties look at", 0, 4096)
+    # Not an option: the seed is the caller's alone (a model recommends none; the app's -1 means a fresh one).
     seed: int | None = None
 
     def __post_init__(self) -> None:
@@ -53,6 +80,10 @@ class SamplingParams:
             raise ValueError(f"repeat_last_n must be an integer >= 0, got {self.repeat_last_n!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
             raise ValueError(f"seed must be None or an integer >= 0, got {self.seed!r}")
+
+
+# The options in the dialog's order: what a model's defaults decide and a user may override.
+OPTIONS: dict[str, Option] = {f.name: f.metadata["option"] for f in fields(SamplingParams) if "option" in f.metadata}
 
 
 class Sampler:
