@@ -11,10 +11,11 @@ from .config import DEVICES, DTYPES, PIN_SLOTS, TARGET_CPUS, BuildSettings
 from .errors import EddyError
 from .events import Done, Error, Event, Prefill, PrefillProgress, Token
 
-# What --json prints: DESIGN.md's lines (the other events are for live displays).
-JSON_LINES = (Prefill, Token, Done, Error)
 from .run.generation import EDDY_CHAT_DEFAULTS
 from .run.sampling import OPTIONS, SamplingParams
+
+# What --json prints: DESIGN.md's lines (the other events are for live displays).
+JSON_LINES = (Prefill, Token, Done, Error)
 
 
 def _describe(values: dict) -> str:
