@@ -36,12 +36,17 @@ def test_a_run_time_sink_count_matches_the_reference_with_that_many_sinks(tiny_p
         assert worst < TOL
 
 
-def test_pinned_system_prompt_stays_after_ten_windows_of_chat(tiny_pinning):
+def test_pinned_system_prompt_stays_after_ten_windows_of_chat(tiny_pinning, tiny_reference, monkeypatch):
     from engine.run.session import ChatSession, ChatSettings
 
     session = ChatSession(tiny_pinning.engine, tiny_pinning.tokenizer,
                           ChatSettings(system_prompt=SYSTEM, max_new_tokens=8, pin_system=True))
     session.reset()
+    eng = tiny_pinning.engine
+    calls: list[tuple[list[int], np.ndarray]] = []  # every call the session made, with the module's logits
+    real_prefill, real_decode = eng.prefill, eng.decode
+    monkeypatch.setattr(eng, "prefill", lambda ids: calls.append((list(ids), out := real_prefill(ids))) or out)
+    monkeypatch.setattr(eng, "decode", lambda token: calls.append(([token], out := real_decode(token))) or out)
     events: list[dict] = []
     turn = 0
     while session.engine.position < 10 * PIN_SETTINGS.window:
@@ -58,6 +63,17 @@ def test_pinned_system_prompt_stays_after_ten_windows_of_chat(tiny_pinning):
     assert cache["pinned"] == len(pinned_ids) == cache["sinks"] and cache["position"] >= 10 * PIN_SETTINGS.window
     assert cache["evicted"] == cache["position"] - cache["capacity"]
     assert list(cache) == ["sinks", "window", "capacity", "used", "evicted", "position", "pinned"]
+    # One conversation, never rebuilt: the torch StreamingLLM reference with that many sinks, fed the same
+    # calls in the same module-sized chunks (eviction happens between them), gives the same logits all the way.
+    assert sum(len(ids) for ids, _ in calls) == cache["position"]
+    cfg, state = tiny_reference
+    ref = StreamingReference(state, cfg, len(pinned_ids), PIN_SETTINGS.window)
+    worst = 0.0
+    for ids, out in calls:
+        for start in range(0, len(ids), eng.chunk):
+            logits = ref.feed(ids[start : start + eng.chunk])[-1].numpy()
+        worst = max(worst, float(np.abs(out - logits).max()))
+    assert worst < TOL
 
 
 def test_a_system_prompt_too_long_to_pin_is_refused_and_nothing_changes(tiny_pinning):
