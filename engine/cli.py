@@ -83,6 +83,16 @@ def parser() -> argparse.ArgumentParser:
     chat.add_argument("--seed", type=int, default=None)
     chat.add_argument("--json", action="store_true", help="one JSON event per line on stdout")
 
+    from .serve.main import add_options as serve_options
+
+    serve = sub.add_parser("serve", help="an OpenAI-compatible server on localhost, over the same engine",
+                           description="Serve the model with the OpenAI API (/v1/chat/completions, "
+                                       "/v1/completions, /v1/models, /health). Conversations slide through the "
+                                       "window instead of failing, and a resent conversation prefills only its "
+                                       "new tokens.")
+    _build_options(serve)
+    serve_options(serve)
+
     comp = sub.add_parser("compile", help="build (or find) the compiled artefacts and print their folder")
     _build_options(comp)
 
@@ -115,6 +125,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "chat":
             return _chat(args)
+        if args.command == "serve":
+            from .serve.main import serve
+
+            return serve(args, _settings(args), _progress_printer(False))
         if args.command == "compile":
             from .build.artefacts import ensure_artefacts
             from .build.checkpoint import resolve_model

@@ -14,13 +14,13 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
 from ..errors import EddyError, PromptTooLongError
 from ..events import Context, DecodeProgress, Done, Event, Prefill, PrefillProgress, Token
-from .runtime import StreamingEngine
+from .runtime import CacheSnapshot, StreamingEngine
 from .sampling import Sampler, SamplingParams
 from .tokenizer import Tokenizer, common_prefix, valid_text
 
@@ -36,6 +36,17 @@ class ChatSettings:
     max_new_tokens: int = 512
     sampling: SamplingParams = field(default_factory=SamplingParams)
     pin_system: bool = False  # the system prompt's tokens stay in the cache as sinks (StreamingEngine.pin)
+
+
+@dataclass(frozen=True)
+class SessionState:
+    """A ChatSession's whole state (ChatSession.snapshot): the cache and the record of what is in it."""
+    cache: CacheSnapshot
+    messages: list[dict]
+    spans: list[tuple[int, int]]
+    dropped: int
+    owed: list[int]
+    stale: bool
 
 
 @dataclass
@@ -93,7 +104,7 @@ class ChatSession:
         self.spans = self._rendered_spans(messages) if ids else []
         start = time.perf_counter()
         try:
-            if ids and self._prefill(ids, emit) is None:
+            if ids and self.feed(ids, emit) is None:
                 self._stale = True  # stopped part-way: the next turn starts again
         except BaseException:
             self._stale = True
@@ -160,13 +171,14 @@ class ChatSession:
         system = self.settings.system_prompt
         return [{"role": "system", "content": valid_text(system)}] if system else []
 
-    def _turn_tokens(self, history: list[dict], user: dict) -> tuple[list[int], bool]:
-        """The ids this turn feeds, and whether they start a fresh cache (nothing is changed here)."""
+    def _turn_tokens(self, history: list[dict], new: list[dict]) -> tuple[list[int], bool]:
+        """The ids this turn feeds (the `new` messages, the user's last), and whether they start a fresh cache
+        (nothing is changed here)."""
         if self._stale or self.engine.position == 0:
-            return self.tokenizer.encode_chat([*history, user], add_generation_prompt=True), True
-        delta = self.tokenizer.chat_delta(history, [user], add_generation_prompt=True)
+            return self.tokenizer.encode_chat([*history, *new], add_generation_prompt=True), True
+        delta = self.tokenizer.chat_delta(history, new, add_generation_prompt=True)
         if delta is None:  # a template whose earlier turns change as the chat grows: rebuild from scratch
-            return self.tokenizer.encode_chat([*history, user], add_generation_prompt=True), True
+            return self.tokenizer.encode_chat([*history, *new], add_generation_prompt=True), True
         return self._owed + delta, False
 
     def _pin_probe(self, chat: list[dict]) -> list[int]:
@@ -190,18 +202,21 @@ class ChatSession:
 
     # --- turns ---------------------------------------------------------------------------------------------
 
-    def answer(self, user_text: str, on_event: EventSink | None = None) -> TurnResult:
-        """Answers one user turn, streaming events; returns when the reply ends or the stop flag is set."""
+    def answer(self, user_text: str, on_event: EventSink | None = None, before: Sequence[dict] = ()) -> TurnResult:
+        """Answers one user turn, streaming events; returns when the reply ends or the stop flag is set.
+        `before`: messages to add to the conversation first, fed with the turn (say, a client's own version of
+        the last reply)."""
         user_text = valid_text(user_text)  # what is fed is what is kept in the history (and saved)
+        before = [{"role": m["role"], "content": valid_text(m["content"])} for m in before]
         self.stop_flag.clear()
-        before = (list(self.messages), list(self.spans), self.dropped, list(self._owed), self._stale)
+        kept = (list(self.messages), list(self.spans), self.dropped, list(self._owed), self._stale)
         try:
-            return self._answer(user_text, on_event or _ignore)
+            return self._answer(user_text, on_event or _ignore, before)
         except PromptTooLongError:
             raise  # refused before anything changed
         except BaseException:
             # Half a turn may be in the cache: the conversation stays as it was and the next turn rebuilds it.
-            self.messages, self.spans, self.dropped, self._owed, _ = before
+            self.messages, self.spans, self.dropped, self._owed, _ = kept
             self._stale = True
             raise
 
@@ -221,19 +236,45 @@ class ChatSession:
         return self._redo(last, text, on_event)
 
     def _redo(self, i: int, text: str, on_event: EventSink | None) -> TurnResult:
-        """Forgets messages[i:] and answers `text` in their place. The cache goes back to where message i began
-        when nothing it held since has left it (the kept turns are not fed again); otherwise the turn rebuilds."""
+        """Forgets messages[i:] and answers `text` in their place."""
+        self.rewind(self.dropped + i - self._head())
+        return self.answer(text, on_event)
+
+    @property
+    def conversation(self) -> list[dict]:
+        """The conversation's messages the cache was filled from: those from `dropped` on, system prompt apart."""
+        return self.messages[self._head():]
+
+    def rewind(self, n: int) -> None:
+        """Keeps the conversation's first n messages (numbered as the conversation, n >= dropped) and forgets
+        the rest. The cache goes back to where message n began when nothing it held since has left it (the kept
+        turns are not fed again); otherwise the next turn rebuilds from the messages kept."""
+        if n < self.dropped:
+            raise ValueError(f"message {n} is not in the cache (it begins at message {self.dropped}): resume instead")
+        i = n - self.dropped + self._head()
+        if i >= len(self.messages):
+            return
         start = self.spans[i][0]
         self.messages, self.spans, self._owed = self.messages[:i], self.spans[:i], []
         if self._stale or start < self.engine.pinned or not self.engine.truncate(start):
             self._stale = True
-        return self.answer(text, on_event)
 
-    def _answer(self, user_text: str, emit: EventSink) -> TurnResult:
-        history = self.messages or self._opening()
+    def snapshot(self) -> "SessionState":
+        """The whole conversation state, the cache's included, to switch conversations without a prefill."""
+        return SessionState(self.engine.snapshot(), list(self.messages), list(self.spans), self.dropped,
+                            list(self._owed), self._stale)
+
+    def restore(self, state: "SessionState") -> None:
+        self.engine.restore(state.cache)
+        self.messages, self.spans, self._owed = list(state.messages), list(state.spans), list(state.owed)
+        self.dropped, self._stale = state.dropped, state.stale
+
+    def _answer(self, user_text: str, emit: EventSink, before: list[dict]) -> TurnResult:
+        history = list(self.messages or self._opening())
         user = {"role": "user", "content": user_text}
-        ids, fresh = self._turn_tokens(history, user)
+        ids, fresh = self._turn_tokens(history, [*before, user])
         if fresh:
+            history += before
             # A refusal (a pinned system prompt past the sink bound) comes before anything changes.
             probe = self._pin_probe(history)
             pinned = self._pinned(probe, ids)
@@ -255,10 +296,16 @@ class ChatSession:
                 first, end = self.spans[-1]
                 self.spans[-1] = (first, end + len(self._owed))
             begin = self.engine.position + len(self._owed)
+            for j, message in enumerate(before):  # each added message's own span, from the template's deltas
+                delta = self.tokenizer.chat_delta(history, before[: j + 1], add_generation_prompt=False)
+                end = max(begin, self.engine.position + len(self._owed) + len(delta or []))
+                self.spans.append((begin, end))
+                begin = end
+            history += before
         self.messages, self._owed, self._stale = history, [], False
         fed_from = self.engine.position
         start = time.perf_counter()
-        logits = self._prefill(ids, emit)
+        logits = self.feed(ids, emit)
         prefill_ms = (time.perf_counter() - start) * 1e3
         self.messages.append(user)
         self.spans.append((begin, self.engine.position))
@@ -273,48 +320,20 @@ class ChatSession:
             emit(Done(0, 0.0, 0.0, "stopped", self.engine.stats))
             return TurnResult("", 0, prefilled, prefill_ms, 0.0, "stopped")
 
-        sampler = Sampler(self.settings.sampling)
-        recent: deque[int] = deque(maxlen=max(1, self.settings.sampling.repeat_last_n))
-        decoder = self.tokenizer.detokenizer()
-        pieces: list[str] = []
-        generated, reason = 0, "length"
-        start = reported = time.perf_counter()
-        while generated < self.settings.max_new_tokens:
-            if self.stop_flag.is_set():
-                reason = "stopped"
-                break
-            token = sampler.sample(logits, recent)
-            if token in self.tokenizer.stop_ids:
-                reason = "eos"
-                break
-            generated += 1
-            recent.append(token)
-            text = decoder.push(token)
-            if text:
-                pieces.append(text)
-                emit(Token(text))
-            logits = self.engine.decode(token)
-            now = time.perf_counter()
-            if now - reported >= RATE_EVERY_S:
-                reported = now
-                emit(DecodeProgress(generated, round(generated / (now - start), 2)))
-        tail = decoder.flush()
-        if tail:
-            pieces.append(tail)
-            emit(Token(tail))
-        decode_ms = (time.perf_counter() - start) * 1e3
-        reply = "".join(pieces)
-        self.messages.append({"role": "assistant", "content": reply})
+        reply = decode_reply(self.engine, self.tokenizer, logits, self.settings, self.stop_flag, emit)
+        generated, reason, decode_ms = reply.tokens, reply.stop_reason, reply.ms
+        self.messages.append({"role": "assistant", "content": reply.text})
         self.spans.append((self.spans[-1][1], self.engine.position))
         # The stop token itself was never fed; the template's closing text (which starts with it) is owed.
         suffix = self.tokenizer.turn_suffix(self.messages[:-1])
-        self._owed = self.tokenizer.encode_template(suffix) if suffix else ([token] if reason == "eos" else [])
+        self._owed = self.tokenizer.encode_template(suffix) if suffix else (
+            [reply.last_token] if reason == "eos" else [])
         tok_s = generated / (decode_ms / 1e3) if decode_ms > 0 else 0.0
         emit(self.context())  # before done, which ends the turn for whoever listens
         emit(Done(generated, round(decode_ms, 2), round(tok_s, 2), reason, self.engine.stats))
-        return TurnResult(reply, generated, prefilled, prefill_ms, decode_ms, reason)
+        return TurnResult(reply.text, generated, prefilled, prefill_ms, decode_ms, reason)
 
-    def _prefill(self, ids: list[int], emit: EventSink) -> np.ndarray | None:
+    def feed(self, ids: list[int], emit: EventSink) -> np.ndarray | None:
         """Feeds a turn's tokens; the logits after the last, or None if the stop flag ended it part-way. A turn
         longer than the window goes in chunk by chunk, with a progress event and a look at the stop flag after
         each: reading a long document can take minutes, and the user may change their mind."""
@@ -332,3 +351,48 @@ class ChatSession:
     def stop(self) -> None:
         """Thread-safe: the generation loop sees it before its next token."""
         self.stop_flag.set()
+
+
+@dataclass
+class Reply:
+    text: str
+    tokens: int
+    stop_reason: str  # "eos" | "length" | "stopped"
+    ms: float
+    last_token: int  # the token that ended it (the stop token when "eos"; -1 if none was sampled)
+
+
+def decode_reply(engine: StreamingEngine, tokenizer: Tokenizer, logits: np.ndarray, settings: ChatSettings,
+                 stop_flag: threading.Event, emit: EventSink) -> Reply:
+    """Samples a reply token by token from `logits` (the prompt's last), feeding each token back, until a stop
+    token, the token limit or the stop flag; Token events as text arrives, DecodeProgress a few times a second."""
+    sampler = Sampler(settings.sampling)
+    recent: deque[int] = deque(maxlen=max(1, settings.sampling.repeat_last_n))
+    decoder = tokenizer.detokenizer()
+    pieces: list[str] = []
+    generated, reason, token = 0, "length", -1
+    start = reported = time.perf_counter()
+    while generated < settings.max_new_tokens:
+        if stop_flag.is_set():
+            reason = "stopped"
+            break
+        token = sampler.sample(logits, recent)
+        if token in tokenizer.stop_ids:
+            reason = "eos"
+            break
+        generated += 1
+        recent.append(token)
+        text = decoder.push(token)
+        if text:
+            pieces.append(text)
+            emit(Token(text))
+        logits = engine.decode(token)
+        now = time.perf_counter()
+        if now - reported >= RATE_EVERY_S:
+            reported = now
+            emit(DecodeProgress(generated, round(generated / (now - start), 2)))
+    tail = decoder.flush()
+    if tail:
+        pieces.append(tail)
+        emit(Token(tail))
+    return Reply("".join(pieces), generated, reason, (time.perf_counter() - start) * 1e3, token)

@@ -280,6 +280,11 @@ class Tokenizer:
     def encode_template(self, text: str) -> list[int]:
         return self._encode(text, specials=True)
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """A raw prompt (no chat template; its text stays text) as the model expects one: BOS first if it wants it."""
+        ids = self.encode_text(text)
+        return [self.bos_id, *ids] if self._add_bos and self.bos_id is not None else ids
+
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=False)
 

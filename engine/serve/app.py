@@ -1,0 +1,310 @@
+"""The HTTP side of `eddy serve`: a Starlette application (run by uvicorn) over one EngineThread.
+
+Every error a client can cause is an OpenAI-shaped JSON error, never a traceback: a body that is not JSON or
+not UTF-8 (400), a wrong key (401), an unknown model or path (404), a body over the limit (413), a field of
+the wrong type or range (422), a request that waited too long for the engine (503 with Retry-After). A client
+that disconnects mid-stream stops its generation within one token.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from ..events import Done, Prefill, Token
+from ..run.generation import ChatDefaults, sampling_params
+from ..run.session import ChatSettings, TurnResult
+from .conversations import Reuse
+from .protocol import FINISH, APIError, ChatRequest, CompletionRequest, Sampling, completion_id, now, parse
+from .worker import EngineThread, Job
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    model_id: str
+    api_key: str | None = None
+    defaults: ChatDefaults = ChatDefaults()
+    pin_system: bool = False
+    max_tokens: int = 512  # a reply's length when the request names none
+    queue_timeout: float = 60.0  # seconds a request may wait for the engine before a 503
+    body_limit: int = 8 * 1024 * 1024
+    read_timeout: float = 30.0  # seconds a client may take to send its body
+
+
+class StopWatcher:
+    """Turns a reply's token events into the text to send, cut at the first stop sequence: text that could be
+    the start of one is held back until it is clear."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops, self.pending, self.hit = stops, "", False
+
+    def push(self, text: str) -> str:
+        if self.hit:
+            return ""
+        self.pending += text
+        found = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if found:
+            out, self.pending, self.hit = self.pending[: min(found)], "", True
+            return out
+        hold = max((k for s in self.stops for k in range(1, len(s)) if self.pending.endswith(s[:k])), default=0)
+        out, self.pending = self.pending[: len(self.pending) - hold], self.pending[len(self.pending) - hold:]
+        return out
+
+    def flush(self) -> str:
+        out, self.pending = ("" if self.hit else self.pending), ""
+        return out
+
+
+def create_app(engine: EngineThread, settings: ServerSettings) -> Starlette:
+    s = settings
+
+    def authorise(request: Request) -> None:
+        if s.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {s.api_key}".encode()):
+            raise APIError(401, "invalid or missing API key (Authorization: Bearer KEY)", kind="authentication_error")
+
+    async def body(request: Request) -> Any:
+        length = request.headers.get("content-length")
+        if length and length.isdigit() and int(length) > s.body_limit:
+            raise APIError(413, f"the request body is over {s.body_limit // (1024 * 1024)} MB")
+        chunks, size = [], 0
+
+        async def read() -> None:
+            nonlocal size
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > s.body_limit:
+                    raise APIError(413, f"the request body is over {s.body_limit // (1024 * 1024)} MB")
+                chunks.append(chunk)
+
+        try:
+            await asyncio.wait_for(read(), s.read_timeout)
+        except asyncio.TimeoutError:
+            raise APIError(408, "the request body did not arrive in time") from None
+        try:
+            return json.loads(b"".join(chunks).decode("utf-8"))
+        except UnicodeDecodeError:
+            raise APIError(400, "the request body is not valid UTF-8") from None
+        except ValueError as e:
+            raise APIError(400, f"the request body is not valid JSON: {e}") from None
+
+    def check(req: Sampling) -> None:
+        if req.model and req.model != s.model_id:
+            raise APIError(404, f"the model {req.model!r} does not exist; this server runs {s.model_id!r}", "model",
+                           kind="not_found_error")
+        req.refuse_what_cannot_be_honoured()
+
+    def chat_settings(req: Sampling, system: str | None, limit: int | None) -> ChatSettings:
+        try:
+            sampling = sampling_params(s.defaults, req.overrides(), req.seed)
+        except ValueError as e:
+            raise APIError(422, str(e)) from None
+        return ChatSettings(system_prompt=system, max_new_tokens=limit or s.max_tokens, sampling=sampling,
+                            pin_system=s.pin_system)
+
+    async def start(request: Request, work) -> Job:
+        job = engine.submit(Job(asyncio.get_running_loop(), work))
+        try:
+            await asyncio.wait_for(job.started.wait(), s.queue_timeout)
+        except asyncio.TimeoutError:
+            engine.stop(job)
+            raise APIError(503, "the engine is busy with other requests; try again shortly", kind="server_error",
+                           headers={"Retry-After": "5"}) from None
+        return job
+
+    def timings(prefill: Prefill | None, done: Done | None, reuse: Reuse | None) -> dict[str, Any]:
+        if prefill is None:
+            return {}
+        cache = (done or prefill).cache
+        before = prefill.cache.position - prefill.new_tokens
+        out = {
+            "prompt_n": prefill.new_tokens, "prompt_ms": prefill.ms,
+            "prompt_per_second": round(prefill.new_tokens / (prefill.ms / 1e3), 2) if prefill.ms else 0.0,
+            "cache_n": before,
+            "predicted_n": done.tokens if done else 0, "predicted_ms": done.ms if done else 0.0,
+            "predicted_per_second": done.tok_s if done else 0.0,
+            # Eddy's own: the cache after the reply, how this request reused it, and how many of its
+            # prompt's tokens streamed out of the window (a prompt longer than the window is never refused).
+            "cache": cache.to_dict(),
+            "reuse": reuse.kind if reuse else None,
+            "prompt_evicted": max(0, prefill.cache.evicted - max(0, before - prefill.cache.capacity)),
+        }
+        return out
+
+    def usage(prefill: Prefill | None, done: Done | None) -> dict[str, int]:
+        prompt = prefill.cache.position if prefill else 0
+        completion = done.tokens if done else 0
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    async def run(request: Request, job: Job, stops: list[str]) -> AsyncIterator[tuple[str, dict]]:
+        """Yields ("text", piece) as the reply grows, then ("end", details); stops the job on a stop sequence or
+        when the client has gone."""
+        watch = StopWatcher(stops)
+        prefill = done = None
+        try:
+            while True:
+                getter = asyncio.ensure_future(job.events.get())
+                finished, _ = await asyncio.wait({getter, job.result}, timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
+                if getter not in finished:
+                    getter.cancel()
+                    if job.result.done() and job.events.empty():
+                        break
+                    if await request.is_disconnected():
+                        engine.stop(job)
+                    continue
+                event = getter.result()
+                if isinstance(event, Prefill) and prefill is None:
+                    prefill = event
+                elif isinstance(event, Token):
+                    piece = watch.push(event.text)
+                    if watch.hit:
+                        engine.stop(job)
+                    if piece:
+                        yield "text", {"text": piece}
+                elif isinstance(event, Done):
+                    done = event
+            error = job.result.exception()
+            if isinstance(error, APIError):
+                raise error
+            if error is not None:
+                log.error("a request failed: %r", error)
+                raise APIError(500, f"generation failed: {error}", kind="server_error")
+            result: TurnResult
+            result, reuse = job.result.result()
+            tail = watch.flush()
+            if tail:
+                yield "text", {"text": tail}
+            reason = "stop" if watch.hit else FINISH.get(result.stop_reason, "stop")
+            yield "end", {"finish_reason": reason, "timings": timings(prefill, done, reuse),
+                          "usage": usage(prefill, done)}
+        finally:
+            if not job.result.done():
+                engine.stop(job)  # the client went away (the response was cancelled): free the engine
+
+    async def health(request: Request) -> Response:
+        return JSONResponse({"status": "ok", "model": s.model_id, "waiting": engine.waiting})
+
+    async def models(request: Request) -> Response:
+        authorise(request)
+        return JSONResponse({"object": "list", "data": [
+            {"id": s.model_id, "object": "model", "created": 0, "owned_by": "eddy"}]})
+
+    async def chat(request: Request) -> Response:
+        authorise(request)
+        req = parse(ChatRequest, await body(request))
+        check(req)
+        system, history, user = req.split()
+        stops = req.stops()
+        settings_ = chat_settings(req, system, req.limit())
+        job = await start(request, lambda eng, emit: eng.pool.chat(system, history, user, settings_, emit))
+        ident, created = completion_id("chatcmpl"), now()
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+            def chunk(delta: dict, finish: str | None = None, **extra: Any) -> str:
+                body_ = {"id": ident, "object": "chat.completion.chunk", "created": created, "model": s.model_id,
+                         "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **extra}
+                return f"data: {json.dumps(body_, ensure_ascii=False)}\n\n"
+
+            async def events() -> AsyncIterator[str]:
+                yield chunk({"role": "assistant", "content": ""})
+                try:
+                    async for kind, data in run(request, job, stops):
+                        if kind == "text":
+                            yield chunk({"content": data["text"]})
+                        else:
+                            extra = {"timings": data["timings"]}
+                            if include_usage:
+                                extra["usage"] = data["usage"]
+                            yield chunk({}, data["finish_reason"], **extra)
+                except APIError as e:
+                    yield f"data: {json.dumps(e.body())}\n\n"
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(events(), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        text, end = [], {}
+        async for kind, data in run(request, job, stops):
+            if kind == "text":
+                text.append(data["text"])
+            else:
+                end = data
+        return JSONResponse({
+            "id": ident, "object": "chat.completion", "created": created, "model": s.model_id,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(text)},
+                         "finish_reason": end["finish_reason"], "logprobs": None}],
+            "usage": end["usage"], "timings": end["timings"]})
+
+    async def completions(request: Request) -> Response:
+        authorise(request)
+        req = parse(CompletionRequest, await body(request))
+        check(req)
+        prompt = req.text()
+        if not prompt:
+            raise APIError(400, "prompt must not be empty", "prompt")
+        stops = req.stops()
+        settings_ = chat_settings(req, None, req.limit())
+        ids = engine.session.tokenizer.encode_prompt(prompt)
+        job = await start(request, lambda eng, emit: eng.pool.complete(ids, settings_, emit))
+        ident, created = completion_id("cmpl"), now()
+        if req.stream:
+            def chunk(text: str, finish: str | None = None, **extra: Any) -> str:
+                body_ = {"id": ident, "object": "text_completion", "created": created, "model": s.model_id,
+                         "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}], **extra}
+                return f"data: {json.dumps(body_, ensure_ascii=False)}\n\n"
+
+            async def events() -> AsyncIterator[str]:
+                try:
+                    async for kind, data in run(request, job, stops):
+                        if kind == "text":
+                            yield chunk(data["text"])
+                        else:
+                            yield chunk("", data["finish_reason"], timings=data["timings"], usage=data["usage"])
+                except APIError as e:
+                    yield f"data: {json.dumps(e.body())}\n\n"
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+        text, end = [], {}
+        async for kind, data in run(request, job, stops):
+            if kind == "text":
+                text.append(data["text"])
+            else:
+                end = data
+        return JSONResponse({
+            "id": ident, "object": "text_completion", "created": created, "model": s.model_id,
+            "choices": [{"index": 0, "text": "".join(text), "finish_reason": end["finish_reason"], "logprobs": None}],
+            "usage": end["usage"], "timings": end["timings"]})
+
+    async def api_error(request: Request, e: APIError) -> Response:
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    async def http_error(request: Request, e: HTTPException) -> Response:
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return JSONResponse(APIError(e.status_code, str(e.detail), kind=kind).body(), status_code=e.status_code)
+
+    async def server_error(request: Request, e: Exception) -> Response:
+        log.exception("unexpected error")
+        return JSONResponse(APIError(500, "internal error", kind="server_error").body(), status_code=500)
+
+    routes = [
+        Route("/health", health),
+        Route("/v1/models", models),
+        Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+    ]
+    return Starlette(routes=routes, exception_handlers={APIError: api_error, HTTPException: http_error,
+                                                        Exception: server_error})

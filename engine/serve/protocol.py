@@ -1,0 +1,162 @@
+"""The OpenAI wire format: request bodies checked with pydantic, OpenAI-shaped errors, response pieces.
+
+Fields Eddy's sampler has map to it (llama.cpp's top_k, min_p and repeat_penalty too); fields that would
+change what a client gets back and that Eddy cannot honour (n > 1, logprobs, tools) are a 400 naming the
+field; anything else unknown is ignored, as the OpenAI API itself does with extra fields.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+# Roles a chat may hold; "developer" is OpenAI's newer name for a system message.
+ROLES = ("system", "developer", "user", "assistant")
+
+
+class APIError(Exception):
+    """An error the client is told about, in the OpenAI shape."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}}
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: str
+    content: str | list[TextPart] | None = None
+
+    @field_validator("role")
+    @classmethod
+    def _known_role(cls, role: str) -> str:
+        if role not in ROLES:
+            raise ValueError(f"unknown role {role!r} (Eddy takes {', '.join(ROLES)})")
+        return role
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class Sampling(BaseModel):
+    """The fields both endpoints share."""
+    model_config = ConfigDict(extra="allow")
+    model: str = ""
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=5)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=0)
+    min_p: float | None = Field(default=None, ge=0, lt=1)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    repeat_penalty: float | None = Field(default=None, gt=0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    logprobs: bool | int | None = None
+
+    def overrides(self) -> dict[str, Any]:
+        """The sampler values this request sets; the rest follow the model's chat defaults."""
+        names = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repeat_penalty")
+        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+
+    def stops(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stops) > 4:
+            raise APIError(400, "at most 4 stop sequences", "stop")
+        return [s for s in stops if s]
+
+    def refuse_what_cannot_be_honoured(self) -> None:
+        if self.n != 1:
+            raise APIError(400, "Eddy generates one choice per request: n must be 1", "n")
+        if self.logprobs:
+            raise APIError(400, "logprobs are not supported", "logprobs")
+        for name in ("tools", "functions", "tool_choice", "response_format"):
+            value = (self.model_extra or {}).get(name)
+            if value not in (None, [], "none", {"type": "text"}):
+                raise APIError(400, f"{name} is not supported", name)
+
+
+class ChatRequest(Sampling):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+    def split(self) -> tuple[str | None, list[dict], str]:
+        """(system prompt, the conversation before the last message, the last user message's text)."""
+        if not self.messages:
+            raise APIError(400, "messages must not be empty", "messages")
+        msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+        lead = 0
+        while lead < len(msgs) and msgs[lead]["role"] == "system":
+            lead += 1
+        system = "\n\n".join(m["content"] for m in msgs[:lead]) or None
+        rest = msgs[lead:]
+        if any(m["role"] == "system" for m in rest):
+            raise APIError(400, "system messages are only taken at the start of the conversation", "messages")
+        if not rest or rest[-1]["role"] != "user":
+            raise APIError(400, "the last message must be the user's", "messages")
+        return system, rest[:-1], rest[-1]["content"]
+
+    def limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(Sampling):
+    prompt: str | list[str]
+
+    def text(self) -> str:
+        if isinstance(self.prompt, list):
+            if len(self.prompt) != 1:
+                raise APIError(400, "Eddy takes one prompt per request", "prompt")
+            return self.prompt[0]
+        return self.prompt
+
+    def limit(self) -> int | None:
+        return self.max_tokens
+
+
+def parse(model: type[BaseModel], data: Any) -> Any:
+    """The request, checked; a 422 naming the first bad field otherwise."""
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise APIError(422, f"{where}: {first['msg']}", where) from None
+
+
+def completion_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+FINISH = {"eos": "stop", "stop_string": "stop", "length": "length", "stopped": "stop"}

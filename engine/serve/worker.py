@@ -1,0 +1,109 @@
+"""The one engine thread that requests queue on, in arrival order, one at a time.
+
+HTTP handlers run on the asyncio loop; the model's session belongs to this thread. A job's events come back
+to the loop through call_soon_threadsafe, so a handler awaits them without blocking other clients. Stopping a
+job that has not started drops it; stopping the running one sets the session's stop flag, which the
+generation loop reads before every token.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from typing import Any, Callable
+
+from ..events import Event
+from ..run.session import ChatSession
+from .conversations import ConversationPool
+
+log = logging.getLogger(__name__)
+
+
+class Job:
+    """One request's work on the engine thread, seen from the asyncio loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, work: Callable[["EngineThread", Callable[[Event], None]], Any]):
+        self.loop, self.work = loop, work
+        self.events: asyncio.Queue[Event] = asyncio.Queue()
+        self.started = asyncio.Event()
+        self.result: asyncio.Future = loop.create_future()
+        self.cancelled = threading.Event()
+
+    def emit(self, event: Event) -> None:  # engine thread
+        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+    def _call(self, fn: Callable, *args: Any) -> None:
+        try:
+            self.loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop has closed: the server is going away, nobody is waiting
+            pass
+
+    def _settle(self, value: Any, error: BaseException | None) -> None:  # on the loop
+        if self.result.done():
+            return
+        if error is not None:
+            self.result.set_exception(error)
+        else:
+            self.result.set_result(value)
+
+
+class EngineThread:
+    def __init__(self, session: ChatSession, conversations: int = 4) -> None:
+        self.session = session
+        self.pool = ConversationPool(session, conversations)
+        self._jobs: queue.Queue[Job | None] = queue.Queue()
+        self._running: Job | None = None
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="eddy-serve-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Job) -> Job:
+        self._jobs.put(job)
+        return job
+
+    @property
+    def waiting(self) -> int:
+        return self._jobs.qsize()
+
+    def stop(self, job: Job) -> None:
+        """Thread-safe: a queued job is dropped, the running one ends within one token."""
+        job.cancelled.set()
+        with self._lock:
+            if self._running is job:
+                self.session.stop()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Ends the thread once the running job returns, and lets go of the model (its IREE context)."""
+        self._jobs.put(None)
+        self._thread.join(timeout)
+        self.pool = self.session = None  # type: ignore[assignment]
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            if job.cancelled.is_set():  # its client gave up before it started
+                job._call(job.result.cancel)
+                continue
+            with self._lock:
+                self._running = job
+            job._call(job.started.set)
+            try:
+                value = job.work(self, self._stoppable(job))
+                job._call(job._settle, value, None)
+            except BaseException as e:  # reported to the handler, which answers the client
+                if not isinstance(e, Exception):
+                    log.exception("engine job failed")
+                job._call(job._settle, None, e)
+            finally:
+                with self._lock:
+                    self._running = None
+
+    def _stoppable(self, job: Job) -> Callable[[Event], None]:
+        def emit(event: Event) -> None:
+            if job.cancelled.is_set():  # a stop that came before the session had cleared its flag
+                self.session.stop()
+            job.emit(event)
+        return emit
