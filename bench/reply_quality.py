@@ -99,7 +99,7 @@ def run_config(model, label: str, overrides: dict | None, prompts: list, seeds: 
             session.settings.sampling = replace(sampling, seed=seed)
             session.reset()
             start = time.perf_counter()
-            result = session.send(prompt)
+            result = session.answer(prompt)
             replies.append({"seed": seed, "kind": kind, "prompt": prompt, "reply": result.text,
                             "tokens": result.tokens, "stop": result.stop_reason, "loops": loops(result.text),
                             "seconds": round(time.perf_counter() - start, 2)})

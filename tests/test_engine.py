@@ -108,7 +108,8 @@ for name in run_modules:
 from engine.loader import open_model
 from engine.config import BuildSettings
 m = open_model("tiny-random", BuildSettings(**{TINY_SETTINGS.to_dict()!r}))
-m.chat().send("hello")
+m.chat().answer("hello")
+import engine.serve.app, engine.serve.main  # the server is runtime too
 heavy = [n for n in ("torch", "transformers", "iree.turbine", "iree.compiler") if n in sys.modules]
 print(json.dumps({{"run": run_modules, "heavy": heavy}}))
 """
