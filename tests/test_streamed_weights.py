@@ -9,6 +9,7 @@ needed for that; the one real build checked is the session's `tiny` fixture.
 from __future__ import annotations
 
 import filecmp
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -66,8 +67,6 @@ def assert_same_archives(got, want) -> None:
     ("tiny-random-qwen2", ("q8",)), ("tiny-random-gemma3", ("bf16", "q8")), ("tiny-random-phi3", ("f16",)),
 ])
 def test_streamed_weights_equal_the_in_memory_build(tmp_path, name, dtypes):
-    from dataclasses import replace
-
     from engine.build.checkpoint import resolve_model
 
     source = resolve_model(name)
@@ -94,6 +93,36 @@ def test_q8_by_row_blocks_equals_the_whole_matrix_at_once():
     q = torch.round(w / scale.unsqueeze(1)).clamp(-127, 127).to(torch.int8)
     got = stored_matrix(w, "q8")
     assert torch.equal(got["weight"], q) and torch.equal(got["scale"], scale)
+    # A 16-bit matrix is widened a block at a time: the bytes of widening it whole first.
+    half = w.to(torch.bfloat16)
+    for dtype in ("q8", "f16", "f32"):
+        got, want = stored_matrix(half, dtype), stored_matrix(half.float(), dtype)
+        assert all(torch.equal(got[k], want[k]) for k in want), dtype
+
+
+def test_a_bf16_folder_streams_what_its_float32_widening_builds(tmp_path):
+    """A bf16 Hugging Face folder is read as bf16 and converted a block of rows at a time (never widened whole):
+    the file is the in-memory build's, which loads the folder as float32."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from engine.build.checkpoint import load_state_dict, read_config, resolve_model, save_tokenizer
+
+    tiny, folder = resolve_model("tiny-random"), tmp_path / "bf16"
+    save_tokenizer(resolve_model(None), folder)
+    chat = json.loads((folder / "chat.json").read_text())
+    (folder / "chat.json").unlink()
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": chat["bos_token"], "eos_token": chat["eos_token"], "chat_template": chat["chat_template"]}))
+    (folder / "config.json").write_text(json.dumps({**read_config(tiny), "architectures": ["LlamaForCausalLM"]}))
+    save_file({k: v.to(torch.bfloat16) for k, v in load_state_dict(tiny).items()}, str(folder / "model.safetensors"))
+    source = resolve_model(str(folder))
+    for dtype in ("f16", "q8"):
+        settings = replace(TINY_SETTINGS, dtype=dtype)
+        streamed_archive(source, settings, tmp_path / f"{dtype}-streamed.irpa")
+        in_memory_archive(source, settings, tmp_path / f"{dtype}-memory.irpa")
+        assert_same_archives(tmp_path / f"{dtype}-streamed.irpa", tmp_path / f"{dtype}-memory.irpa")
 
 
 def test_archive_writer_refuses_a_wrong_length_and_a_missing_tensor(tmp_path):

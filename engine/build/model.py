@@ -84,19 +84,26 @@ CONVERT_ROWS = 4096
 
 
 def stored_matrix(w: torch.Tensor, dtype: str) -> dict[str, torch.Tensor]:
-    """A float32 weight matrix as Linear stores it: {"weight"} in the build's type, plus a per-row float32
-    {"scale"} for q8 (symmetric: the row's largest magnitude maps to 127). Row blocks are independent, so
-    converting them one at a time gives the same bytes as converting the whole matrix."""
-    if dtype != "q8":
-        return {"weight": w.to(TORCH_DTYPES[dtype]).contiguous()}
-    q = torch.empty(w.shape, dtype=torch.int8)
-    scale = torch.empty(w.shape[0], dtype=torch.float32)
+    """A weight matrix (float32, or the checkpoint's own 16-bit type) as Linear stores it: {"weight"} in the build's
+    type, plus a per-row float32 {"scale"} for q8 (symmetric: the row's largest magnitude maps to 127).
+
+    Each block of rows is widened to float32 and converted on its own: a 16-bit matrix is never widened whole,
+    and since rows are independent (and widening 16-bit floats is exact) the bytes are those of converting the
+    float32 matrix at once."""
+    q8 = dtype == "q8"
+    if not q8 and w.dtype == TORCH_DTYPES[dtype]:
+        return {"weight": w.contiguous()}
+    out = torch.empty(w.shape, dtype=torch.int8 if q8 else TORCH_DTYPES[dtype])
+    scale = torch.empty(w.shape[0], dtype=torch.float32) if q8 else None
     for start in range(0, w.shape[0], CONVERT_ROWS):
-        block = w[start:start + CONVERT_ROWS]
+        block, rows = w[start:start + CONVERT_ROWS].float(), slice(start, start + CONVERT_ROWS)
+        if not q8:
+            out[rows] = block
+            continue
         s = (block.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
-        q[start:start + CONVERT_ROWS] = torch.round(block / s.unsqueeze(1)).clamp(-127, 127).to(torch.int8)
-        scale[start:start + CONVERT_ROWS] = s.float()
-    return {"weight": q, "scale": scale}
+        out[rows] = torch.round(block / s.unsqueeze(1)).clamp(-127, 127).to(torch.int8)
+        scale[rows] = s
+    return {"weight": out} if scale is None else {"weight": out, "scale": scale}
 
 
 @dataclass(frozen=True)
@@ -109,7 +116,8 @@ class Piece:
     kind: str  # "matrix": a Linear's weight (and scale); "bias" or "norm": one float32 vector
 
     def convert(self, tensors: list[torch.Tensor], dtype: str) -> dict[str, torch.Tensor]:
-        """The module's parameters by full name, from its float32 source tensors (in `sources` order)."""
+        """The module's parameters by full name, from its source tensors (in `sources` order; float32, or the
+        checkpoint's own floating type, which converts to the same bytes)."""
         w = tensors[0] if len(tensors) == 1 else torch.cat(tensors)
         if self.kind == "matrix":
             return {f"{self.module}.{name}": t for name, t in stored_matrix(w, dtype).items()}

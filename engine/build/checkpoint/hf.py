@@ -195,7 +195,8 @@ def hf_tokenizer_file(source: "ModelSource") -> Path:
 
 def hf_tensors(source: "ModelSource", cfg: dict[str, Any]
                ) -> tuple[dict[str, tuple[int, ...]], Callable[[str], "torch.Tensor"]]:
-    """The weights' HF names and shapes from the shards' headers, and a reader of one tensor by name (float32).
+    """The weights' HF names and shapes from the shards' headers, and a reader of one tensor by name (in its
+    stored floating type).
     Each read opens its shard for that tensor alone: a mapping held open over the whole build would keep
     every tensor read so far resident."""
     assert source.path is not None
@@ -218,13 +219,14 @@ def hf_tensors(source: "ModelSource", cfg: dict[str, Any]
         where.pop("lm_head.weight", None)
 
     def read(name: str) -> "torch.Tensor":
-        import torch
         from safetensors import SafetensorError, safe_open
 
         shard, key, _ = where[name]
         try:
             with safe_open(str(shard), framework="pt") as f:
-                return f.get_tensor(key).to(torch.float32).contiguous()
+                t = f.get_tensor(key)
+            # Integer or float64 tensors are no weights Eddy knows; float32 keeps whatever they hold.
+            return t if t.dtype.is_floating_point and t.element_size() <= 4 else t.float()
         except SafetensorError as exc:
             raise ModelError(f"{shard.name}: the .safetensors file is truncated or corrupt ({exc}).") from None
 

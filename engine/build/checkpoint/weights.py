@@ -68,10 +68,16 @@ def _check_shapes(source: ModelSource, cfg: dict[str, Any], shapes: dict[str, tu
 @dataclass(frozen=True)
 class CheckpointTensors:
     """A checked checkpoint's weights under Hugging Face names, read one at a time: `read(name)` gives the float32
-    tensor the family's transformers class would hold after from_pretrained (lm_head only when untied). The
-    streamed build reads each tensor once and lets it go, so memory follows the largest tensor."""
+    tensor the family's transformers class would hold after from_pretrained (lm_head only when untied);
+    `read_stored(name)` the same values in the checkpoint's own type (GGUF blocks come dequantised to float32).
+    The streamed build reads each tensor once, as stored, and lets it go, so memory follows the largest tensor."""
     shapes: dict[str, tuple[int, ...]]
-    read: Callable[[str], "torch.Tensor"]
+    read_stored: Callable[[str], "torch.Tensor"]  # in the checkpoint's own floating type (bf16 stays bf16)
+
+    def read(self, name: str) -> "torch.Tensor":
+        import torch
+
+        return self.read_stored(name).to(torch.float32).contiguous()
 
 
 def open_tensors(source: ModelSource) -> CheckpointTensors:
