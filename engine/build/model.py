@@ -55,8 +55,8 @@ class Linear(nn.Module):
 
     Stored weights are widened inside the graph: IREE fuses the widening into the matrix-vector products, so
     decode reads 2 (16-bit) or 1 (q8) bytes per weight while activations and accumulation stay float32.
-    The parameters have their stored type from the start, so a model built on the meta device (see
-    StreamingLlama.skeleton) exports exactly as one holding the weights.
+    The parameters have their stored type from the start, so a skeleton that never receives its weights
+    (StreamingLlama.skeleton) exports exactly as one holding them.
     """
 
     def __init__(self, out_features: int, in_features: int, dtype: str, bias: bool = False) -> None:
@@ -110,7 +110,7 @@ def stored_matrix(w: torch.Tensor, dtype: str) -> dict[str, torch.Tensor]:
 class Piece:
     """One module's parameters and the checkpoint tensors (Hugging Face names) they are made from: the unit
     in which weights are converted, into a model in memory (StreamingLlama.load_hf) or straight into the .irpa
-    (engine/build/weights.py)."""
+    (engine/build/weights_file.py)."""
     module: str  # its name in the model, e.g. "layers.0.attention.wqkv"
     sources: tuple[str, ...]  # concatenated along the rows (q|k|v, gate|up)
     kind: str  # "matrix": a Linear's weight (and scale); "bias" or "norm": one float32 vector
@@ -316,7 +316,7 @@ class StreamingLlama(nn.Module):
     @classmethod
     def skeleton(cls, cfg: ModelConfig, settings: BuildSettings) -> "StreamingLlama":
         """The model with its weights allocated and never written: what the export traces (the weights are
-        external parameters, so the graph is the one a loaded model gives) while engine/build/weights.py writes
+        external parameters, so the graph is the one a loaded model gives) while engine/build/weights_file.py writes
         the weights from the checkpoint one tensor at a time.
 
         Linear's parameters come from torch.empty, whose pages the kernel maps only when first written: an 8B
