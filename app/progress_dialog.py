@@ -12,9 +12,9 @@ from PySide6.QtWidgets import QDialog, QDialogButtonBox, QLabel, QProgressBar, Q
 # The engine's build stages, in order (engine.build.export.build reports these names).
 STAGES = ("loading weights", "exporting", "saving weights", "compiling")
 STAGE_TEXT = {
-    "loading weights": "Reading the model's weights",
+    "loading weights": "Checking the model's weights",
     "exporting": "Exporting the StreamingLLM graph",
-    "saving weights": "Writing the weights file",
+    "saving weights": "Converting the weights into the weights file",
     "compiling": "Compiling for this machine",
 }
 

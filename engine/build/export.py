@@ -23,6 +23,9 @@ if TYPE_CHECKING:
 Progress = Callable[[str, float], None]
 
 def build_model(cfg: ModelConfig, settings: BuildSettings, state: dict[str, torch.Tensor]) -> StreamingLlama:
+    """The model with its weights in memory: what the build exported before it streamed the weights, kept as
+    the reference the streamed .irpa is tested against (tests/test_streamed_weights.py) and for torch-side
+    experiments. The build itself exports StreamingLlama.skeleton."""
     cfg.check_build(settings)
     model = StreamingLlama(cfg, settings)
     model.load_hf(state)
@@ -119,8 +122,13 @@ def compile_mlir(mlir_path: Path, vmfb_path: Path, device: str, progress: Progre
 
 def build(source: "ModelSource", cfg: ModelConfig, settings: BuildSettings, out_dir: Path,
           progress: Progress | None = None, should_cancel: Callable[[], bool] | None = None) -> dict[str, float]:
-    """Writes module.vmfb and weights.irpa into out_dir; returns seconds per stage."""
-    from .checkpoint import load_state_dict
+    """Writes module.vmfb and weights.irpa into out_dir; returns seconds per stage.
+
+    Memory follows the largest tensor, not the model: the export traces a skeleton whose weights are never
+    written (they are external parameters), and weights.irpa is written straight from the checkpoint one
+    tensor at a time (engine/build/weights_file.py)."""
+    from .checkpoint import open_tensors
+    from .weights_file import write_weights
 
     report = progress or (lambda stage, fraction: None)
     cancelled = should_cancel or (lambda: False)
@@ -132,18 +140,29 @@ def build(source: "ModelSource", cfg: ModelConfig, settings: BuildSettings, out_
         report(name, fraction)
         return time.perf_counter()
 
+    # "loading weights" now checks the checkpoint's tensors against its config (headers only), so a bad
+    # checkpoint fails before the export rather than after it.
     t = stage("loading weights", 0.0)
-    model = build_model(cfg, settings, load_state_dict(source))
+    cfg.check_build(settings)
+    tensors = open_tensors(source)
+    model = StreamingLlama.skeleton(cfg, settings)
     times["load"] = time.perf_counter() - t
     t = stage("exporting", 0.1)
     aot.externalize_module_parameters(model)
     output = export_module(model)
     mlir_path = out_dir / "module.mlir"
     mlir_path.write_text(zero_init_cache(str(output.mlir_module)))
+    del output
     times["export"] = time.perf_counter() - t
     t = stage("saving weights", 0.5)
-    aot.save_module_parameters(str(out_dir / "weights.irpa"), model)
-    del model, output
+
+    def written(done: int, total: int) -> None:
+        if cancelled():
+            raise BuildCancelled("cancelled while saving weights")
+        report("saving weights", 0.5 + 0.1 * done / total)
+
+    write_weights(model, tensors, out_dir / "weights.irpa", written)
+    del model, tensors
     times["save"] = time.perf_counter() - t
     t = stage("compiling", 0.6)
     # Rough compile time: grows with layers; only drives the progress bar.

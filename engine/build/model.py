@@ -55,13 +55,17 @@ class Linear(nn.Module):
 
     Stored weights are widened inside the graph: IREE fuses the widening into the matrix-vector products, so
     decode reads 2 (16-bit) or 1 (q8) bytes per weight while activations and accumulation stay float32.
+    The parameters have their stored type from the start, so a skeleton that never receives its weights
+    (StreamingLlama.skeleton) exports exactly as one holding them.
     """
 
-    def __init__(self, out_features: int, in_features: int) -> None:
+    def __init__(self, out_features: int, in_features: int, dtype: str, bias: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
-        self.scale: nn.Parameter | None = None
-        self.bias: nn.Parameter | None = None  # float32 whatever the weights' type: it is tiny
+        stored = torch.int8 if dtype == "q8" else TORCH_DTYPES[dtype]
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=stored), requires_grad=False)
+        self.scale = nn.Parameter(torch.empty(out_features), requires_grad=False) if dtype == "q8" else None
+        # float32 whatever the weights' type: it is tiny.
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight.float())
@@ -73,18 +77,51 @@ class Linear(nn.Module):
         r = F.embedding(ids, self.weight).float()
         return r if self.scale is None else r * F.embedding(ids, self.scale.unsqueeze(1))
 
-    def load(self, w: torch.Tensor, dtype: str) -> None:
-        if dtype == "q8":
-            scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
-            q = torch.round(w / scale.unsqueeze(1)).clamp(-127, 127).to(torch.int8)
-            self.weight = nn.Parameter(q, requires_grad=False)
-            self.scale = nn.Parameter(scale.float(), requires_grad=False)
-        else:
-            self.weight = nn.Parameter(w.to(TORCH_DTYPES[dtype]), requires_grad=False)
-            self.scale = None
 
-    def load_bias(self, b: torch.Tensor) -> None:
-        self.bias = nn.Parameter(b.float(), requires_grad=False)
+# Rows converted at a time by stored_matrix: its float32 temporaries stay a few MB whatever the matrix (a
+# 128k-row embedding is 1-2 GB in float32, and q8 would otherwise hold three copies of it at once).
+CONVERT_ROWS = 4096
+
+
+def stored_matrix(w: torch.Tensor, dtype: str) -> dict[str, torch.Tensor]:
+    """A weight matrix (float32, or the checkpoint's own 16-bit type) as Linear stores it: {"weight"} in the build's
+    type, plus a per-row float32 {"scale"} for q8 (symmetric: the row's largest magnitude maps to 127).
+
+    Each block of rows is widened to float32 and converted on its own: a 16-bit matrix is never widened whole,
+    and since rows are independent (and widening 16-bit floats is exact) the bytes are those of converting the
+    float32 matrix at once."""
+    q8 = dtype == "q8"
+    if not q8 and w.dtype == TORCH_DTYPES[dtype]:
+        return {"weight": w.contiguous()}
+    out = torch.empty(w.shape, dtype=torch.int8 if q8 else TORCH_DTYPES[dtype])
+    scale = torch.empty(w.shape[0], dtype=torch.float32) if q8 else None
+    for start in range(0, w.shape[0], CONVERT_ROWS):
+        block, rows = w[start:start + CONVERT_ROWS].float(), slice(start, start + CONVERT_ROWS)
+        if not q8:
+            out[rows] = block
+            continue
+        s = (block.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
+        out[rows] = torch.round(block / s.unsqueeze(1)).clamp(-127, 127).to(torch.int8)
+        scale[rows] = s
+    return {"weight": out} if scale is None else {"weight": out, "scale": scale}
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One module's parameters and the checkpoint tensors (Hugging Face names) they are made from: the unit
+    in which weights are converted, into a model in memory (StreamingLlama.load_hf) or straight into the .irpa
+    (engine/build/weights_file.py)."""
+    module: str  # its name in the model, e.g. "layers.0.attention.wqkv"
+    sources: tuple[str, ...]  # concatenated along the rows (q|k|v, gate|up)
+    kind: str  # "matrix": a Linear's weight (and scale); "bias" or "norm": one float32 vector
+
+    def convert(self, tensors: list[torch.Tensor], dtype: str) -> dict[str, torch.Tensor]:
+        """The module's parameters by full name, from its source tensors (in `sources` order; float32, or the
+        checkpoint's own floating type, which converts to the same bytes)."""
+        w = tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+        if self.kind == "matrix":
+            return {f"{self.module}.{name}": t for name, t in stored_matrix(w, dtype).items()}
+        return {f"{self.module}.{'bias' if self.kind == 'bias' else 'weight'}": w.float().contiguous()}
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -122,8 +159,8 @@ class Attention(nn.Module):
         self.softcap = cfg.attn_softcap
         fam = family(cfg.arch)
         # q, k and v as one matrix: one matmul reads x once.
-        self.wqkv = Linear((cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, cfg.dim)
-        self.wo = Linear(cfg.dim, cfg.n_heads * cfg.head_dim)
+        self.wqkv = Linear((cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, cfg.dim, settings.dtype, fam.qkv_bias)
+        self.wo = Linear(cfg.dim, cfg.n_heads * cfg.head_dim, settings.dtype)
         # Per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3).
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, fam.norm_offset) if fam.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, fam.norm_offset) if fam.qk_norm else None
@@ -217,12 +254,12 @@ ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tan
 class FeedForward(nn.Module):
     """The gated MLP: down(act(gate) * up), SwiGLU or GeGLU."""
 
-    def __init__(self, cfg: ModelConfig, fam: Family) -> None:
+    def __init__(self, cfg: ModelConfig, fam: Family, dtype: str) -> None:
         super().__init__()
         self.intermediate = cfg.intermediate
         self.act = ACTIVATIONS[fam.activation]
-        self.w_gate_up = Linear(2 * cfg.intermediate, cfg.dim)
-        self.w_down = Linear(cfg.dim, cfg.intermediate)
+        self.w_gate_up = Linear(2 * cfg.intermediate, cfg.dim, dtype)
+        self.w_down = Linear(cfg.dim, cfg.intermediate, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.w_gate_up(x)
@@ -238,7 +275,7 @@ class Block(nn.Module):
         self.attention_norm, self.post_attention_norm = norm("attn"), norm("post_attn")
         self.attention = Attention(cfg, settings, layer, index, own_ring)
         self.ffn_norm, self.post_ffn_norm = norm("ffn"), norm("post_ffn")
-        self.feed_forward = FeedForward(cfg, fam)
+        self.feed_forward = FeedForward(cfg, fam, settings.dtype)
 
     def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         h = self.attention(self.attention_norm(x), step)
@@ -255,7 +292,7 @@ class StreamingLlama(nn.Module):
         self.cfg, self.settings = cfg, settings
         self.family = fam = family(cfg.arch)
         self.embed_scale = cfg.dim ** 0.5 if fam.embed_scale else None
-        self.tok_embeddings = Linear(cfg.vocab_size, cfg.dim)
+        self.tok_embeddings = Linear(cfg.vocab_size, cfg.dim, settings.dtype)
         # Local layers with their own ring leave the shared cache to the others; each layer writes its own
         # row (`index`) of the buffer it uses.
         self.ring = ring = cfg.local_ring(settings)
@@ -265,7 +302,7 @@ class StreamingLlama(nn.Module):
         self.layers = nn.ModuleList(
             Block(cfg, settings, i, (local if own[i] else shared).index(i), own[i]) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, fam.norm_offset)
-        self.output = None if cfg.tie_embeddings else Linear(cfg.vocab_size, cfg.dim)
+        self.output = None if cfg.tie_embeddings else Linear(cfg.vocab_size, cfg.dim, settings.dtype)
         # One cache global for all shared layers (and one ring for the local ones): with many per-layer globals a
         # zero-splat initialiser gave wrong logits in IREE. float32, since 16-bit buffers do not initialise
         # reliably in turbine.
@@ -275,6 +312,18 @@ class StreamingLlama(nn.Module):
         self.register_buffer("sink_keys", sinks, persistent=False)
         self.register_buffer("ring_cache", torch.zeros(len(local), 2, kvh, ring, d) if ring else None,
                              persistent=False)
+
+    @classmethod
+    def skeleton(cls, cfg: ModelConfig, settings: BuildSettings) -> "StreamingLlama":
+        """The model with its weights allocated and never written: what the export traces (the weights are
+        external parameters, so the graph is the one a loaded model gives) while engine/build/weights_file.py writes
+        the weights from the checkpoint one tensor at a time.
+
+        Linear's parameters come from torch.empty, whose pages the kernel maps only when first written: an 8B
+        skeleton takes address space, not memory. The meta device would take neither, but torch.export refuses
+        to mix meta weights with the CPU inputs and cache buffers (whose initial value turbine reads).
+        """
+        return cls(cfg, settings).eval()
 
     def hidden(self, tokens, slots, rope, shift, slot_pos, token_pos, single: bool) -> torch.Tensor:
         """slot_pos holds the cache's slots after this call's writes, then (own ring) the ring's before them."""
@@ -347,28 +396,41 @@ class StreamingLlama(nn.Module):
             buffer.copy_(value + 0.0)
         return self.cache[0, 0, 0, 0, :1] + 0.0
 
+    def pieces(self) -> list[Piece]:
+        """Every parameter of the model, grouped by module, with the checkpoint tensors each is made from (names
+        from engine/arch.py)."""
+        fam = self.family
+        out = [Piece("tok_embeddings", ("model.embed_tokens.weight",), "matrix")]
+        if self.output is not None:
+            out.append(Piece("output", ("lm_head.weight",), "matrix"))
+        out.append(Piece("norm", ("model.norm.weight",), "norm"))
+        for i, block in enumerate(self.layers):
+            p, m = f"model.layers.{i}.", f"layers.{i}."
+            out.append(Piece(m + "attention.wqkv", tuple(f"{p}{name}.weight" for name in fam.qkv), "matrix"))
+            if fam.qkv_bias:
+                out.append(Piece(m + "attention.wqkv", tuple(f"{p}{name}.bias" for name in fam.qkv), "bias"))
+            if fam.qk_norm:
+                out.append(Piece(m + "attention.q_norm", (f"{p}self_attn.q_norm.weight",), "norm"))
+                out.append(Piece(m + "attention.k_norm", (f"{p}self_attn.k_norm.weight",), "norm"))
+            out.append(Piece(m + "attention.wo", (f"{p}self_attn.o_proj.weight",), "matrix"))
+            out.append(Piece(m + "feed_forward.w_gate_up", tuple(f"{p}{name}.weight" for name in fam.gate_up),
+                             "matrix"))
+            out.append(Piece(m + "feed_forward.w_down", (f"{p}mlp.down_proj.weight",), "matrix"))
+            roles = {"attn": "attention_norm", "post_attn": "post_attention_norm", "ffn": "ffn_norm",
+                     "post_ffn": "post_ffn_norm"}
+            for role, name in fam.norms.items():
+                out.append(Piece(m + roles[role], (p + name,), "norm"))
+        return out
+
     def load_hf(self, state: dict[str, torch.Tensor]) -> None:
-        """Copies a Hugging Face state dict of this family in (names from engine/arch.py), casting matrices to
-        the build's weight dtype."""
-        dt, fam = self.settings.dtype, self.family
+        """Copies a Hugging Face state dict of this family in, casting matrices to the build's weight dtype: the
+        whole model in memory (the streamed build writes the same tensors without it)."""
+        loaded: set[str] = set()
         with torch.no_grad():
-            self.tok_embeddings.load(state["model.embed_tokens.weight"], dt)
-            if self.output is not None:
-                self.output.load(state["lm_head.weight"], dt)
-            self.norm.weight.copy_(state["model.norm.weight"])
-            for i, block in enumerate(self.layers):
-                p = f"model.layers.{i}."
-                a, f = block.attention, block.feed_forward
-                a.wqkv.load(torch.cat([state[f"{p}{name}.weight"] for name in fam.qkv]), dt)
-                if fam.qkv_bias:
-                    a.wqkv.load_bias(torch.cat([state[f"{p}{name}.bias"] for name in fam.qkv]))
-                if fam.qk_norm:
-                    a.q_norm.weight.copy_(state[f"{p}self_attn.q_norm.weight"])
-                    a.k_norm.weight.copy_(state[f"{p}self_attn.k_norm.weight"])
-                a.wo.load(state[f"{p}self_attn.o_proj.weight"], dt)
-                f.w_gate_up.load(torch.cat([state[f"{p}{name}.weight"] for name in fam.gate_up]), dt)
-                f.w_down.load(state[f"{p}mlp.down_proj.weight"], dt)
-                roles = {"attn": block.attention_norm, "post_attn": block.post_attention_norm,
-                         "ffn": block.ffn_norm, "post_ffn": block.post_ffn_norm}
-                for role, name in fam.norms.items():
-                    roles[role].weight.copy_(state[p + name])
+            for piece in self.pieces():
+                for name, t in piece.convert([state[s] for s in piece.sources], self.settings.dtype).items():
+                    self.get_parameter(name).copy_(t)
+                    loaded.add(name)
+        # Parameters start uninitialised (torch.empty): one that no piece fills would be silently random.
+        missed = [name for name, _ in self.named_parameters() if name not in loaded]
+        assert not missed, f"no checkpoint tensor fills {missed}"

@@ -7,7 +7,7 @@ folders, tiny random models). One module per job:
   tiny         tiny-random[-<family>] test models from transformers' config classes
   chat         tokenizer.json + chat.json for the runtime
   fingerprint  content hashes, memoised on disk
-  weights      read_config / load_state_dict over all of them
+  weights      read_config / open_tensors (one tensor at a time) / load_state_dict over all of them
 
 torch and transformers are imported lazily inside the few functions that build tensors or tokenizers: a warm
 start (resolve, read_config, fingerprint) must stay light.
@@ -15,7 +15,7 @@ start (resolve, read_config, fingerprint) must stay light.
 from .chat import save_tokenizer
 from .source import DEFAULT_MODEL, ModelSource, resolve_model
 from .tiny import TINY_RANDOM
-from .weights import load_state_dict, read_config
+from .weights import CheckpointTensors, load_state_dict, open_tensors, read_config
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -24,5 +24,7 @@ __all__ = [
     "resolve_model",
     "read_config",
     "load_state_dict",
+    "open_tensors",
+    "CheckpointTensors",
     "save_tokenizer",
 ]

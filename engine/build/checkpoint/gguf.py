@@ -12,7 +12,7 @@ import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from engine import arch
 from engine.errors import ModelError
@@ -383,50 +383,78 @@ def _hf_name(fam: arch.Family, layer_names: dict[str, str], gname: str) -> str |
     return None
 
 
-def gguf_state_dict(source: "ModelSource", cfg: dict[str, Any]) -> dict[str, "torch.Tensor"]:
-    """float32 weights under HF names, undoing what llama.cpp's converter does to each family's tensors."""
-    import numpy as np
-    import torch
+# Rows dequantised at a time: gguf's dequantize holds several float temporaries the size of its input, which for
+# a whole 128k-row embedding would be gigabytes. Rows are whole blocks, so chunks give the same floats.
+DEQUANT_ROWS = 2048
+
+
+def gguf_tensors(source: "ModelSource", cfg: dict[str, Any]
+                 ) -> tuple[dict[str, tuple[int, ...]], Callable[[str], "torch.Tensor"]]:
+    """The weights' HF names and shapes from the header, and a reader of one tensor by HF name: float32, with
+    what llama.cpp's converter did to each family's tensors undone. Each read opens the file and reads just
+    that tensor's bytes (no mapping of the whole file that would stay resident)."""
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-    from gguf.quants import dequantize
 
     assert source.path is not None
     info = check_gguf(source)
     fam = family_of(source, info)
     layer_names = fam.gguf_to_hf_layer()
-    sd: dict[str, torch.Tensor] = {}
-    with open(source.path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-        for gname, t in info.tensors.items():
-            if gname in _GGUF_SKIP:
-                continue
-            hf_name = _hf_name(fam, layer_names, gname)
-            if hf_name is None:
-                raise ModelError(f"{source.name}: unexpected tensor {gname} for a {fam.title} model.")
-            qtype = GGMLQuantizationType(t.ggml_type)
-            block, type_size = GGML_QUANT_SIZES[qtype]
-            # numpy order is ggml's reversed; rows of raw bytes are what dequantize expects.
-            np_shape = tuple(reversed(t.shape))
-            if t.shape[0] % block:
-                raise ModelError(
-                    f"{source.name}: tensor {gname} has a row size that does not fit {qtype.name} blocks."
-                )
-            row_bytes = t.shape[0] // block * type_size
-            raw = np.frombuffer(mm, dtype=np.uint8, count=t.nbytes, offset=t.offset)
-            raw = raw.reshape(*np_shape[:-1], row_bytes)
-            try:
-                w = dequantize(raw, qtype)
-            except NotImplementedError:
-                raise ModelError(
-                    f"{source.name}: tensor {gname} uses {qtype.name}, which Eddy cannot dequantise."
-                ) from None
-            w = np.asarray(w, dtype=np.float32).reshape(np_shape)
-            if fam.gguf_permute_qk and hf_name.endswith("self_attn.q_proj.weight"):
-                w = _unpermute(w, cfg["num_attention_heads"])
-            elif fam.gguf_permute_qk and hf_name.endswith("self_attn.k_proj.weight"):
-                w = _unpermute(w, cfg["num_key_value_heads"])
-            if fam.norm_offset and gname.endswith("norm.weight"):
-                w = w - fam.norm_offset  # llama.cpp stores Gemma's (1 + w) norms with the 1 added
-            # Copy: the mmap closes when we return, and torch wants writable memory.
-            sd[hf_name] = torch.from_numpy(np.array(w, dtype=np.float32, order="C", copy=True))
-            del raw, w
-    return sd
+    where: dict[str, tuple[str, _GGUFTensorInfo]] = {}
+    for gname, t in info.tensors.items():
+        if gname in _GGUF_SKIP:
+            continue
+        hf_name = _hf_name(fam, layer_names, gname)
+        if hf_name is None:
+            raise ModelError(f"{source.name}: unexpected tensor {gname} for a {fam.title} model.")
+        qtype = GGMLQuantizationType(t.ggml_type)
+        if t.shape[0] % GGML_QUANT_SIZES[qtype][0]:
+            raise ModelError(
+                f"{source.name}: tensor {gname} has a row size that does not fit {qtype.name} blocks."
+            )
+        where[hf_name] = (gname, t)
+
+    def read(hf_name: str) -> "torch.Tensor":
+        gname, t = where[hf_name]
+        return _read_gguf_tensor(source, info.path, gname, t, hf_name, cfg, fam)
+
+    # numpy order is ggml's reversed.
+    return {name: tuple(reversed(t.shape)) for name, (_, t) in where.items()}, read
+
+
+def _read_gguf_tensor(source: "ModelSource", path: Path, gname: str, t: _GGUFTensorInfo, hf_name: str,
+                      cfg: dict[str, Any], fam: arch.Family) -> "torch.Tensor":
+    import numpy as np
+    import torch
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    qtype = GGMLQuantizationType(t.ggml_type)
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    np_shape = tuple(reversed(t.shape))
+    row_bytes = t.shape[0] // block * type_size
+    raw = np.empty(t.nbytes, dtype=np.uint8)
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(t.offset)
+            got = fh.readinto(raw)
+    except OSError as exc:
+        raise ModelError(f"{path}: cannot read the file ({exc}).") from None
+    if got != t.nbytes:
+        raise ModelError(f"{path.name}: the GGUF file is truncated (tensor {gname} is cut short). Download it again.")
+    # Rows of raw bytes are what dequantize expects.
+    raw = raw.reshape(-1, row_bytes)
+    w = np.empty((raw.shape[0], t.shape[0]), dtype=np.float32)
+    try:
+        for start in range(0, raw.shape[0], DEQUANT_ROWS):
+            w[start:start + DEQUANT_ROWS] = dequantize(raw[start:start + DEQUANT_ROWS], qtype)
+    except NotImplementedError:
+        raise ModelError(f"{source.name}: tensor {gname} uses {qtype.name}, which Eddy cannot dequantise.") from None
+    del raw
+    w = w.reshape(np_shape)
+    if fam.gguf_permute_qk and hf_name.endswith("self_attn.q_proj.weight"):
+        w = _unpermute(w, cfg["num_attention_heads"])
+    elif fam.gguf_permute_qk and hf_name.endswith("self_attn.k_proj.weight"):
+        w = _unpermute(w, cfg["num_key_value_heads"])
+    if fam.norm_offset and gname.endswith("norm.weight"):
+        w = w - fam.norm_offset  # llama.cpp stores Gemma's (1 + w) norms with the 1 added
+    return torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import struct
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from engine import arch
 from engine.errors import ModelError
@@ -144,6 +144,12 @@ def hf_weight_files(folder: Path) -> list[Path]:
 def check_safetensors(path: Path) -> None:
     """Validate the header and size without reading the tensors, so a truncated download is
     caught when the model is chosen rather than halfway through an export."""
+    safetensors_header(path)
+
+
+def safetensors_header(path: Path) -> dict[str, Any]:
+    """A checked .safetensors file's tensor entries ({name: {"dtype", "shape", "data_offsets"}}); ModelError if
+    the header is corrupt or the file's size is not what the header describes."""
     try:
         size = path.stat().st_size
         with open(path, "rb") as fh:
@@ -155,11 +161,13 @@ def check_safetensors(path: Path) -> None:
                 raise _Truncated
             header = json.loads(fh.read(n))
         end = 0
+        entries = {}
         for key, entry in header.items():
             if key == "__metadata__":
                 continue
             begin, stop = entry["data_offsets"]
             end = max(end, int(stop))
+            entries[key] = {**entry, "shape": tuple(int(d) for d in entry["shape"])}
     except (_Truncated, ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
         raise ModelError(
             f"{path.name}: the .safetensors file is truncated or corrupt (bad header)."
@@ -171,6 +179,7 @@ def check_safetensors(path: Path) -> None:
             f"{path.name}: the .safetensors file is truncated or corrupt ({size} bytes, but its "
             f"header describes {8 + n + end})."
         )
+    return entries
 
 
 def hf_tokenizer_file(source: "ModelSource") -> Path:
@@ -184,35 +193,41 @@ def hf_tokenizer_file(source: "ModelSource") -> Path:
 
 
 
-def hf_state_dict(source: "ModelSource", cfg: dict[str, Any]) -> dict[str, "torch.Tensor"]:
-    import torch
-    from safetensors import SafetensorError, safe_open
-
+def hf_tensors(source: "ModelSource", cfg: dict[str, Any]
+               ) -> tuple[dict[str, tuple[int, ...]], Callable[[str], "torch.Tensor"]]:
+    """The weights' HF names and shapes from the shards' headers, and a reader of one tensor by name (in its
+    stored floating type).
+    Each read opens its shard for that tensor alone: a mapping held open over the whole build would keep
+    every tensor read so far resident."""
     assert source.path is not None
     files = hf_weight_files(source.path)
     if not files:
         from .source import raise_no_weights
 
         raise_no_weights(source)
-    sd: dict[str, torch.Tensor] = {}
+    where: dict[str, tuple[Path, str, tuple[int, ...]]] = {}
     for shard in files:
-        check_safetensors(shard)
-        try:
-            with safe_open(str(shard), framework="pt") as f:
-                for key in f.keys():
-                    if key.endswith("rotary_emb.inv_freq"):
-                        continue  # a derived buffer some old checkpoints saved
-                    name = key if key.startswith(("model.", "lm_head.")) else "model." + key
-                    if name in sd:
-                        raise ModelError(
-                            f"{source.name}: tensor {key} appears in more than one .safetensors file."
-                        )
-                    sd[name] = f.get_tensor(key).to(torch.float32).contiguous()
-        except SafetensorError as exc:
-            raise ModelError(
-                f"{shard.name}: the .safetensors file is truncated or corrupt ({exc})."
-            ) from None
+        for key, entry in safetensors_header(shard).items():
+            if key.endswith("rotary_emb.inv_freq"):
+                continue  # a derived buffer some old checkpoints saved
+            name = key if key.startswith(("model.", "lm_head.")) else "model." + key
+            if name in where:
+                raise ModelError(f"{source.name}: tensor {key} appears in more than one .safetensors file.")
+            where[name] = (shard, key, entry["shape"])
     if cfg["tie_word_embeddings"]:
         # from_pretrained ties lm_head to embed_tokens and ignores a stored copy.
-        sd.pop("lm_head.weight", None)
-    return sd
+        where.pop("lm_head.weight", None)
+
+    def read(name: str) -> "torch.Tensor":
+        from safetensors import SafetensorError, safe_open
+
+        shard, key, _ = where[name]
+        try:
+            with safe_open(str(shard), framework="pt") as f:
+                t = f.get_tensor(key)
+            # Integer or float64 tensors are no weights Eddy knows; float32 keeps whatever they hold.
+            return t if t.dtype.is_floating_point and t.element_size() <= 4 else t.float()
+        except SafetensorError as exc:
+            raise ModelError(f"{shard.name}: the .safetensors file is truncated or corrupt ({exc}).") from None
+
+    return {name: shape for name, (_, _, shape) in where.items()}, read

@@ -1,13 +1,14 @@
-"""read_config and load_state_dict over every checkpoint kind, and the shape check between them."""
+"""read_config, open_tensors and load_state_dict over every checkpoint kind, and the shape check between them."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
 
 from engine import arch
 from engine.errors import ModelError
 
-from .gguf import check_gguf, gguf_config, gguf_state_dict, read_gguf
-from .hf import hf_config, hf_state_dict
+from .gguf import check_gguf, gguf_config, gguf_tensors, read_gguf
+from .hf import hf_config, hf_tensors
 from .source import ModelSource, default_source
 from .tiny import tiny_config, tiny_state_dict
 
@@ -43,14 +44,14 @@ def expected_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _check_state_dict(source: ModelSource, cfg: dict[str, Any], sd: dict[str, Any]) -> None:
+def _check_shapes(source: ModelSource, cfg: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> None:
     expected = expected_shapes(cfg)
-    missing = [k for k in expected if k not in sd]
+    missing = [k for k in expected if k not in shapes]
     if missing:
         raise ModelError(
             f"{source.name}: weights are missing {len(missing)} tensor(s), e.g. {', '.join(missing[:3])}."
         )
-    extra = [k for k in sd if k not in expected]
+    extra = [k for k in shapes if k not in expected]
     if extra:
         title = arch.family(cfg.get("model_type", "llama")).title
         raise ModelError(
@@ -58,23 +59,46 @@ def _check_state_dict(source: ModelSource, cfg: dict[str, Any], sd: dict[str, An
             f"e.g. {', '.join(sorted(extra)[:3])}."
         )
     for k, shape in expected.items():
-        if tuple(sd[k].shape) != shape:
+        if tuple(shapes[k]) != shape:
             raise ModelError(
-                f"{source.name}: tensor {k} has shape {tuple(sd[k].shape)} but the config implies {shape}."
+                f"{source.name}: tensor {k} has shape {tuple(shapes[k])} but the config implies {shape}."
             )
 
 
-def load_state_dict(source: ModelSource) -> dict[str, "torch.Tensor"]:
-    """float32 weights under Hugging Face names, equal to what the family's transformers class would hold after
-    from_pretrained (lm_head only when untied)."""
+@dataclass(frozen=True)
+class CheckpointTensors:
+    """A checked checkpoint's weights under Hugging Face names, read one at a time: `read(name)` gives the float32
+    tensor the family's transformers class would hold after from_pretrained (lm_head only when untied);
+    `read_stored(name)` the same values in the checkpoint's own type (GGUF blocks come dequantised to float32).
+    The streamed build reads each tensor once, as stored, and lets it go, so memory follows the largest tensor."""
+    shapes: dict[str, tuple[int, ...]]
+    read_stored: Callable[[str], "torch.Tensor"]  # in the checkpoint's own floating type (bf16 stays bf16)
+
+    def read(self, name: str) -> "torch.Tensor":
+        import torch
+
+        return self.read_stored(name).to(torch.float32).contiguous()
+
+
+def open_tensors(source: ModelSource) -> CheckpointTensors:
+    """The checkpoint's tensors, checked against its config by name and shape (headers only, no weights read;
+    the tiny random models are made whole, being tiny)."""
     cfg = read_config(source)
     if source.kind == "gguf":
-        sd = gguf_state_dict(source, cfg)
+        shapes, read = gguf_tensors(source, cfg)
     elif source.kind == "hf":
-        sd = hf_state_dict(source, cfg)
+        shapes, read = hf_tensors(source, cfg)
     elif source.kind == "tiny-random":
         sd = tiny_state_dict(cfg)
+        shapes, read = {k: tuple(v.shape) for k, v in sd.items()}, sd.__getitem__
     else:
         raise ModelError(f'Model "{source.name}": unknown checkpoint kind "{source.kind}".')
-    _check_state_dict(source, cfg, sd)
-    return sd
+    _check_shapes(source, cfg, shapes)
+    return CheckpointTensors(shapes, read)
+
+
+def load_state_dict(source: ModelSource) -> dict[str, "torch.Tensor"]:
+    """Every tensor of open_tensors in memory at once: float32 weights under Hugging Face names, equal to what the
+    family's transformers class would hold after from_pretrained (lm_head only when untied)."""
+    tensors = open_tensors(source)
+    return {name: tensors.read(name) for name in tensors.shapes}

@@ -1,0 +1,238 @@
+#!/usr/bin/env python3
+"""Real-size builds: time and memory of `eddy compile` on random-weight checkpoints with real models' shapes.
+
+    python bench/scale.py [--size llama-3.2-1b] [--dtype q8] [--before DIR] [--json FILE]
+
+For each size it writes a random bf16 safetensors checkpoint of that model's shapes under /tmp (random weights
+serve for time and memory), builds it with `eddy compile` in a private artefact cache under /tmp, and reports
+the build's wall time, per-stage seconds, the peak resident memory of the build's whole process tree and of
+its largest process, and the artefacts' size. `--before DIR` builds the same checkpoint with the code in DIR
+too (e.g. main's: `git archive main | tar -x -C DIR`), in the same run, so the two are compared on one machine.
+The checkpoint and every artefact are deleted afterwards (they are gigabytes). One build at a time.
+
+Memory is sampled from /proc every 0.1 s: the tree's peak is the largest sum of VmRSS over the CLI, the build's
+child process and the iree-compile it starts; each process's own peak is its VmHWM (the kernel's high-water
+mark, exact between samples). Prints a table and writes JSON (default bench/results/scale.json).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from machine import cpu_info  # noqa: E402  (bench/machine.py, beside this script)
+
+# config.json of each size, from the models' cards (the fields Eddy reads).
+SIZES = {
+    "llama-3.2-1b": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048,
+        "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "head_dim": 64, "vocab_size": 128256, "tie_word_embeddings": True, "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0, "max_position_embeddings": 131072, "torch_dtype": "bfloat16",
+        "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    },
+    "llama-3.2-3b": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 3072,
+        "intermediate_size": 8192, "num_hidden_layers": 28, "num_attention_heads": 24, "num_key_value_heads": 8,
+        "head_dim": 128, "vocab_size": 128256, "tie_word_embeddings": True, "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0, "max_position_embeddings": 131072, "torch_dtype": "bfloat16",
+        "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    },
+    "llama-3.1-8b": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "head_dim": 128, "vocab_size": 128256, "tie_word_embeddings": False, "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0, "max_position_embeddings": 131072, "torch_dtype": "bfloat16",
+        "rope_scaling": {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    },
+}
+STAGE = re.compile(r"building: (.+?) +\d+%")
+
+
+def checkpoint_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
+    from engine.build.checkpoint.weights import expected_shapes
+
+    return expected_shapes(cfg)
+
+
+def write_checkpoint(folder: Path, cfg: dict, seed: int = 0) -> int:
+    """config.json, random bf16 model.safetensors (written a tensor at a time: an 8B one does not fit in memory
+    whole) and the default model's tokenizer files. Returns the weights' size in bytes."""
+    import torch
+
+    from engine.build.checkpoint import resolve_model, save_tokenizer
+
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(cfg, indent=1))
+    # The default model's tokenizer: smaller than the vocabulary, which the build does not mind.
+    save_tokenizer(resolve_model(None), folder)
+    chat = json.loads((folder / "chat.json").read_text())
+    (folder / "chat.json").unlink()
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": chat["bos_token"], "eos_token": chat["eos_token"], "chat_template": chat["chat_template"]}))
+    shapes = checkpoint_shapes(cfg)
+    header, offset = {}, 0
+    for name, shape in shapes.items():
+        n = 2 * int(torch.Size(shape).numel())
+        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)
+    gen = torch.Generator().manual_seed(seed)
+    with open(folder / "model.safetensors", "wb") as fh:
+        fh.write(struct.pack("<Q", len(blob)) + blob)
+        for name, shape in shapes.items():
+            if name.endswith("norm.weight"):
+                t = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+            else:
+                t = 0.02 * torch.randn(shape, generator=gen)
+            fh.write(t.to(torch.bfloat16).view(torch.int16).numpy().tobytes())
+            del t
+    return offset
+
+
+def _tree(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as fh:
+                    todo += [int(c) for c in fh.read().split()]
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            pass
+    return out
+
+
+def _status(pid: int) -> tuple[str, int, int] | None:
+    """(name, VmRSS, VmHWM) in bytes."""
+    try:
+        text = open(f"/proc/{pid}/status").read()
+        cmd = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    kb = lambda k: int(fields.get(k, "0 kB").split()[0]) * 1024  # noqa: E731
+    label = "iree-compile" if any(b"iree-compile" in c for c in cmd[:1]) else (
+        "build child" if b"engine.build.process" in cmd else "eddy compile")
+    return label, kb("VmRSS"), kb("VmHWM")
+
+
+def measure_build(model: Path, dtype: str, code: Path, cache: Path) -> dict:
+    env = {**os.environ, "EDDY_CACHE_DIR": str(cache), "PYTHONPATH": str(code)}
+    start = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "compile", "--model", str(model), "--dtype", dtype],
+                            cwd=code, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    stages: list[tuple[str, float]] = []
+    err_tail: list[str] = []
+
+    def seen(text: str) -> bool:
+        m = STAGE.search(text)
+        if m and (not stages or stages[-1][0] != m.group(1)):
+            stages.append((m.group(1), time.perf_counter() - start))
+        return m is not None
+
+    def read_stderr() -> None:
+        buf = b""
+        while chunk := proc.stderr.read1(4096):
+            buf += chunk
+            *parts, buf = re.split(rb"[\r\n]", buf)
+            for part in parts:
+                text = part.decode(errors="replace")
+                if not seen(text) and text.strip():
+                    err_tail.append(text[-300:])
+            # The CLI ends a progress line with the next one's "\r", so the stage it names starts now.
+            seen(buf.decode(errors="replace"))
+
+    reader = threading.Thread(target=read_stderr, daemon=True)
+    reader.start()
+    tree_peak, tree_peak_stage, hwm = 0, None, {}
+    stage_peak: dict[str, int] = {}
+    while proc.poll() is None:
+        total = 0
+        for pid in _tree(proc.pid):
+            st = _status(pid)
+            if st:
+                label, rss, peak = st
+                total += rss
+                hwm[label] = max(hwm.get(label, 0), peak)
+        now = stages[-1][0] if stages else "starting"
+        stage_peak[now] = max(stage_peak.get(now, 0), total)
+        if total > tree_peak:
+            tree_peak, tree_peak_stage = total, now
+        time.sleep(0.1)
+    wall = time.perf_counter() - start
+    reader.join(timeout=5)
+    out = proc.stdout.read().decode().strip().splitlines()
+    if proc.returncode:
+        raise SystemExit(f"build with {code} failed ({proc.returncode}):\n" + "\n".join(err_tail[-15:]))
+    folder = Path(out[-1])
+    sizes = {f.name: f.stat().st_size for f in folder.iterdir() if f.suffix in (".irpa", ".vmfb")}
+    ends = [t for _, t in stages[1:]] + [wall]
+    return {
+        "wall_s": round(wall, 1),
+        "stages_s": {name: round(end - t, 1) for (name, t), end in zip(stages, ends) if name != "done"},
+        "tree_peak_rss_gb": round(tree_peak / 1e9, 2),
+        "tree_peak_stage": tree_peak_stage,
+        "tree_peak_rss_gb_by_stage": {k: round(v / 1e9, 2) for k, v in stage_peak.items()},
+        "process_peak_rss_gb": {k: round(v / 1e9, 2) for k, v in hwm.items()},
+        "artefact_bytes": sizes,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size", action="append", choices=sorted(SIZES), help="repeatable (default llama-3.2-1b)")
+    p.add_argument("--dtype", default="q8")
+    p.add_argument("--before", type=Path, help="a checkout of the code to compare with (built first)")
+    p.add_argument("--label", default="", help="free text stored with the figures")
+    p.add_argument("--json", default=str(ROOT / "bench" / "results" / "scale.json"))
+    a = p.parse_args()
+    codes = ([("before", a.before.resolve())] if a.before else []) + [("after", ROOT)]
+    rows = []
+    for size in a.size or ["llama-3.2-1b"]:
+        work = Path(tempfile.mkdtemp(prefix=f"eddy-scale-{size}-"))
+        try:
+            t = time.perf_counter()
+            nbytes = write_checkpoint(work / size, SIZES[size])
+            print(f"{size}: random checkpoint {nbytes / 1e9:.2f} GB in {time.perf_counter() - t:.0f} s", flush=True)
+            for label, code in codes:
+                cache = work / f"cache-{label}"
+                result = measure_build(work / size, a.dtype, code, cache)
+                shutil.rmtree(cache)  # the artefacts, before the next build
+                rows.append({"size": size, "dtype": a.dtype, "code": label, "checkpoint_bytes": nbytes, **result})
+                print(json.dumps(rows[-1]), flush=True)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+
+    print(f"\n{'size':14} {'dtype':5} {'code':6} {'wall s':>7} {'tree peak GB':>12} {'at stage':>15} "
+          f"{'child GB':>8} {'compile GB':>10} {'irpa GB':>8}")
+    for r in rows:
+        procs = r["process_peak_rss_gb"]
+        print(f"{r['size']:14} {r['dtype']:5} {r['code']:6} {r['wall_s']:7.1f} {r['tree_peak_rss_gb']:12.2f} "
+              f"{str(r['tree_peak_stage']):>15} {procs.get('build child', 0):8.2f} {procs.get('iree-compile', 0):10.2f} "
+              f"{r['artefact_bytes'].get('weights.irpa', 0) / 1e9:8.2f}")
+    out = Path(a.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"machine": cpu_info(), "label": a.label, "results": rows}, indent=1) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
