@@ -18,6 +18,7 @@ from .icons import icon
 from .models import ChatModel, Message
 
 REFRESH_MS = 40
+FLASH_MS = 1600  # how long a revealed message (a search hit) stays highlighted
 
 
 def blend(a: QColor, b: QColor, t: float) -> QColor:
@@ -118,6 +119,7 @@ class MessageWidget(QFrame):
         super().__init__(parent)
         self.role = message.role
         self.forgotten = False
+        self.flashing = False
         self.setFocusPolicy(Qt.FocusPolicy.TabFocus)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(12, 8, 12, 10)
@@ -171,6 +173,16 @@ class MessageWidget(QFrame):
         self.setAccessibleDescription(message.content[:500])
         self._recolour()
 
+    def flash(self) -> None:
+        """Highlights the bubble for a moment (the message a search hit led to)."""
+        self.flashing = True
+        self.update()
+        QTimer.singleShot(FLASH_MS, self._unflash)
+
+    def _unflash(self) -> None:
+        self.flashing = False
+        self.update()
+
     def _recolour(self) -> None:
         pal = self.palette()
         dim = blend(pal.color(QPalette.ColorRole.Base), pal.color(QPalette.ColorRole.Text), 0.55)
@@ -197,12 +209,14 @@ class MessageWidget(QFrame):
             fill = blend(base, pal.color(QPalette.ColorRole.Text), 0.04)
         if self.forgotten:
             fill = blend(fill, pal.color(QPalette.ColorRole.Window), 0.5)
+        if self.flashing:
+            fill = blend(fill, pal.color(QPalette.ColorRole.Highlight), 0.30)
         painter = QPainter(self)
         painter.setRenderHint(QPainter.RenderHint.Antialiasing)
         path = QPainterPath()
         path.addRoundedRect(QRectF(self.rect()).adjusted(0.5, 0.5, -0.5, -0.5), 10, 10)
         painter.fillPath(path, fill)
-        if self.hasFocus():
+        if self.hasFocus() or self.flashing:
             painter.setPen(pal.color(QPalette.ColorRole.Highlight))
             painter.drawPath(path)
 
@@ -297,6 +311,11 @@ class ChatView(QScrollArea):
         self._refresh.setInterval(REFRESH_MS)
         self._refresh.timeout.connect(self._flush)
         self._stick = True  # follow new text while the view is scrolled to the bottom
+        self._revealing = -1  # a message being revealed: kept in view while the bubbles above settle their heights
+        self._reveal_end = QTimer(self)
+        self._reveal_end.setSingleShot(True)
+        self._reveal_end.setInterval(FLASH_MS)
+        self._reveal_end.timeout.connect(self._end_reveal)
         self.verticalScrollBar().rangeChanged.connect(self._follow)
         self.verticalScrollBar().valueChanged.connect(self._note_position)
         model.reset.connect(self._rebuild)
@@ -314,6 +333,7 @@ class ChatView(QScrollArea):
             w.deleteLater()
         self.widgets = []
         self._dirty.clear()
+        self._end_reveal()
         for message in self.model.messages:
             self._add_widget(message)
         self._stick = True
@@ -390,8 +410,34 @@ class ChatView(QScrollArea):
         self._stick = value >= bar.maximum() - 24
 
     def _follow(self, _min: int, _max: int) -> None:
-        if self._stick:
+        if self._revealing >= 0:
+            self._show_revealed()
+        elif self._stick:
             self.verticalScrollBar().setValue(self.verticalScrollBar().maximum())
+
+    def reveal(self, index: int) -> None:
+        """Scrolls message `index` into view and highlights it for a moment (a search hit was opened)."""
+        if not 0 <= index < len(self.widgets):
+            return
+        self._stick = False
+        self._revealing = index
+        self._reveal_end.start()
+        self.flush()
+        self.widgets[index].flash()
+        # Now and once the layout has run: the bubbles' heights settle after they are first shown.
+        self._show_revealed()
+        QTimer.singleShot(0, self._show_revealed)
+
+    def _show_revealed(self) -> None:
+        if 0 <= self._revealing < len(self.widgets):
+            # Its top a little below the view's top (the column is the bubbles' parent): a long message is
+            # read from its start, and the one before it shows that this is the middle of a chat.
+            top = self.widgets[self._revealing].geometry().top()
+            self.verticalScrollBar().setValue(max(0, top - min(self.viewport().height() // 4, 80)))
+
+    def _end_reveal(self) -> None:
+        self._revealing = -1
+        self._reveal_end.stop()
 
     def scroll_to_marker(self) -> None:
         if not self.marker.isHidden():
@@ -399,6 +445,8 @@ class ChatView(QScrollArea):
             self.ensureWidgetVisible(self.marker, 0, self.viewport().height() // 3)
 
     def scroll_to_bottom(self) -> None:
+        if self._revealing >= 0:
+            return  # a search hit was opened: stay at it
         self.verticalScrollBar().setValue(self.verticalScrollBar().maximum())
 
     def marker_index(self) -> int:

@@ -20,7 +20,7 @@ from engine.run.generation import ChatDefaults
 from .models import ChatModel, ConversationListModel, Message, TurnStatsModel
 from .saving import SaveQueue
 from .settings import AppSettings, load_settings, save_settings
-from .store import ConversationRow, Store, StoreError, TurnRow
+from .store import ConversationRow, SearchHit, Store, StoreError, TurnRow
 from .transcript import to_json, to_markdown
 from .worker import TURN_ERRORS, EngineHost, Origin
 
@@ -54,6 +54,7 @@ class ChatController(QObject):
     turn_finished = Signal(object)     # the turn's TurnRow, as stored
     restore_input = Signal(str)        # a message that was not sent goes back into the input box
     conversation_opened = Signal()
+    message_revealed = Signal(int)     # scroll the open chat to this message and highlight it (a search hit)
     current_changed = Signal()         # the open chat got an id (first message saved) or lost it
     closed = Signal()                  # shutdown() finished: the engine thread has ended, the store is closed
 
@@ -226,6 +227,28 @@ class ChatController(QObject):
         self.turns.set_rows(turns)
         self.conversation_opened.emit()
         self._sync_engine()
+
+    # --- search --------------------------------------------------------------------------------------------
+
+    def search(self, text: str, limit: int = 50) -> list[SearchHit]:
+        """Titles and messages of every saved chat that contain the words of `text` (any text is safe)."""
+        return self._read(lambda: self.store.search(text, limit), [])
+
+    def open_hit(self, hit: SearchHit) -> None:
+        """Opens the hit's chat and reveals its message (a reply in another chat is stopped first)."""
+        if hit.conversation_id != self.chat.conversation_id:
+            if self.busy:
+                self._when_idle(lambda: self.open_hit(hit))
+                return
+            self.open_chat(hit.conversation_id)
+            if self.chat.conversation_id != hit.conversation_id:
+                return  # it could not be read (the notice says so)
+        if hit.message_id is None:
+            return  # the title matched: the chat is open, at its end
+        # By id: the chat in memory may have changed since the search ran; the stored position is the fallback.
+        index = next((i for i, m in enumerate(self.chat.messages) if m.id == hit.message_id), hit.seq)
+        if 0 <= index < len(self.chat.messages):
+            self.message_revealed.emit(index)
 
     def _leave_current(self) -> None:
         self.saves.leave(self.chat.conversation_id, self.chat.title, self.chat.messages)

@@ -15,9 +15,10 @@ from .chat_view import ChatView, copy_to_clipboard
 from .compose import ComposeBox
 from .controller import ChatController
 from .icons import icon, logo
-from .models import ConversationListModel
+from .models import ConversationListModel, SearchResultsModel
 from .notice import NoticeBar
 from .progress_dialog import BuildProgressDialog
+from .search_view import LiveSearch, SearchPopup, SearchResults
 from .settings_dialog import DEFAULT_MODEL_NAME, SettingsDialog
 from .stats_panel import StatsPanel
 
@@ -75,6 +76,7 @@ class MainWindow(QMainWindow):
         c.current_changed.connect(self._select_current)
         c.conversations.dataChanged.connect(self._update_controls)  # a renamed chat: the window title
         c.closed.connect(self._finish_close)
+        c.message_revealed.connect(self.chat_view.reveal)
         self.notice.action_requested.connect(self._on_notice_action)
         c.chat.window_changed.connect(self._show_context)
         self.stats.show_marker_requested.connect(self.chat_view.scroll_to_marker)
@@ -98,8 +100,8 @@ class MainWindow(QMainWindow):
         self.new_button.clicked.connect(self.controller.new_chat)
         layout.addWidget(self.new_button)
         self.filter = QLineEdit()
-        self.filter.setPlaceholderText("Filter chats")
-        self.filter.setAccessibleName("Filter chats by title")
+        self.filter.setPlaceholderText("Filter chats (Ctrl+K searches)")
+        self.filter.setAccessibleName("Filter chats by title and search their messages")
         self.filter.setClearButtonEnabled(True)
         layout.addWidget(self.filter)
         self.proxy = QSortFilterProxyModel(self)
@@ -118,6 +120,28 @@ class MainWindow(QMainWindow):
         self.chat_list.customContextMenuRequested.connect(self._chat_menu)
         self.chat_list.selectionModel().currentChanged.connect(self._on_list_current)
         layout.addWidget(self.chat_list, 1)
+        # The filter also searches the messages: their hits show under the chats whose titles match.
+        self.hits = SearchResultsModel(self)
+        self.hits_label = QLabel("In messages")
+        self.hits_list = SearchResults(self.hits)
+        self.hits_list.setAccessibleName("Messages that match the filter")
+        self.hits_list.hit_activated.connect(self.controller.open_hit)
+        self.filter_search = LiveSearch(self.filter, self.controller.search, self.hits, messages_only=True)
+        self.hits.modelReset.connect(self._show_hits)
+        layout.addWidget(self.hits_label)
+        layout.addWidget(self.hits_list, 1)
+        self._show_hits()
+        self.search_popup = SearchPopup(self.controller.search, self)
+        self.search_popup.hit_chosen.connect(self.controller.open_hit)
+
+    def _show_hits(self) -> None:
+        searching = bool(self.filter.text().strip())
+        self.hits_label.setVisible(searching)
+        self.hits_list.setVisible(searching)
+        self.hits_label.setText(f"In messages: {len(self.hits.hits)}" if self.hits.hits else "In messages: none")
+
+    def open_search(self) -> None:
+        self.search_popup.open_search()
 
     def _build_center(self) -> None:
         self.center = QWidget()
@@ -204,6 +228,7 @@ class MainWindow(QMainWindow):
         self.sidebar_action.setCheckable(True)
         self.sidebar_action.setChecked(True)
         self._action(view_menu, "&Find chat", QKeySequence.StandardKey.Find, self.filter.setFocus)
+        self.search_action = self._action(view_menu, "Search &all chats…", QKeySequence("Ctrl+K"), self.open_search)
         # Esc stops a reply anywhere in the window, or leaves edit mode.
         esc = QShortcut(QKeySequence(Qt.Key.Key_Escape), self)
         esc.setContext(Qt.ShortcutContext.WindowShortcut)

@@ -13,7 +13,7 @@ from PySide6.QtCore import QAbstractListModel, QAbstractTableModel, QModelIndex,
 
 from engine.events import Context
 
-from .store import ConversationRow, TurnRow
+from .store import MARK_END, MARK_START, ConversationRow, SearchHit, TurnRow
 
 Index = QModelIndex | QPersistentModelIndex
 
@@ -183,6 +183,35 @@ class ConversationListModel(QAbstractListModel):
             return False
         self.rename_requested.emit(self.rows[index.row()].id, title)
         return True
+
+
+class SearchResultsModel(QAbstractListModel):
+    """The hits of one search (the controller's search() fills it); each row's HitRole is its SearchHit."""
+
+    HitRole = Qt.ItemDataRole.UserRole + 1
+
+    def __init__(self, parent: QObject | None = None) -> None:
+        super().__init__(parent)
+        self.hits: list[SearchHit] = []
+
+    def set_hits(self, hits: list[SearchHit]) -> None:
+        self.beginResetModel()
+        self.hits = list(hits)
+        self.endResetModel()
+
+    def rowCount(self, parent: Index = QModelIndex()) -> int:  # noqa: N802
+        return 0 if parent.isValid() else len(self.hits)
+
+    def data(self, index: Index, role: int = Qt.ItemDataRole.DisplayRole) -> Any:
+        if not index.isValid():
+            return None
+        hit = self.hits[index.row()]
+        if role == self.HitRole:
+            return hit
+        if role in (Qt.ItemDataRole.DisplayRole, Qt.ItemDataRole.AccessibleTextRole):
+            plain = hit.snippet.replace(MARK_START, "").replace(MARK_END, "")
+            return f"{hit.title}: {plain}" if hit.message_id is not None else hit.title
+        return None
 
 
 class TurnStatsModel(QAbstractTableModel):
