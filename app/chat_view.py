@@ -45,6 +45,7 @@ class MarkdownView(QTextBrowser):
         self.document().documentLayout().documentSizeChanged.connect(self._fit)
         self._markdown = True
         self._text = ""
+        self._cut: tuple[int, str] | None = None
 
     def loadResource(self, kind: int, url: QUrl):  # noqa: N802 (Qt API)
         return None  # a reply must not make the app read files or fetch images
@@ -54,16 +55,47 @@ class MarkdownView(QTextBrowser):
         if url.scheme() in ("http", "https", "mailto"):
             QDesktopServices.openUrl(url)
 
-    def set_content(self, text: str, markdown: bool) -> None:
-        if text == self._text and markdown == self._markdown and not self.document().isEmpty():
+    def set_content(self, text: str, markdown: bool, cut: tuple[int, str] | None = None) -> None:
+        """Shows `text`; `cut` (plain text only) = (offset, note): the text before offset is dimmed and the
+        note sits between it and the rest (where the model's view of a long message begins)."""
+        if text == self._text and markdown == self._markdown and cut == self._cut and not self.document().isEmpty():
             return
-        self._text, self._markdown = text, markdown
+        self._text, self._markdown, self._cut = text, markdown, cut
         if markdown:
             self.setMarkdown(text)
             self._style_code()
+        elif cut is not None:
+            self._show_cut(text, *cut)
         else:
             self.setPlainText(text)
         self._fit()
+
+    def _show_cut(self, text: str, offset: int, note: str) -> None:
+        pal = self.palette()
+        base, fg = pal.color(QPalette.ColorRole.Base), pal.color(QPalette.ColorRole.Text)
+        highlight = pal.color(QPalette.ColorRole.Highlight)
+        self.clear()
+        cursor = QTextCursor(self.document())
+        normal = QTextCharFormat()
+        dim = QTextCharFormat()
+        dim.setForeground(QBrush(blend(fg, base, 0.5)))
+        before, after = text[:offset], text[offset:]
+        if before.endswith("\n"):
+            before = before[:-1]  # the note's own block takes that line break
+        if before:
+            cursor.insertText(before, dim)
+            cursor.insertBlock()
+        note_block = QTextBlockFormat()
+        note_block.setBackground(QBrush(blend(base, highlight, 0.18)))
+        note_block.setTopMargin(4)
+        note_block.setBottomMargin(4)
+        cursor.setBlockFormat(note_block)
+        note_fmt = QTextCharFormat()
+        note_fmt.setForeground(QBrush(highlight))
+        note_fmt.setFontWeight(700)
+        cursor.insertText(note, note_fmt)
+        cursor.insertBlock(QTextBlockFormat(), normal)
+        cursor.insertText(after, normal)
 
     def _style_code(self) -> None:
         # Qt's Markdown import marks fenced blocks and inline code but gives them no background.
@@ -110,6 +142,19 @@ class MarkdownView(QTextBrowser):
         return QSize(200, self.height())
 
 
+def cut_offset(text: str, seen: int, total: int) -> int:
+    """Roughly where in `text` the model's view begins: the same share of the characters as of the tokens
+    (the exact place would need the tokenizer), moved back to its line's start when that is near."""
+    if total <= 0:
+        return 0
+    offset = max(0, min(len(text), len(text) - round(len(text) * seen / total)))
+    line = text.rfind("\n", 0, offset) + 1
+    if offset - line <= 160:
+        return line
+    space = text.rfind(" ", 0, offset)
+    return space + 1 if space >= 0 and offset - space < 40 else offset
+
+
 class MessageWidget(QFrame):
     """One message: who, a little meta line, a copy button and the text."""
 
@@ -149,10 +194,19 @@ class MessageWidget(QFrame):
         self._content = ""
         self.set_message(message)
 
-    def set_message(self, message: Message, forgotten: bool = False, partly: bool = False) -> None:
+    def set_message(self, message: Message, forgotten: bool = False, partly: bool = False,
+                    seen: tuple[int, int] | None = None) -> None:
+        """`seen`: for the message the model's window begins inside, (its tokens still seen, all its tokens)."""
         self._content = message.content
         self.forgotten = forgotten
-        self.body.set_content(message.content, markdown=message.role == "assistant")
+        markdown = message.role == "assistant"
+        cut = None
+        if seen and not markdown:
+            cut = (cut_offset(message.content, *seen),
+                   f"▼ The model's view begins about here: it still sees the last {seen[0]:,} of this message's "
+                   f"{seen[1]:,} tokens. The text above has streamed through its window.")
+        self.cut_note = cut[1] if cut else ""
+        self.body.set_content(message.content, markdown=markdown, cut=cut)
         bits = []
         if message.streaming:
             bits.append("writing…")
@@ -165,6 +219,8 @@ class MessageWidget(QFrame):
                 bits.append("cut at max length")
         if forgotten:
             bits.append("out of the model's window")
+        elif partly and seen:
+            bits.append(f"partly out of the model's window: it sees the last {seen[0]:,} of {seen[1]:,} tokens")
         elif partly:
             bits.append("partly out of the model's window")
         self.meta.setText(" · ".join(bits))
@@ -386,7 +442,8 @@ class ChatView(QScrollArea):
 
     def _render(self, index: int) -> None:
         forgotten = index < self.model.forgotten()
-        self.widgets[index].set_message(self.model.messages[index], forgotten, self.model.partly_forgotten(index))
+        self.widgets[index].set_message(self.model.messages[index], forgotten, self.model.partly_forgotten(index),
+                                        self.model.seen_of(index))
 
     def _place_marker(self) -> None:
         n = self.model.forgotten()

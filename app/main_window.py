@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from PySide6.QtCore import QByteArray, QEvent, QItemSelectionModel, QModelIndex, QSettings, QSortFilterProxyModel, Qt, Signal
+from PySide6.QtCore import (QByteArray, QEvent, QItemSelectionModel, QModelIndex, QSettings, QSortFilterProxyModel, Qt,
+                            QTimer, Signal)
 from PySide6.QtGui import QAction, QCloseEvent, QKeySequence, QShortcut
 from PySide6.QtWidgets import (QAbstractItemView, QFileDialog, QHBoxLayout, QInputDialog, QLabel, QLineEdit, QListView,
                                QMainWindow, QMenu, QMessageBox, QPushButton, QSplitter, QToolButton, QVBoxLayout, QWidget)
@@ -14,10 +15,13 @@ from PySide6.QtWidgets import (QAbstractItemView, QFileDialog, QHBoxLayout, QInp
 from .chat_view import ChatView, copy_to_clipboard
 from .compose import ComposeBox
 from .controller import ChatController
+from .documents import MAX_DOCUMENT_BYTES, size_text
+from .draft_bar import DraftBar
 from .icons import icon, logo
 from .models import ConversationListModel, SearchResultsModel
 from .notice import NoticeBar
 from .progress_dialog import BuildProgressDialog
+from .reading_bar import ReadingBar
 from .search_view import LiveSearch, SearchPopup, SearchResults
 from .settings_dialog import DEFAULT_MODEL_NAME, SettingsDialog
 from .stats_panel import StatsPanel
@@ -77,6 +81,20 @@ class MainWindow(QMainWindow):
         c.conversations.dataChanged.connect(self._update_controls)  # a renamed chat: the window title
         c.closed.connect(self._finish_close)
         c.message_revealed.connect(self.chat_view.reveal)
+        c.reading.connect(self.reading_bar.show_progress)
+        c.turn_prefilled.connect(lambda _ev: self.reading_bar.finish())
+        c.busy_changed.connect(lambda: c.busy or self.reading_bar.finish())
+        self.reading_bar.cancel_requested.connect(c.stop)
+        # The draft's size is counted by the engine a moment after typing stops, or documents change.
+        self._count_timer = QTimer(self)
+        self._count_timer.setSingleShot(True)
+        self._count_timer.setInterval(300)
+        self._count_timer.timeout.connect(self.count_draft)
+        self.compose.textChanged.connect(self._count_timer.start)
+        c.draft.documents_changed.connect(self._count_timer.start)
+        c.model_state_changed.connect(lambda _state: self._count_timer.start())
+        self.draft_bar.remove_requested.connect(c.detach)
+        self.compose.files_dropped.connect(self.attach_paths)
         self.notice.action_requested.connect(self._on_notice_action)
         c.chat.window_changed.connect(self._show_context)
         self.stats.show_marker_requested.connect(self.chat_view.scroll_to_marker)
@@ -152,6 +170,8 @@ class MainWindow(QMainWindow):
         layout.addWidget(self.notice)
         self.chat_view = ChatView(self.controller.chat)
         layout.addWidget(self.chat_view, 1)
+        self.reading_bar = ReadingBar()
+        layout.addWidget(self.reading_bar)
 
         tools = QHBoxLayout()
         tools.setSpacing(2)
@@ -161,7 +181,11 @@ class MainWindow(QMainWindow):
                                       self.start_edit)
         self.copy_chat_button = self._tool("copy", "Copy chat", "Copy the whole chat as Markdown (Ctrl+Shift+C)",
                                            self.copy_chat)
-        for b in (self.regenerate_button, self.edit_button, self.copy_chat_button):
+        self.attach_button = self._tool("attach", "Attach file",
+                                        f"Attach a text file: plain text, Markdown, code, CSV, JSON, up to "
+                                        f"{size_text(MAX_DOCUMENT_BYTES)} (or drop it on the message box)",
+                                        self.attach_files)
+        for b in (self.regenerate_button, self.edit_button, self.copy_chat_button, self.attach_button):
             tools.addWidget(b)
         tools.addStretch(1)
         self.edit_label = QLabel("Editing your last message: Enter resends it, Esc cancels")
@@ -170,6 +194,8 @@ class MainWindow(QMainWindow):
         tools.addWidget(self.edit_label)
         layout.addLayout(tools)
 
+        self.draft_bar = DraftBar(self.controller.draft)
+        layout.addWidget(self.draft_bar)
         row = QHBoxLayout()
         self.compose = ComposeBox()
         self.compose.submitted.connect(self.submit)
@@ -247,6 +273,7 @@ class MainWindow(QMainWindow):
         self.regenerate_button.setIcon(icon("regenerate", size=16))
         self.edit_button.setIcon(icon("edit", size=16))
         self.copy_chat_button.setIcon(icon("copy", size=16))
+        self.attach_button.setIcon(icon("attach", size=16))
         self.send_button.setIcon(icon("send"))
         self.stop_button.setIcon(icon("stop"))
 
@@ -258,7 +285,7 @@ class MainWindow(QMainWindow):
     # --- user actions --------------------------------------------------------------------------------------
 
     def submit(self, text: str) -> None:
-        if not text.strip():
+        if not text.strip() and (self.editing or not self.controller.draft.documents):
             return
         ok = self.controller.edit_resend(text) if self.editing else self.controller.send(text)
         if ok:
@@ -267,6 +294,21 @@ class MainWindow(QMainWindow):
 
     def regenerate(self) -> None:
         self.controller.regenerate()
+
+    def attach_files(self) -> None:
+        paths, _ = QFileDialog.getOpenFileNames(self, "Attach text files", str(Path.home()),
+                                                "Text files (*.txt *.md *.csv *.json *.py *.c *.h *.js *.ts *.rs "
+                                                "*.go *.java *.sh *.toml *.yaml *.yml *.xml *.html *.log);;All files (*)")
+        self.attach_paths([Path(p) for p in paths])
+
+    def attach_paths(self, paths: list[Path]) -> None:
+        for path in paths:
+            if self.controller.attach(path):
+                self.statusBar().showMessage(f"Attached {path.name}", 3000)
+        self.compose.setFocus()
+
+    def count_draft(self) -> None:
+        self.controller.count_draft(self.compose.toPlainText())
 
     def start_edit(self) -> None:
         text = self.controller.last_user_text()

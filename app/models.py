@@ -13,6 +13,7 @@ from PySide6.QtCore import QAbstractListModel, QAbstractTableModel, QModelIndex,
 
 from engine.events import Context
 
+from .documents import Document
 from .store import MARK_END, MARK_START, ConversationRow, SearchHit, TurnRow
 
 Index = QModelIndex | QPersistentModelIndex
@@ -113,6 +114,49 @@ class ChatModel(QObject):
 
     def partly_forgotten(self, index: int) -> bool:
         return self.context is not None and self.context.cut == index
+
+    def seen_of(self, index: int) -> tuple[int, int] | None:
+        """For the message the window's start falls inside: (its tokens the model still sees, all its tokens)."""
+        return self.context.cut_seen if self.partly_forgotten(index) else None
+
+
+class DraftModel(QObject):
+    """The message being written: its attached documents and its size in tokens (the engine counts them)."""
+
+    changed = Signal()            # anything shown changed
+    documents_changed = Signal()  # a document was attached or removed: the draft needs counting again
+
+    def __init__(self, parent: QObject | None = None) -> None:
+        super().__init__(parent)
+        self.documents: list[Document] = []
+        self.tokens: int | None = None  # None: not counted yet (or no model to count with)
+        self.window = 0                 # the loaded model's window, in tokens (0: no model)
+
+    def add(self, document: Document) -> None:
+        self.documents.append(document)
+        self._documents_changed()
+
+    def remove(self, index: int) -> None:
+        if 0 <= index < len(self.documents):
+            del self.documents[index]
+            self._documents_changed()
+
+    def set_documents(self, documents: list[Document]) -> None:
+        self.documents = list(documents)
+        self._documents_changed()
+
+    def _documents_changed(self) -> None:
+        self.tokens = None
+        self.changed.emit()
+        self.documents_changed.emit()
+
+    def set_tokens(self, tokens: int | None) -> None:
+        self.tokens = tokens
+        self.changed.emit()
+
+    def set_window(self, window: int) -> None:
+        self.window = window
+        self.changed.emit()
 
 
 class ConversationListModel(QAbstractListModel):
