@@ -229,6 +229,15 @@ class MessageWidget(QFrame):
         self.setAccessibleDescription(message.content[:500])
         self._recolour()
 
+    def cut_y(self) -> int:
+        """Where the cut-off note sits inside this bubble, in its own coordinates (-1: it has none)."""
+        if not self.cut_note:
+            return -1
+        found = self.body.document().find(self.cut_note)
+        if found.isNull():
+            return -1
+        return self.body.mapTo(self, self.body.cursorRect(found).topLeft()).y()
+
     def flash(self) -> None:
         """Highlights the bubble for a moment (the message a search hit led to)."""
         self.flashing = True
@@ -497,9 +506,18 @@ class ChatView(QScrollArea):
         self._reveal_end.stop()
 
     def scroll_to_marker(self) -> None:
+        """Shows where the model's view begins: the marker between messages, else the note inside a message."""
         if not self.marker.isHidden():
             self._stick = False
             self.ensureWidgetVisible(self.marker, 0, self.viewport().height() // 3)
+            return
+        for w in self.widgets:
+            y = w.cut_y()
+            if y >= 0:
+                self._stick = False
+                top = w.geometry().top() + y  # the column is the bubbles' parent
+                self.verticalScrollBar().setValue(max(0, top - self.viewport().height() // 3))
+                return
 
     def scroll_to_bottom(self) -> None:
         if self._revealing >= 0:

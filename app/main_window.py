@@ -441,7 +441,8 @@ class MainWindow(QMainWindow):
 
     def _show_context(self) -> None:
         chat = self.controller.chat
-        self.stats.show_context(chat.forgotten(), len(chat.messages))
+        partly = chat.context is not None and chat.context.cut >= 0
+        self.stats.show_context(chat.forgotten(), len(chat.messages), partly)
 
     def _on_progress(self, stage: str, fraction: float) -> None:
         if self.progress_dialog is None and self.controller.model_state == "loading" and not self._closing:
@@ -494,10 +495,14 @@ class MainWindow(QMainWindow):
         self.copy_chat_button.setEnabled(bool(msgs))
         self.setWindowTitle(f"{c.chat.title} — Eddy")
         if not ready:
-            self.compose.setPlaceholderText("The model is loading…" if c.model_state == "loading"
-                                            else "No model loaded: see the message above")
+            placeholder = ("The model is loading…" if c.model_state == "loading"
+                           else "No model loaded: see the message above")
         else:
-            self.compose.setPlaceholderText("Message Eddy… (Enter to send, Shift+Enter for a new line)")
+            placeholder = "Message Eddy… (Enter to send, Shift+Enter for a new line)"
+        if placeholder != self.compose.placeholderText():
+            self.compose.setPlaceholderText(placeholder)
+            # QPlainTextEdit repaints only when the placeholder appears or goes, not when its text changes.
+            self.compose.viewport().update()
 
     # --- closing -------------------------------------------------------------------------------------------
 

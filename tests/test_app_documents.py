@@ -93,6 +93,13 @@ def test_a_document_five_windows_long_streams_through_and_is_answered(qtbot, win
     assert widget.cut_note in widget.body.toPlainText() and "sees the last" in widget.meta.text()
     before, after = widget.body.toPlainText().split(widget.cut_note)
     assert "Line 000" in before and "Which line comes last?" in after and "Line 024" in after
+    # The panel says so too, and its "Show where" scrolls the note into view.
+    assert "only the end of a long one" in window.stats.context_label.text()
+    window.chat_view.scroll_to_bottom()
+    window.stats.context_label.linkActivated.emit("#marker")
+    bar = window.chat_view.verticalScrollBar()
+    note_at = widget.geometry().top() + widget.cut_y()
+    assert widget.cut_y() > 0 and bar.value() <= note_at < bar.value() + window.chat_view.viewport().height()
 
 
 def test_cancel_mid_document_leaves_the_chat_usable_and_nothing_half_saved(qtbot, window, tmp_path):
