@@ -18,6 +18,7 @@ from .icons import icon
 from .models import ChatModel, Message
 
 REFRESH_MS = 40
+FLASH_MS = 1600  # how long a revealed message (a search hit) stays highlighted
 
 
 def blend(a: QColor, b: QColor, t: float) -> QColor:
@@ -44,6 +45,7 @@ class MarkdownView(QTextBrowser):
         self.document().documentLayout().documentSizeChanged.connect(self._fit)
         self._markdown = True
         self._text = ""
+        self._cut: tuple[int, str] | None = None
 
     def loadResource(self, kind: int, url: QUrl):  # noqa: N802 (Qt API)
         return None  # a reply must not make the app read files or fetch images
@@ -53,16 +55,47 @@ class MarkdownView(QTextBrowser):
         if url.scheme() in ("http", "https", "mailto"):
             QDesktopServices.openUrl(url)
 
-    def set_content(self, text: str, markdown: bool) -> None:
-        if text == self._text and markdown == self._markdown and not self.document().isEmpty():
+    def set_content(self, text: str, markdown: bool, cut: tuple[int, str] | None = None) -> None:
+        """Shows `text`; `cut` (plain text only) = (offset, note): the text before offset is dimmed and the
+        note sits between it and the rest (where the model's view of a long message begins)."""
+        if text == self._text and markdown == self._markdown and cut == self._cut and not self.document().isEmpty():
             return
-        self._text, self._markdown = text, markdown
+        self._text, self._markdown, self._cut = text, markdown, cut
         if markdown:
             self.setMarkdown(text)
             self._style_code()
+        elif cut is not None:
+            self._show_cut(text, *cut)
         else:
             self.setPlainText(text)
         self._fit()
+
+    def _show_cut(self, text: str, offset: int, note: str) -> None:
+        pal = self.palette()
+        base, fg = pal.color(QPalette.ColorRole.Base), pal.color(QPalette.ColorRole.Text)
+        highlight = pal.color(QPalette.ColorRole.Highlight)
+        self.clear()
+        cursor = QTextCursor(self.document())
+        normal = QTextCharFormat()
+        dim = QTextCharFormat()
+        dim.setForeground(QBrush(blend(fg, base, 0.5)))
+        before, after = text[:offset], text[offset:]
+        if before.endswith("\n"):
+            before = before[:-1]  # the note's own block takes that line break
+        if before:
+            cursor.insertText(before, dim)
+            cursor.insertBlock()
+        note_block = QTextBlockFormat()
+        note_block.setBackground(QBrush(blend(base, highlight, 0.18)))
+        note_block.setTopMargin(4)
+        note_block.setBottomMargin(4)
+        cursor.setBlockFormat(note_block)
+        note_fmt = QTextCharFormat()
+        note_fmt.setForeground(QBrush(highlight))
+        note_fmt.setFontWeight(700)
+        cursor.insertText(note, note_fmt)
+        cursor.insertBlock(QTextBlockFormat(), normal)
+        cursor.insertText(after, normal)
 
     def _style_code(self) -> None:
         # Qt's Markdown import marks fenced blocks and inline code but gives them no background.
@@ -109,6 +142,19 @@ class MarkdownView(QTextBrowser):
         return QSize(200, self.height())
 
 
+def cut_offset(text: str, seen: int, total: int) -> int:
+    """Roughly where in `text` the model's view begins: the same share of the characters as of the tokens
+    (the exact place would need the tokenizer), moved back to its line's start when that is near."""
+    if total <= 0:
+        return 0
+    offset = max(0, min(len(text), len(text) - round(len(text) * seen / total)))
+    line = text.rfind("\n", 0, offset) + 1
+    if offset - line <= 160:
+        return line
+    space = text.rfind(" ", 0, offset)
+    return space + 1 if space >= 0 and offset - space < 40 else offset
+
+
 class MessageWidget(QFrame):
     """One message: who, a little meta line, a copy button and the text."""
 
@@ -118,6 +164,7 @@ class MessageWidget(QFrame):
         super().__init__(parent)
         self.role = message.role
         self.forgotten = False
+        self.flashing = False
         self.setFocusPolicy(Qt.FocusPolicy.TabFocus)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(12, 8, 12, 10)
@@ -147,10 +194,19 @@ class MessageWidget(QFrame):
         self._content = ""
         self.set_message(message)
 
-    def set_message(self, message: Message, forgotten: bool = False, partly: bool = False) -> None:
+    def set_message(self, message: Message, forgotten: bool = False, partly: bool = False,
+                    seen: tuple[int, int] | None = None) -> None:
+        """`seen`: for the message the model's window begins inside, (its tokens still seen, all its tokens)."""
         self._content = message.content
         self.forgotten = forgotten
-        self.body.set_content(message.content, markdown=message.role == "assistant")
+        markdown = message.role == "assistant"
+        cut = None
+        if seen and not markdown:
+            cut = (cut_offset(message.content, *seen),
+                   f"▼ The model's view begins about here: it still sees the last {seen[0]:,} of this message's "
+                   f"{seen[1]:,} tokens. The text above has streamed through its window.")
+        self.cut_note = cut[1] if cut else ""
+        self.body.set_content(message.content, markdown=markdown, cut=cut)
         bits = []
         if message.streaming:
             bits.append("writing…")
@@ -163,6 +219,8 @@ class MessageWidget(QFrame):
                 bits.append("cut at max length")
         if forgotten:
             bits.append("out of the model's window")
+        elif partly and seen:
+            bits.append(f"partly out of the model's window: it sees the last {seen[0]:,} of {seen[1]:,} tokens")
         elif partly:
             bits.append("partly out of the model's window")
         self.meta.setText(" · ".join(bits))
@@ -170,6 +228,25 @@ class MessageWidget(QFrame):
         self.setAccessibleName(who + (" (no longer seen by the model)" if forgotten else ""))
         self.setAccessibleDescription(message.content[:500])
         self._recolour()
+
+    def cut_y(self) -> int:
+        """Where the cut-off note sits inside this bubble, in its own coordinates (-1: it has none)."""
+        if not self.cut_note:
+            return -1
+        found = self.body.document().find(self.cut_note)
+        if found.isNull():
+            return -1
+        return self.body.mapTo(self, self.body.cursorRect(found).topLeft()).y()
+
+    def flash(self) -> None:
+        """Highlights the bubble for a moment (the message a search hit led to)."""
+        self.flashing = True
+        self.update()
+        QTimer.singleShot(FLASH_MS, self._unflash)
+
+    def _unflash(self) -> None:
+        self.flashing = False
+        self.update()
 
     def _recolour(self) -> None:
         pal = self.palette()
@@ -197,12 +274,14 @@ class MessageWidget(QFrame):
             fill = blend(base, pal.color(QPalette.ColorRole.Text), 0.04)
         if self.forgotten:
             fill = blend(fill, pal.color(QPalette.ColorRole.Window), 0.5)
+        if self.flashing:
+            fill = blend(fill, pal.color(QPalette.ColorRole.Highlight), 0.30)
         painter = QPainter(self)
         painter.setRenderHint(QPainter.RenderHint.Antialiasing)
         path = QPainterPath()
         path.addRoundedRect(QRectF(self.rect()).adjusted(0.5, 0.5, -0.5, -0.5), 10, 10)
         painter.fillPath(path, fill)
-        if self.hasFocus():
+        if self.hasFocus() or self.flashing:
             painter.setPen(pal.color(QPalette.ColorRole.Highlight))
             painter.drawPath(path)
 
@@ -297,6 +376,11 @@ class ChatView(QScrollArea):
         self._refresh.setInterval(REFRESH_MS)
         self._refresh.timeout.connect(self._flush)
         self._stick = True  # follow new text while the view is scrolled to the bottom
+        self._revealing = -1  # a message being revealed: kept in view while the bubbles above settle their heights
+        self._reveal_end = QTimer(self)
+        self._reveal_end.setSingleShot(True)
+        self._reveal_end.setInterval(FLASH_MS)
+        self._reveal_end.timeout.connect(self._end_reveal)
         self.verticalScrollBar().rangeChanged.connect(self._follow)
         self.verticalScrollBar().valueChanged.connect(self._note_position)
         model.reset.connect(self._rebuild)
@@ -314,6 +398,7 @@ class ChatView(QScrollArea):
             w.deleteLater()
         self.widgets = []
         self._dirty.clear()
+        self._end_reveal()
         for message in self.model.messages:
             self._add_widget(message)
         self._stick = True
@@ -366,7 +451,8 @@ class ChatView(QScrollArea):
 
     def _render(self, index: int) -> None:
         forgotten = index < self.model.forgotten()
-        self.widgets[index].set_message(self.model.messages[index], forgotten, self.model.partly_forgotten(index))
+        self.widgets[index].set_message(self.model.messages[index], forgotten, self.model.partly_forgotten(index),
+                                        self.model.seen_of(index))
 
     def _place_marker(self) -> None:
         n = self.model.forgotten()
@@ -390,15 +476,52 @@ class ChatView(QScrollArea):
         self._stick = value >= bar.maximum() - 24
 
     def _follow(self, _min: int, _max: int) -> None:
-        if self._stick:
+        if self._revealing >= 0:
+            self._show_revealed()
+        elif self._stick:
             self.verticalScrollBar().setValue(self.verticalScrollBar().maximum())
 
+    def reveal(self, index: int) -> None:
+        """Scrolls message `index` into view and highlights it for a moment (a search hit was opened)."""
+        if not 0 <= index < len(self.widgets):
+            return
+        self._stick = False
+        self._revealing = index
+        self._reveal_end.start()
+        self.flush()
+        self.widgets[index].flash()
+        # Now and once the layout has run: the bubbles' heights settle after they are first shown.
+        self._show_revealed()
+        QTimer.singleShot(0, self._show_revealed)
+
+    def _show_revealed(self) -> None:
+        if 0 <= self._revealing < len(self.widgets):
+            # Its top a little below the view's top (the column is the bubbles' parent): a long message is
+            # read from its start, and the one before it shows that this is the middle of a chat.
+            top = self.widgets[self._revealing].geometry().top()
+            self.verticalScrollBar().setValue(max(0, top - min(self.viewport().height() // 4, 80)))
+
+    def _end_reveal(self) -> None:
+        self._revealing = -1
+        self._reveal_end.stop()
+
     def scroll_to_marker(self) -> None:
+        """Shows where the model's view begins: the marker between messages, else the note inside a message."""
         if not self.marker.isHidden():
             self._stick = False
             self.ensureWidgetVisible(self.marker, 0, self.viewport().height() // 3)
+            return
+        for w in self.widgets:
+            y = w.cut_y()
+            if y >= 0:
+                self._stick = False
+                top = w.geometry().top() + y  # the column is the bubbles' parent
+                self.verticalScrollBar().setValue(max(0, top - self.viewport().height() // 3))
+                return
 
     def scroll_to_bottom(self) -> None:
+        if self._revealing >= 0:
+            return  # a search hit was opened: stay at it
         self.verticalScrollBar().setValue(self.verticalScrollBar().maximum())
 
     def marker_index(self) -> int:

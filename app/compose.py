@@ -1,7 +1,10 @@
-"""The message input: Enter sends, Shift+Enter starts a new line, and it grows with its text up to a limit."""
+"""The message input: Enter sends, Shift+Enter starts a new line, and it grows with its text up to a limit.
+Files dropped (or pasted) on it are not inserted as text: they are handed on to be attached."""
 from __future__ import annotations
 
-from PySide6.QtCore import QSize, Qt, Signal
+from pathlib import Path
+
+from PySide6.QtCore import QMimeData, QSize, Qt, Signal
 from PySide6.QtGui import QKeyEvent
 from PySide6.QtWidgets import QPlainTextEdit, QSizePolicy, QWidget
 
@@ -11,6 +14,7 @@ MAX_LINES = 8
 class ComposeBox(QPlainTextEdit):
     submitted = Signal(str)
     cancelled = Signal()  # Esc with nothing else to do (e.g. leave edit mode)
+    files_dropped = Signal(list)  # [Path]: local files dropped or pasted on the box
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -35,6 +39,20 @@ class ComposeBox(QPlainTextEdit):
             event.ignore()  # the window's Esc (Stop) still gets it
             return
         super().keyPressEvent(event)
+
+    @staticmethod
+    def _files(source: QMimeData) -> list[Path]:
+        return [Path(u.toLocalFile()) for u in source.urls() if u.isLocalFile()] if source.hasUrls() else []
+
+    def canInsertFromMimeData(self, source: QMimeData) -> bool:  # noqa: N802 (Qt API)
+        return bool(self._files(source)) or super().canInsertFromMimeData(source)
+
+    def insertFromMimeData(self, source: QMimeData) -> None:  # noqa: N802 (Qt API): drops and pastes
+        files = self._files(source)
+        if files:
+            self.files_dropped.emit(files)
+        else:
+            super().insertFromMimeData(source)
 
     def _fit(self) -> None:
         lines = max(1, min(MAX_LINES, int(self.document().size().height())))

@@ -14,13 +14,14 @@ from typing import Callable
 
 from PySide6.QtCore import QObject, Signal
 
-from engine.events import CacheStats, Context, DecodeProgress, Done, Prefill, Token
+from engine.events import CacheStats, Context, DecodeProgress, Done, Prefill, PrefillProgress, Token
 from engine.run.generation import ChatDefaults
 
-from .models import ChatModel, ConversationListModel, Message, TurnStatsModel
+from .documents import Document, DocumentError, as_message, read_document
+from .models import ChatModel, ConversationListModel, DraftModel, Message, TurnStatsModel
 from .saving import SaveQueue
 from .settings import AppSettings, load_settings, save_settings
-from .store import ConversationRow, Store, StoreError, TurnRow
+from .store import ConversationRow, SearchHit, Store, StoreError, TurnRow
 from .transcript import to_json, to_markdown
 from .worker import TURN_ERRORS, EngineHost, Origin
 
@@ -37,6 +38,7 @@ class InFlight:
     user_index: int
     reply_index: int
     user_text: str
+    documents: tuple[Document, ...] = ()  # attached to the message: back into the draft if the turn fails
     stat_row: int = -1
     prefill: Prefill | None = None
 
@@ -49,11 +51,13 @@ class ChatController(QObject):
     notice = Signal(str, str, str)     # level ("info" | "warning" | "error"), text, action ("" | "retry_load" | "settings" | "retry_save")
     cache_changed = Signal(object)     # CacheStats
     turn_prefilled = Signal(object)    # the Prefill of a turn's message
+    reading = Signal(int, int)         # a message longer than the window streams in: tokens done, total
     rebuilt = Signal(object)           # the Prefill of a chat put back into the cache
     live_rate = Signal(float, int)     # decode tokens/s so far, tokens so far
     turn_finished = Signal(object)     # the turn's TurnRow, as stored
     restore_input = Signal(str)        # a message that was not sent goes back into the input box
     conversation_opened = Signal()
+    message_revealed = Signal(int)     # scroll the open chat to this message and highlight it (a search hit)
     current_changed = Signal()         # the open chat got an id (first message saved) or lost it
     closed = Signal()                  # shutdown() finished: the engine thread has ended, the store is closed
 
@@ -67,6 +71,8 @@ class ChatController(QObject):
         self.chat = ChatModel(self)
         self.conversations = ConversationListModel(self)
         self.turns = TurnStatsModel(self)
+        self.draft = DraftModel(self)
+        self._count_seq = 0
         self.model_state = "none"
         self.model_info: dict = {}
         self.cache = CacheStats(0, 0, 0, 0, 0, 0)
@@ -86,7 +92,8 @@ class ChatController(QObject):
         w.progress.connect(self.load_progress)
         w.loaded.connect(self._on_loaded)
         w.prefill.connect(self._on_prefill)
-        w.prefill_progress.connect(lambda ev, _origin: self._on_cache(ev.cache))
+        w.prefill_progress.connect(self._on_prefill_progress)
+        w.counted.connect(self._on_counted)
         w.token.connect(self._on_token)
         w.decode_progress.connect(self._on_decode_progress)
         w.done.connect(self._on_done)
@@ -158,6 +165,7 @@ class ChatController(QObject):
         self._set_model_state("ready")
         self.model_info_changed.emit(info)
         self._on_cache(info["cache"])
+        self.draft.set_window(int(info["settings"].get("window", 0)))
         if info.get("built"):
             self.notice.emit("info", f"{info['model']} is compiled and ready ({info['seconds']:.0f} s). "
                              "Later starts reuse it.", "")
@@ -227,6 +235,28 @@ class ChatController(QObject):
         self.conversation_opened.emit()
         self._sync_engine()
 
+    # --- search --------------------------------------------------------------------------------------------
+
+    def search(self, text: str, limit: int = 50) -> list[SearchHit]:
+        """Titles and messages of every saved chat that contain the words of `text` (any text is safe)."""
+        return self._read(lambda: self.store.search(text, limit), [])
+
+    def open_hit(self, hit: SearchHit) -> None:
+        """Opens the hit's chat and reveals its message (a reply in another chat is stopped first)."""
+        if hit.conversation_id != self.chat.conversation_id:
+            if self.busy:
+                self._when_idle(lambda: self.open_hit(hit))
+                return
+            self.open_chat(hit.conversation_id)
+            if self.chat.conversation_id != hit.conversation_id:
+                return  # it could not be read (the notice says so)
+        if hit.message_id is None:
+            return  # the title matched: the chat is open, at its end
+        # By id: the chat in memory may have changed since the search ran; the stored position is the fallback.
+        index = next((i for i, m in enumerate(self.chat.messages) if m.id == hit.message_id), hit.seq)
+        if 0 <= index < len(self.chat.messages):
+            self.message_revealed.emit(index)
+
     def _leave_current(self) -> None:
         self.saves.leave(self.chat.conversation_id, self.chat.title, self.chat.messages)
 
@@ -262,15 +292,48 @@ class ChatController(QObject):
     # --- turns ---------------------------------------------------------------------------------------------
 
     def send(self, text: str) -> bool:
-        """Sends a user message; False (and nothing changes) if that is not possible right now."""
-        text = text.strip()
-        if not text or not self.can_send:
+        """Sends a user message, with the draft's documents before it; False (and nothing changes) if that
+        is not possible right now."""
+        question = text.strip()
+        documents = tuple(self.draft.documents)
+        if not (question or documents) or not self.can_send:
             return False
-        self._ensure_conversation(text)
-        user = self.chat.append(Message("user", text, pending=True))
+        message = as_message(list(documents), question) if documents else question
+        self._ensure_conversation(question or ", ".join(d.name for d in documents))
+        user = self.chat.append(Message("user", message, pending=True))
         self._save_message(user)
-        self._start_turn(self.host.send(text), user, text)
+        self._start_turn(self.host.send(message), user, question, documents)
+        self.draft.set_documents([])
         return True
+
+    # --- the draft -----------------------------------------------------------------------------------------
+
+    def attach(self, path: Path) -> bool:
+        """Adds a text file to the draft; a file that is not text, or too large, is refused with a notice."""
+        try:
+            document = read_document(Path(path))
+        except DocumentError as e:
+            self.notice.emit("error", str(e), "")
+            return False
+        self.draft.add(document)
+        return True
+
+    def detach(self, index: int) -> None:
+        self.draft.remove(index)
+
+    def count_draft(self, text: str) -> None:
+        """Asks the engine how many tokens the message would be (the draft shows it when the answer comes)."""
+        documents = self.draft.documents
+        message = as_message(documents, text.strip()) if documents else text.strip()
+        if not message or self.model_state != "ready":
+            self._count_seq = -1  # an answer still on its way is for an older draft
+            self.draft.set_tokens(None if message else 0)
+            return
+        self._count_seq = self.host.count(message)
+
+    def _on_counted(self, seq: int, tokens: int) -> None:
+        if seq == self._count_seq:
+            self.draft.set_tokens(tokens)
 
     def regenerate(self) -> bool:
         """Answers the last user message again (the last reply is replaced)."""
@@ -308,9 +371,9 @@ class ChatController(QObject):
         if self._turn is not None:
             self.host.stop(self._turn.ticket)
 
-    def _start_turn(self, ticket: int, user_index: int, text: str) -> None:
+    def _start_turn(self, ticket: int, user_index: int, text: str, documents: tuple[Document, ...] = ()) -> None:
         reply = self.chat.append(Message("assistant", "", streaming=True, pending=True))
-        self._turn = InFlight(ticket, self.chat.conversation_id, user_index, reply, text)
+        self._turn = InFlight(ticket, self.chat.conversation_id, user_index, reply, text, documents)
         self.busy_changed.emit()
 
     def _end_turn(self) -> None:
@@ -353,6 +416,11 @@ class ChatController(QObject):
         turn.prefill = ev
         turn.stat_row = self.turns.append(TurnRow("turn", ev.new_tokens, ev.ms), live=True)
         self.turn_prefilled.emit(ev)
+
+    def _on_prefill_progress(self, ev: PrefillProgress, origin: Origin) -> None:
+        self._on_cache(ev.cache)
+        if not origin.rebuild and self._current(origin):
+            self.reading.emit(ev.done, ev.total)
 
     def _on_token(self, ev: Token, origin: Origin) -> None:
         if self._current(origin):
@@ -408,6 +476,8 @@ class ChatController(QObject):
             self._truncate_saved(turn.user_index)
             if not self.chat.messages:
                 self._forget_empty_chat()
+            if turn.documents and not self.draft.documents:
+                self.draft.set_documents(list(turn.documents))
             self.restore_input.emit(turn.user_text)
             self.notice.emit("error", message, "")
             self._end_turn()

@@ -23,6 +23,7 @@ _BODIES = {
     "stats": '<path d="M4 20V10M10 20V4M16 20v-7M22 20H2"/>',
     "sidebar": '<rect x="3" y="4" width="18" height="16" rx="2"/><path d="M9 4v16"/>',
     "close": '<path d="M6 6l12 12M18 6 6 18"/>',
+    "attach": '<path d="M20 11.5 12.5 19a5 5 0 0 1-7-7L13 4.5a3.5 3.5 0 0 1 5 5L10.5 17a2 2 0 0 1-3-3L14 7.5"/>',
 }
 
 LOGO_SVG = """<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 64 64">

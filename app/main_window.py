@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from PySide6.QtCore import QByteArray, QEvent, QItemSelectionModel, QModelIndex, QSettings, QSortFilterProxyModel, Qt, Signal
+from PySide6.QtCore import (QByteArray, QEvent, QItemSelectionModel, QModelIndex, QSettings, QSortFilterProxyModel, Qt,
+                            QTimer, Signal)
 from PySide6.QtGui import QAction, QCloseEvent, QKeySequence, QShortcut
 from PySide6.QtWidgets import (QAbstractItemView, QFileDialog, QHBoxLayout, QInputDialog, QLabel, QLineEdit, QListView,
                                QMainWindow, QMenu, QMessageBox, QPushButton, QSplitter, QToolButton, QVBoxLayout, QWidget)
@@ -14,10 +15,14 @@ from PySide6.QtWidgets import (QAbstractItemView, QFileDialog, QHBoxLayout, QInp
 from .chat_view import ChatView, copy_to_clipboard
 from .compose import ComposeBox
 from .controller import ChatController
+from .documents import MAX_DOCUMENT_BYTES, size_text
+from .draft_bar import DraftBar
 from .icons import icon, logo
-from .models import ConversationListModel
+from .models import ConversationListModel, SearchResultsModel
 from .notice import NoticeBar
 from .progress_dialog import BuildProgressDialog
+from .reading_bar import ReadingBar
+from .search_view import LiveSearch, SearchPopup, SearchResults
 from .settings_dialog import DEFAULT_MODEL_NAME, SettingsDialog
 from .stats_panel import StatsPanel
 
@@ -75,6 +80,21 @@ class MainWindow(QMainWindow):
         c.current_changed.connect(self._select_current)
         c.conversations.dataChanged.connect(self._update_controls)  # a renamed chat: the window title
         c.closed.connect(self._finish_close)
+        c.message_revealed.connect(self.chat_view.reveal)
+        c.reading.connect(self.reading_bar.show_progress)
+        c.turn_prefilled.connect(lambda _ev: self.reading_bar.finish())
+        c.busy_changed.connect(lambda: c.busy or self.reading_bar.finish())
+        self.reading_bar.cancel_requested.connect(c.stop)
+        # The draft's size is counted by the engine a moment after typing stops, or documents change.
+        self._count_timer = QTimer(self)
+        self._count_timer.setSingleShot(True)
+        self._count_timer.setInterval(300)
+        self._count_timer.timeout.connect(self.count_draft)
+        self.compose.textChanged.connect(self._count_timer.start)
+        c.draft.documents_changed.connect(self._count_timer.start)
+        c.model_state_changed.connect(lambda _state: self._count_timer.start())
+        self.draft_bar.remove_requested.connect(c.detach)
+        self.compose.files_dropped.connect(self.attach_paths)
         self.notice.action_requested.connect(self._on_notice_action)
         c.chat.window_changed.connect(self._show_context)
         self.stats.show_marker_requested.connect(self.chat_view.scroll_to_marker)
@@ -98,8 +118,8 @@ class MainWindow(QMainWindow):
         self.new_button.clicked.connect(self.controller.new_chat)
         layout.addWidget(self.new_button)
         self.filter = QLineEdit()
-        self.filter.setPlaceholderText("Filter chats")
-        self.filter.setAccessibleName("Filter chats by title")
+        self.filter.setPlaceholderText("Filter chats (Ctrl+K searches)")
+        self.filter.setAccessibleName("Filter chats by title and search their messages")
         self.filter.setClearButtonEnabled(True)
         layout.addWidget(self.filter)
         self.proxy = QSortFilterProxyModel(self)
@@ -118,6 +138,28 @@ class MainWindow(QMainWindow):
         self.chat_list.customContextMenuRequested.connect(self._chat_menu)
         self.chat_list.selectionModel().currentChanged.connect(self._on_list_current)
         layout.addWidget(self.chat_list, 1)
+        # The filter also searches the messages: their hits show under the chats whose titles match.
+        self.hits = SearchResultsModel(self)
+        self.hits_label = QLabel("In messages")
+        self.hits_list = SearchResults(self.hits)
+        self.hits_list.setAccessibleName("Messages that match the filter")
+        self.hits_list.hit_activated.connect(self.controller.open_hit)
+        self.filter_search = LiveSearch(self.filter, self.controller.search, self.hits, messages_only=True)
+        self.hits.modelReset.connect(self._show_hits)
+        layout.addWidget(self.hits_label)
+        layout.addWidget(self.hits_list, 1)
+        self._show_hits()
+        self.search_popup = SearchPopup(self.controller.search, self)
+        self.search_popup.hit_chosen.connect(self.controller.open_hit)
+
+    def _show_hits(self) -> None:
+        searching = bool(self.filter.text().strip())
+        self.hits_label.setVisible(searching)
+        self.hits_list.setVisible(searching)
+        self.hits_label.setText(f"In messages: {len(self.hits.hits)}" if self.hits.hits else "In messages: none")
+
+    def open_search(self) -> None:
+        self.search_popup.open_search()
 
     def _build_center(self) -> None:
         self.center = QWidget()
@@ -128,6 +170,8 @@ class MainWindow(QMainWindow):
         layout.addWidget(self.notice)
         self.chat_view = ChatView(self.controller.chat)
         layout.addWidget(self.chat_view, 1)
+        self.reading_bar = ReadingBar()
+        layout.addWidget(self.reading_bar)
 
         tools = QHBoxLayout()
         tools.setSpacing(2)
@@ -137,7 +181,11 @@ class MainWindow(QMainWindow):
                                       self.start_edit)
         self.copy_chat_button = self._tool("copy", "Copy chat", "Copy the whole chat as Markdown (Ctrl+Shift+C)",
                                            self.copy_chat)
-        for b in (self.regenerate_button, self.edit_button, self.copy_chat_button):
+        self.attach_button = self._tool("attach", "Attach file",
+                                        f"Attach a text file: plain text, Markdown, code, CSV, JSON, up to "
+                                        f"{size_text(MAX_DOCUMENT_BYTES)} (or drop it on the message box)",
+                                        self.attach_files)
+        for b in (self.regenerate_button, self.edit_button, self.copy_chat_button, self.attach_button):
             tools.addWidget(b)
         tools.addStretch(1)
         self.edit_label = QLabel("Editing your last message: Enter resends it, Esc cancels")
@@ -146,6 +194,8 @@ class MainWindow(QMainWindow):
         tools.addWidget(self.edit_label)
         layout.addLayout(tools)
 
+        self.draft_bar = DraftBar(self.controller.draft)
+        layout.addWidget(self.draft_bar)
         row = QHBoxLayout()
         self.compose = ComposeBox()
         self.compose.submitted.connect(self.submit)
@@ -204,6 +254,7 @@ class MainWindow(QMainWindow):
         self.sidebar_action.setCheckable(True)
         self.sidebar_action.setChecked(True)
         self._action(view_menu, "&Find chat", QKeySequence.StandardKey.Find, self.filter.setFocus)
+        self.search_action = self._action(view_menu, "Search &all chats…", QKeySequence("Ctrl+K"), self.open_search)
         # Esc stops a reply anywhere in the window, or leaves edit mode.
         esc = QShortcut(QKeySequence(Qt.Key.Key_Escape), self)
         esc.setContext(Qt.ShortcutContext.WindowShortcut)
@@ -222,6 +273,7 @@ class MainWindow(QMainWindow):
         self.regenerate_button.setIcon(icon("regenerate", size=16))
         self.edit_button.setIcon(icon("edit", size=16))
         self.copy_chat_button.setIcon(icon("copy", size=16))
+        self.attach_button.setIcon(icon("attach", size=16))
         self.send_button.setIcon(icon("send"))
         self.stop_button.setIcon(icon("stop"))
 
@@ -233,7 +285,7 @@ class MainWindow(QMainWindow):
     # --- user actions --------------------------------------------------------------------------------------
 
     def submit(self, text: str) -> None:
-        if not text.strip():
+        if not text.strip() and (self.editing or not self.controller.draft.documents):
             return
         ok = self.controller.edit_resend(text) if self.editing else self.controller.send(text)
         if ok:
@@ -242,6 +294,21 @@ class MainWindow(QMainWindow):
 
     def regenerate(self) -> None:
         self.controller.regenerate()
+
+    def attach_files(self) -> None:
+        paths, _ = QFileDialog.getOpenFileNames(self, "Attach text files", str(Path.home()),
+                                                "Text files (*.txt *.md *.csv *.json *.py *.c *.h *.js *.ts *.rs "
+                                                "*.go *.java *.sh *.toml *.yaml *.yml *.xml *.html *.log);;All files (*)")
+        self.attach_paths([Path(p) for p in paths])
+
+    def attach_paths(self, paths: list[Path]) -> None:
+        for path in paths:
+            if self.controller.attach(path):
+                self.statusBar().showMessage(f"Attached {path.name}", 3000)
+        self.compose.setFocus()
+
+    def count_draft(self) -> None:
+        self.controller.count_draft(self.compose.toPlainText())
 
     def start_edit(self) -> None:
         text = self.controller.last_user_text()
@@ -374,7 +441,8 @@ class MainWindow(QMainWindow):
 
     def _show_context(self) -> None:
         chat = self.controller.chat
-        self.stats.show_context(chat.forgotten(), len(chat.messages))
+        partly = chat.context is not None and chat.context.cut >= 0
+        self.stats.show_context(chat.forgotten(), len(chat.messages), partly)
 
     def _on_progress(self, stage: str, fraction: float) -> None:
         if self.progress_dialog is None and self.controller.model_state == "loading" and not self._closing:
@@ -427,10 +495,14 @@ class MainWindow(QMainWindow):
         self.copy_chat_button.setEnabled(bool(msgs))
         self.setWindowTitle(f"{c.chat.title} — Eddy")
         if not ready:
-            self.compose.setPlaceholderText("The model is loading…" if c.model_state == "loading"
-                                            else "No model loaded: see the message above")
+            placeholder = ("The model is loading…" if c.model_state == "loading"
+                           else "No model loaded: see the message above")
         else:
-            self.compose.setPlaceholderText("Message Eddy… (Enter to send, Shift+Enter for a new line)")
+            placeholder = "Message Eddy… (Enter to send, Shift+Enter for a new line)"
+        if placeholder != self.compose.placeholderText():
+            self.compose.setPlaceholderText(placeholder)
+            # QPlainTextEdit repaints only when the placeholder appears or goes, not when its text changes.
+            self.compose.viewport().update()
 
     # --- closing -------------------------------------------------------------------------------------------
 

@@ -13,7 +13,8 @@ from PySide6.QtCore import QAbstractListModel, QAbstractTableModel, QModelIndex,
 
 from engine.events import Context
 
-from .store import ConversationRow, TurnRow
+from .documents import Document
+from .store import MARK_END, MARK_START, ConversationRow, SearchHit, TurnRow
 
 Index = QModelIndex | QPersistentModelIndex
 
@@ -114,6 +115,49 @@ class ChatModel(QObject):
     def partly_forgotten(self, index: int) -> bool:
         return self.context is not None and self.context.cut == index
 
+    def seen_of(self, index: int) -> tuple[int, int] | None:
+        """For the message the window's start falls inside: (its tokens the model still sees, all its tokens)."""
+        return self.context.cut_seen if self.partly_forgotten(index) else None
+
+
+class DraftModel(QObject):
+    """The message being written: its attached documents and its size in tokens (the engine counts them)."""
+
+    changed = Signal()            # anything shown changed
+    documents_changed = Signal()  # a document was attached or removed: the draft needs counting again
+
+    def __init__(self, parent: QObject | None = None) -> None:
+        super().__init__(parent)
+        self.documents: list[Document] = []
+        self.tokens: int | None = None  # None: not counted yet (or no model to count with)
+        self.window = 0                 # the loaded model's window, in tokens (0: no model)
+
+    def add(self, document: Document) -> None:
+        self.documents.append(document)
+        self._documents_changed()
+
+    def remove(self, index: int) -> None:
+        if 0 <= index < len(self.documents):
+            del self.documents[index]
+            self._documents_changed()
+
+    def set_documents(self, documents: list[Document]) -> None:
+        self.documents = list(documents)
+        self._documents_changed()
+
+    def _documents_changed(self) -> None:
+        self.tokens = None
+        self.changed.emit()
+        self.documents_changed.emit()
+
+    def set_tokens(self, tokens: int | None) -> None:
+        self.tokens = tokens
+        self.changed.emit()
+
+    def set_window(self, window: int) -> None:
+        self.window = window
+        self.changed.emit()
+
 
 class ConversationListModel(QAbstractListModel):
     """The sidebar's chats, newest first. Editing a title emits rename_requested (the controller saves it)."""
@@ -183,6 +227,35 @@ class ConversationListModel(QAbstractListModel):
             return False
         self.rename_requested.emit(self.rows[index.row()].id, title)
         return True
+
+
+class SearchResultsModel(QAbstractListModel):
+    """The hits of one search (the controller's search() fills it); each row's HitRole is its SearchHit."""
+
+    HitRole = Qt.ItemDataRole.UserRole + 1
+
+    def __init__(self, parent: QObject | None = None) -> None:
+        super().__init__(parent)
+        self.hits: list[SearchHit] = []
+
+    def set_hits(self, hits: list[SearchHit]) -> None:
+        self.beginResetModel()
+        self.hits = list(hits)
+        self.endResetModel()
+
+    def rowCount(self, parent: Index = QModelIndex()) -> int:  # noqa: N802
+        return 0 if parent.isValid() else len(self.hits)
+
+    def data(self, index: Index, role: int = Qt.ItemDataRole.DisplayRole) -> Any:
+        if not index.isValid():
+            return None
+        hit = self.hits[index.row()]
+        if role == self.HitRole:
+            return hit
+        if role in (Qt.ItemDataRole.DisplayRole, Qt.ItemDataRole.AccessibleTextRole):
+            plain = hit.snippet.replace(MARK_START, "").replace(MARK_END, "")
+            return f"{hit.title}: {plain}" if hit.message_id is not None else hit.title
+        return None
 
 
 class TurnStatsModel(QAbstractTableModel):

@@ -8,6 +8,10 @@ dialogs included; with QT_QPA_PLATFORM=offscreen it falls back to the widgets' o
 
 main-window chats with the model until the cache has evicted tokens and grabs the window while the last
 reply streams (and OUT-marker.png with the "left the window" marker in view); first-run starts with an empty artefact cache and grabs the window with the build dialog.
+search writes a few chats, types a word into the Ctrl+K search and grabs it (OUT-open.png: the hit opened, its
+message highlighted); document attaches a text of about six windows, grabs the draft with its token count
+(OUT-draft.png), the progress bar while it streams in (OUT-reading.png) and the answered chat scrolled to the
+note where the model's view of it begins (OUT).
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ from .main import main
 from .main_window import MainWindow
 from .settings import AppSettings, save_settings
 from .settings_dialog import SettingsDialog
+from .store import Store
 
 PROMPTS = [
     "Hi! Who are you?",
@@ -188,15 +193,124 @@ def settings(out: Path, model: str | None) -> int:
     return main(["--data-dir", str(data)] + (["--model", model] if model else []), on_window=drive)
 
 
+SEARCH_CHATS = {
+    "Trip to Lisbon": ["What should I see in Lisbon in two days?",
+                       "Start in Alfama, take tram 28 up to the castle, and end the day at a miradouro.",
+                       "Where can I hear fado?", "In Alfama and Mouraria: small taverns where fado is sung live."],
+    "Sourdough starter": ["My starter smells of nail varnish. Is it dead?",
+                          "No: it is hungry. Feed it more often, at a warmer spot, and the smell goes."],
+    "Python packaging": ["How do I ship a Python app with its own interpreter?",
+                         "Build a wheel, then bundle it with an embedded interpreter, e.g. in a Flatpak."],
+}
+
+
+def _stored_chats(data: Path) -> None:
+    store = Store.open(data)
+    for title, texts in SEARCH_CHATS.items():
+        conv = store.create_conversation(title)
+        for seq, text in enumerate(texts):
+            store.append_message(conv, seq, "user" if seq % 2 == 0 else "assistant", text)
+    store.close()
+
+
+def search(out: Path, model: str | None, window_size: int | None) -> int:
+    """The Ctrl+K search over stored chats, then the hit opened in its chat."""
+    def drive(window: MainWindow) -> None:
+        window.resize(1300, 820)
+
+        def typed() -> None:
+            popup = window.search_popup
+            popup.live.run()
+            QTimer.singleShot(300, lambda: (_save(_snapshot(window), out), popup._open_current(),
+                                            QTimer.singleShot(400, opened)))
+
+        def opened() -> None:
+            _save(_snapshot(window), out.with_name(out.stem + "-open.png"))
+            window.close()
+
+        def ready(state: str) -> None:
+            if state == "ready" and not getattr(drive, "done", False):
+                drive.done = True
+                window.open_search()
+                window.search_popup.field.setText("fado")
+                QTimer.singleShot(300, typed)
+
+        window.controller.model_state_changed.connect(ready)
+
+    data = Path(tempfile.mkdtemp(prefix="eddy-shot-"))
+    save_settings(data, AppSettings.of(**({"window": window_size} if window_size else {})))
+    _stored_chats(data)
+    return main(["--data-dir", str(data)] + (["--model", model] if model else []), on_window=drive)
+
+
+def document(out: Path, model: str | None, window_size: int | None) -> int:
+    """A document of about six windows attached, counted, streamed in, answered; the cut-off note in view."""
+    folder = Path(tempfile.mkdtemp(prefix="eddy-doc-"))
+
+    def drive(window: MainWindow) -> None:
+        window.resize(1300, 820)
+        c = window.controller
+        state = {"reading": False}
+
+        def ready(s: str) -> None:
+            if s != "ready" or getattr(drive, "done", False):
+                return
+            drive.done = True
+            w = c.model_info["settings"]["window"]
+            lines = [f"{i + 1}. Step {i + 1} of the procedure: check the valve, note the pressure, and log it."
+                     for i in range(max(20, w * 6 // 20))]
+            path = folder / "procedure.md"
+            path.write_text("# Maintenance procedure\n\n" + "\n".join(lines) + "\n", encoding="utf-8")
+            window.attach_paths([path])
+            window.compose.setPlainText("What is the last step?")
+            c.draft.changed.connect(counted)
+
+        def counted() -> None:
+            if c.draft.tokens and not c.busy and not state.get("drafted"):
+                state["drafted"] = True
+
+                def shot() -> None:
+                    _save(_snapshot(window), out.with_name(out.stem + "-draft.png"))
+                    window.submit(window.compose.toPlainText())
+
+                QTimer.singleShot(300, shot)  # the count painted first
+
+        def reading(done: int, total: int) -> None:
+            if not state["reading"] and done >= total // 2:
+                state["reading"] = True
+                QApplication.processEvents()
+                _save(_snapshot(window), out.with_name(out.stem + "-reading.png"))
+
+        def finished(_row) -> None:
+            window.chat_view.flush()
+            QApplication.processEvents()
+            window.stats.context_label.linkActivated.emit("#marker")  # "Show where" in the panel
+            QTimer.singleShot(300, lambda: (_save(_snapshot(window), out), window.close()))
+
+        c.model_state_changed.connect(ready)
+        c.reading.connect(reading)
+        c.turn_finished.connect(finished)
+        QTimer.singleShot(10 * 60 * 1000, window.close)  # never hang a script
+
+    data = Path(tempfile.mkdtemp(prefix="eddy-shot-"))
+    save_settings(data, AppSettings.of(max_new_tokens=60, seed=1, **({"window": window_size} if window_size else {})))
+    return main(["--data-dir", str(data)] + (["--model", model] if model else []), on_window=drive)
+
+
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
-    p.add_argument("what", choices=["main-window", "first-run", "settings"])
+    p.add_argument("what", choices=["main-window", "first-run", "settings", "search", "document"])
     p.add_argument("out", type=Path)
     p.add_argument("--model", default=None)
     p.add_argument("--max-turns", type=int, default=14)
     p.add_argument("--dark", action="store_true", help="use a dark palette")
     p.add_argument("--grab-after", type=int, default=30, help="tokens of the last reply before the grab")
+    p.add_argument("--window", type=int, default=None, help="the cache window to build (search, document)")
     a = p.parse_args()
+    if a.what == "search":
+        sys.exit(search(a.out, a.model, a.window))
+    if a.what == "document":
+        sys.exit(document(a.out, a.model, a.window))
     if a.what == "main-window":
         sys.exit(main_window(a.out, a.model, a.max_turns, a.grab_after, a.dark))
     if a.what == "settings":

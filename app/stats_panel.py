@@ -100,12 +100,17 @@ class StatsPanel(QFrame):
         self.cache_label.setText(self.cache_bar.legend_html())
         self.cache_label.setAccessibleDescription(self.cache_bar.summary())
 
-    def show_context(self, forgotten: int, total: int) -> None:
+    def show_context(self, forgotten: int, total: int, partly: bool = False) -> None:
+        """`partly`: the window's start falls inside a message (a long one streamed through it)."""
+        link = self.palette().color(QPalette.ColorRole.Highlight).name()  # readable on light and dark
+        if total and not forgotten and partly:
+            self.context_label.setText("The model sees every message, but only the end of a long one. "
+                                       f"<a href='#marker' style='color:{link}'>Show where</a>")
+            return
         if total == 0 or forgotten == 0:
             self.context_label.setText("The model sees the whole chat." if total else "")
             return
         seen = total - forgotten
-        link = self.palette().color(QPalette.ColorRole.Highlight).name()  # readable on light and dark
         self.context_label.setText(f"The model sees the last {seen} of {total} messages. "
                                    f"<a href='#marker' style='color:{link}'>Show where</a>")
 

@@ -51,6 +51,39 @@ CREATE TABLE IF NOT EXISTS turns (
 CREATE INDEX IF NOT EXISTS turns_by_conversation ON turns(conversation_id, id);
 """
 
+# Version 2: full-text search over messages and chat titles. External-content FTS5 tables (the text is kept
+# once, in messages and conversations) that triggers keep in step with every insert, update and delete; the
+# 'rebuild' at the end indexes the chats an older Eddy wrote, so they are searchable from the first start.
+# unicode61 with remove_diacritics 2: "cafe" finds "café"; search() adds a prefix star, so "appl" finds "apples".
+SEARCH = """
+CREATE VIRTUAL TABLE messages_fts USING fts5(
+    content, content='messages', content_rowid='id', tokenize='unicode61 remove_diacritics 2');
+CREATE TRIGGER messages_fts_insert AFTER INSERT ON messages BEGIN
+    INSERT INTO messages_fts(rowid, content) VALUES (new.id, new.content);
+END;
+CREATE TRIGGER messages_fts_delete AFTER DELETE ON messages BEGIN
+    INSERT INTO messages_fts(messages_fts, rowid, content) VALUES ('delete', old.id, old.content);
+END;
+CREATE TRIGGER messages_fts_update AFTER UPDATE OF content ON messages BEGIN
+    INSERT INTO messages_fts(messages_fts, rowid, content) VALUES ('delete', old.id, old.content);
+    INSERT INTO messages_fts(rowid, content) VALUES (new.id, new.content);
+END;
+CREATE VIRTUAL TABLE titles_fts USING fts5(
+    title, content='conversations', content_rowid='id', tokenize='unicode61 remove_diacritics 2');
+CREATE TRIGGER titles_fts_insert AFTER INSERT ON conversations BEGIN
+    INSERT INTO titles_fts(rowid, title) VALUES (new.id, new.title);
+END;
+CREATE TRIGGER titles_fts_delete AFTER DELETE ON conversations BEGIN
+    INSERT INTO titles_fts(titles_fts, rowid, title) VALUES ('delete', old.id, old.title);
+END;
+CREATE TRIGGER titles_fts_update AFTER UPDATE OF title ON conversations BEGIN
+    INSERT INTO titles_fts(titles_fts, rowid, title) VALUES ('delete', old.id, old.title);
+    INSERT INTO titles_fts(rowid, title) VALUES (new.id, new.title);
+END;
+INSERT INTO messages_fts(messages_fts) VALUES ('rebuild');
+INSERT INTO titles_fts(titles_fts) VALUES ('rebuild');
+"""
+
 # A step is an SQL script or a function given the connection; either runs inside the step's transaction, so
 # it must not BEGIN or COMMIT itself. Steps run with foreign keys off: rebuilding a table (SQLite's way to
 # change a column) drops the old one, and with them on that drop would first cascade-delete every message.
@@ -60,6 +93,7 @@ Step = str | Callable[[sqlite3.Connection], None]
 # users' databases have already run it. Version 0 is an empty file.
 MIGRATIONS: list[tuple[int, Step]] = [
     (1, SCHEMA),
+    (2, SEARCH),
 ]
 
 # The version is SQLite's PRAGMA user_version, not a table of our own: release 1 already writes 1 there, it
@@ -69,6 +103,19 @@ MIGRATIONS: list[tuple[int, Step]] = [
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 if [n for n, _ in MIGRATIONS] != list(range(1, SCHEMA_VERSION + 1)):
     raise RuntimeError("app.store.MIGRATIONS must be numbered 1, 2, 3, ... in order")
+
+
+# How search() marks the matched words in a hit's snippet (control characters: they never occur in a chat's
+# text as typed, and a view turns them into its own emphasis after escaping the rest).
+MARK_START, MARK_END = "\x02", "\x03"
+SNIPPET_TOKENS = 14  # words of context around a match
+
+
+def fts_query(text: str) -> str:
+    """The user's words as an FTS5 query that cannot be a syntax error: each word quoted (a '"' doubled), with
+    a prefix star, all of them required. Words with no letter or digit are dropped (the index has none)."""
+    words = [w for w in text.split() if any(ch.isalnum() for ch in w)]
+    return " ".join('"' + w.replace('"', '""') + '"*' for w in words)
 
 
 def _text(value: str) -> str:
@@ -100,6 +147,16 @@ class MessageRow:
     role: str
     content: str
     created: float
+
+
+@dataclass
+class SearchHit:
+    conversation_id: int
+    title: str
+    message_id: int | None  # None: the chat's title matched
+    seq: int                # the message's position in its chat (-1 for a title)
+    role: str               # "user" | "assistant" ("" for a title)
+    snippet: str            # the matched text around the match, matches between MARK_START and MARK_END
 
 
 @dataclass
@@ -356,6 +413,30 @@ class Store:
                    (conv_id, i, role, _text(content), now)) for i, (role, content) in enumerate(messages)]
         cursors = self._transaction("save the chat", steps)
         return [int(c.lastrowid) for c in cursors[3:]]
+
+    # --- search --------------------------------------------------------------------------------------------
+
+    def search(self, text: str, limit: int = 50) -> list[SearchHit]:
+        """Chats whose title, and messages whose text, contain every word of `text` (as a word or a word's
+        start): titles first, then messages, best match first. Any text is safe to pass (see fts_query)."""
+        query = fts_query(_text(text))
+        if not query:
+            return []
+        m0, m1 = MARK_START, MARK_END
+        titles = self._run("search the chats",
+                           "SELECT c.id, c.title, highlight(titles_fts, 0, ?, ?) AS snip FROM titles_fts "
+                           "JOIN conversations c ON c.id = titles_fts.rowid WHERE titles_fts MATCH ? "
+                           "ORDER BY rank LIMIT ?", (m0, m1, query, limit)).fetchall()
+        messages = self._run("search the chats",
+                             "SELECT m.conversation_id, c.title, m.id, m.seq, m.role, "
+                             "snippet(messages_fts, 0, ?, ?, '…', ?) AS snip FROM messages_fts "
+                             "JOIN messages m ON m.id = messages_fts.rowid "
+                             "JOIN conversations c ON c.id = m.conversation_id "
+                             "WHERE messages_fts MATCH ? ORDER BY rank LIMIT ?",
+                             (m0, m1, SNIPPET_TOKENS, query, limit)).fetchall()
+        hits = [SearchHit(r["id"], r["title"], None, -1, "", r["snip"]) for r in titles]
+        hits += [SearchHit(r["conversation_id"], r["title"], r["id"], r["seq"], r["role"], r["snip"]) for r in messages]
+        return hits[:limit]
 
     # --- turn statistics -----------------------------------------------------------------------------------
 

@@ -1,7 +1,7 @@
 """The engine on its own thread. The GUI talks to it only through queued signals, so it never waits on it.
 
 Requests (GUI -> worker, queued, handled one at a time in order): load, configure, send, regenerate,
-edit_resend, switch_chat, shutdown. Two calls are made directly from the GUI thread because the worker is
+edit_resend, switch_chat, count (a draft's tokens, answered by counted), shutdown. Two calls are made directly from the GUI thread because the worker is
 busy inside the engine when they matter: request_stop() (the session's stop flag is thread-safe) and
 cancel_load() (a flag the build polls).
 
@@ -52,6 +52,7 @@ class EngineWorker(QObject):
     done = Signal(object, object)
     context = Signal(object, object)
     error = Signal(str, str)           # kind, message for the user
+    counted = Signal(int, int)         # answers count(seq, text): seq, the text's tokens
     pong = Signal(int)                 # answers ping(): every request queued before it has been handled
     finished = Signal()
 
@@ -173,6 +174,17 @@ class EngineWorker(QObject):
             log.exception("rebuilding the cache failed")
             self.error.emit("rebuild", f"Could not restore the chat into the model's cache: {e}")
 
+    @Slot(int, str)
+    def count(self, seq: int, text: str) -> None:
+        """How many tokens `text` is as a message's content (the draft shows it before it is sent)."""
+        session = self._session
+        if session is None:
+            return
+        try:
+            self.counted.emit(seq, len(session.tokenizer.encode_text(text)))
+        except Exception:  # a count is only a hint: never an error for the user
+            log.exception("counting a draft's tokens failed")
+
     @Slot(int)
     def ping(self, n: int) -> None:
         self.pong.emit(n)
@@ -229,6 +241,7 @@ class EngineHost(QObject):
     _regenerate = Signal(int)
     _edit_resend = Signal(int, str)
     _switch = Signal(int, object)
+    _count = Signal(int, str)
     _ping = Signal(int)
     _shutdown = Signal()
 
@@ -247,6 +260,7 @@ class EngineHost(QObject):
         self._regenerate.connect(self.worker.regenerate)
         self._edit_resend.connect(self.worker.edit_resend)
         self._switch.connect(self.worker.switch_chat)
+        self._count.connect(self.worker.count)
         self._ping.connect(self.worker.ping)
         # Relayed through this GUI-thread object, so it arrives after the events queued before it.
         self.worker.pong.connect(self._on_pong)
@@ -255,6 +269,7 @@ class EngineHost(QObject):
         self.thread.finished.connect(self.stopped)
         self._tickets = 0
         self._switches = 0
+        self._counts = 0
         self._loads = 0
         self._shutting_down = False
         self.thread.start()
@@ -295,6 +310,12 @@ class EngineHost(QObject):
         self._switches += 1
         self.worker.note_switch(self._switches)
         self._switch.emit(self._switches, history)
+
+    def count(self, text: str) -> int:
+        """Asks how many tokens `text` is; the worker's counted(seq, n) answers with the seq returned here."""
+        self._counts += 1
+        self._count.emit(self._counts, text)
+        return self._counts
 
     def ping(self) -> None:
         """`idle` follows once the worker has handled every request sent before (tests wait on it)."""

@@ -104,6 +104,16 @@ class Context(_Event):
         """How many leading messages the model no longer sees: left out of the cache, or left the window."""
         return max([self.first, *(i + 1 for i in self.left)])
 
+    @property
+    def cut_seen(self) -> tuple[int, int]:
+        """Of the cut message's tokens: (those still in the window, all of them); (0, 0) when none is cut.
+        The window begins at the eviction horizon, the sinks plus the tokens evicted (as the session says)."""
+        if self.cut < self.first or self.cut - self.first >= len(self.spans):
+            return (0, 0)
+        begin, end = self.spans[self.cut - self.first]
+        horizon = self.cache.sinks + self.cache.evicted
+        return (max(0, end - max(begin, horizon)), end - begin)
+
 
 @dataclass(frozen=True)
 class Error(_Event):

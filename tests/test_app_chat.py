@@ -217,15 +217,26 @@ def fill_database(conn: sqlite3.Connection) -> int:
     conn.execute("INSERT INTO conversations(title, created, updated) VALUES ('filler', 0, 0)")
     filler = conn.execute("SELECT max(id) FROM conversations").fetchone()[0]
     conn.execute(f"PRAGMA max_page_count={conn.execute('PRAGMA page_count').fetchone()[0] + 2}")
-    for size in (20_000, 2_000, 200, 20, 1):
-        while True:
-            try:
-                conn.execute("INSERT INTO messages(conversation_id, seq, role, content, created) "
-                             "VALUES (?, -1, 'filler', ?, 0)", (filler, "x" * size))
-            except sqlite3.OperationalError as e:
-                assert "full" in str(e)
-                break
-    return filler
+
+    def insert(text: str) -> bool:
+        try:
+            conn.execute("INSERT INTO messages(conversation_id, seq, role, content, created) "
+                         "VALUES (?, -1, 'filler', ?, 0)", (filler, text))
+            return True
+        except sqlite3.OperationalError as e:
+            assert "full" in str(e)
+            return False
+
+    # Each message also goes into the search index, whose pages fill differently from the table's: fill
+    # until a message like a chat's own no longer fits either (each probe that still fits fills some more).
+    n = 0
+    while True:
+        for size in (20_000, 2_000, 200, 20, 1):
+            while insert(" ".join(f"filler{n + i}" for i in range(max(1, size // 10)))):
+                n += 1
+        probes = ["After the disk filled up", "the reply of a model, " * 5, "a"]
+        if not any(insert(p) for p in probes):
+            return filler
 
 
 def test_disk_full_keeps_the_chat_and_saves_later(qtbot, window):

@@ -50,6 +50,10 @@ class RecordingHost(QObject):
         self.latest_switch += 1
         self.requests.append(("switch", len(history)))
 
+    def count(self, text: str) -> int:
+        self.requests.append(("count", text))
+        return len([r for r in self.requests if r[0] == "count"])
+
     def stop(self, ticket: int) -> None:
         self.requests.append(("stop", ticket))
 
@@ -131,3 +135,24 @@ def test_the_marker_follows_the_engine_and_stale_events_are_ignored(qtbot, tmp_p
     c.send("new chat")
     host.worker.token.emit(Token("late"), Origin(ticket=1))
     assert c.chat.messages[-1].content == ""
+
+
+def test_the_draft_shows_the_latest_count_and_documents_go_into_the_message(qtbot, tmp_path):
+    c, host = ready(qtbot, tmp_path)
+    doc = tmp_path / "notes.txt"
+    doc.write_text("alpha beta\n")
+    assert c.attach(doc) and c.draft.tokens is None
+    c.count_draft("What is it?")
+    c.count_draft("What is it about?")
+    assert host.requests[-1] == ("count", "Document: notes.txt\n```txt\nalpha beta\n```\n\nWhat is it about?")
+    host.worker.counted.emit(1, 7)  # the answer for the older draft: not shown
+    assert c.draft.tokens is None
+    host.worker.counted.emit(2, 9)
+    assert c.draft.tokens == 9
+    assert c.send("What is it about?") and host.requests[-1][0] == "send" and "alpha beta" in host.requests[-1][1]
+    assert c.chat.title == "What is it about?" and not c.draft.documents
+    # A turn that fails gives the documents back to the draft and the question back to the input.
+    restored: list[str] = []
+    c.restore_input.connect(restored.append)
+    host.worker.error.emit("turn", "it failed")
+    assert [d.name for d in c.draft.documents] == ["notes.txt"] and restored == ["What is it about?"]

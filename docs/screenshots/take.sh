@@ -23,3 +23,7 @@ sleep 1
 "$PY" -m app.screenshots settings "$OUT/settings.png"
 # The first-run build dialog: an empty artefact cache, so the model has to be compiled.
 EDDY_CACHE_DIR=$(mktemp -d) "$PY" -m app.screenshots first-run "$OUT/first-run.png" --model smollm2-135m-instruct
+# Search (Ctrl+K) over a few stored chats, and a document of about six windows streamed through the window,
+# answered, with the note where the model's view of it begins.
+"$PY" -m app.screenshots search "$OUT/search.png"
+"$PY" -m app.screenshots document "$OUT/document.png"
