@@ -1,9 +1,9 @@
 """The engine on its own thread. The GUI talks to it only through queued signals, so it never waits on it.
 
 Requests (GUI -> worker, queued, handled one at a time in order): load, configure, send, regenerate,
-edit_resend, switch_chat, count (a draft's tokens, answered by counted), shutdown. Two calls are made directly from the GUI thread because the worker is
-busy inside the engine when they matter: request_stop() (the session's stop flag is thread-safe) and
-cancel_load() (a flag the build polls).
+edit_resend, switch_chat, count (a draft's tokens, answered by counted), shutdown. Two calls are made
+directly from the GUI thread because the worker is busy inside the engine when they matter: request_stop()
+(the session's stop flag is thread-safe) and cancel_load() (a flag the build polls).
 
 Events (worker -> GUI): the session's own typed events (engine/events.py), one signal per kind, each with
 the Origin of the request it answers; plus progress(stage, fraction) and loaded(info) for model loads and
