@@ -20,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from ..errors import PromptTooLongError
 from ..events import Done, Prefill, Token
 from ..run.generation import ChatDefaults, sampling_params
 from ..run.session import ChatSettings, TurnResult
@@ -179,6 +180,8 @@ def create_app(engine: EngineThread, settings: ServerSettings) -> Starlette:
             error = job.result.exception()
             if isinstance(error, APIError):
                 raise error
+            if isinstance(error, PromptTooLongError):  # a system prompt too long to pin: nothing was changed
+                raise APIError(400, str(error), "messages")
             if error is not None:
                 log.error("a request failed: %r", error)
                 raise APIError(500, f"generation failed: {error}", kind="server_error")
