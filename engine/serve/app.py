@@ -197,6 +197,29 @@ def create_app(engine: EngineThread, settings: ServerSettings) -> Starlette:
             if not job.result.done():
                 engine.stop(job)  # the client went away (the response was cancelled): free the engine
 
+    async def collect(request: Request, job: Job, stops: list[str]) -> tuple[str, dict]:
+        """A whole reply, for a request that does not stream: its text and how it ended."""
+        text, end = [], {}
+        async for kind, data in run(request, job, stops):
+            if kind == "text":
+                text.append(data["text"])
+            else:
+                end = data
+        return "".join(text), end
+
+    def sse(chunks: AsyncIterator[str]) -> StreamingResponse:
+        """Server-sent events: an error after the stream began goes out as its own event, then [DONE]."""
+        async def framed() -> AsyncIterator[str]:
+            try:
+                async for chunk in chunks:
+                    yield chunk
+            except APIError as e:
+                yield f"data: {json.dumps(e.body())}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(framed(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok", "model": s.model_id, "waiting": engine.waiting})
 
@@ -224,30 +247,20 @@ def create_app(engine: EngineThread, settings: ServerSettings) -> Starlette:
 
             async def events() -> AsyncIterator[str]:
                 yield chunk({"role": "assistant", "content": ""})
-                try:
-                    async for kind, data in run(request, job, stops):
-                        if kind == "text":
-                            yield chunk({"content": data["text"]})
-                        else:
-                            extra = {"timings": data["timings"]}
-                            if include_usage:
-                                extra["usage"] = data["usage"]
-                            yield chunk({}, data["finish_reason"], **extra)
-                except APIError as e:
-                    yield f"data: {json.dumps(e.body())}\n\n"
-                yield "data: [DONE]\n\n"
+                async for kind, data in run(request, job, stops):
+                    if kind == "text":
+                        yield chunk({"content": data["text"]})
+                    else:
+                        extra = {"timings": data["timings"]}
+                        if include_usage:
+                            extra["usage"] = data["usage"]
+                        yield chunk({}, data["finish_reason"], **extra)
 
-            return StreamingResponse(events(), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        text, end = [], {}
-        async for kind, data in run(request, job, stops):
-            if kind == "text":
-                text.append(data["text"])
-            else:
-                end = data
+            return sse(events())
+        text, end = await collect(request, job, stops)
         return JSONResponse({
             "id": ident, "object": "chat.completion", "created": created, "model": s.model_id,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(text)},
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                          "finish_reason": end["finish_reason"], "logprobs": None}],
             "usage": end["usage"], "timings": end["timings"]})
 
@@ -270,26 +283,17 @@ def create_app(engine: EngineThread, settings: ServerSettings) -> Starlette:
                 return f"data: {json.dumps(body_, ensure_ascii=False)}\n\n"
 
             async def events() -> AsyncIterator[str]:
-                try:
-                    async for kind, data in run(request, job, stops):
-                        if kind == "text":
-                            yield chunk(data["text"])
-                        else:
-                            yield chunk("", data["finish_reason"], timings=data["timings"], usage=data["usage"])
-                except APIError as e:
-                    yield f"data: {json.dumps(e.body())}\n\n"
-                yield "data: [DONE]\n\n"
+                async for kind, data in run(request, job, stops):
+                    if kind == "text":
+                        yield chunk(data["text"])
+                    else:
+                        yield chunk("", data["finish_reason"], timings=data["timings"], usage=data["usage"])
 
-            return StreamingResponse(events(), media_type="text/event-stream")
-        text, end = [], {}
-        async for kind, data in run(request, job, stops):
-            if kind == "text":
-                text.append(data["text"])
-            else:
-                end = data
+            return sse(events())
+        text, end = await collect(request, job, stops)
         return JSONResponse({
             "id": ident, "object": "text_completion", "created": created, "model": s.model_id,
-            "choices": [{"index": 0, "text": "".join(text), "finish_reason": end["finish_reason"], "logprobs": None}],
+            "choices": [{"index": 0, "text": text, "finish_reason": end["finish_reason"], "logprobs": None}],
             "usage": end["usage"], "timings": end["timings"]})
 
     async def api_error(request: Request, e: APIError) -> Response:
