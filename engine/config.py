@@ -8,7 +8,7 @@ from .arch import family
 from .devices import DEVICES
 from .errors import ModelError
 
-DTYPES = ("f32", "f16", "bf16", "q8")
+DTYPES = ("f32", "f16", "bf16", "q8", "q4")
 # llvm-cpu targets: "host" (this machine's CPU, fastest, for local builds) or a portable one for packages
 # that run on other machines (a module built for "host" can die of illegal instructions elsewhere).
 # x86-64-v3 = AVX2 + FMA (Intel Haswell 2013+, AMD Zen 1+); x86-64 = any 64-bit x86 (slow: no AVX).

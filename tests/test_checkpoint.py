@@ -637,3 +637,63 @@ def test_bos_probe_renders_in_the_runtime_sandbox_with_its_work_budget():
         tokenizer.render_template(escape, [], add_generation_prompt=True, bos_token="<s>")
     assert ck_chat._template_emits_bos("{{ bos_token }}{{ messages[0]['content'] }}", "<s>", None) is True
     assert ck_chat._template_emits_bos("{{ messages[0]['content'] }}", "<s>", None) is False
+
+
+# Raw GGML blocks of the K-quants, which the gguf package reads but cannot write: random codes and scales, with
+# each block's float16 super-scales set to sane values (random bytes would make NaNs and infinities of them).
+# (bytes per 256-weight block, byte offsets of its float16 fields)
+K_QUANT_BLOCKS = {"Q4_K": (144, (0, 2)), "Q5_K": (176, (0, 2)), "Q6_K": (210, (208,))}
+
+
+def _k_quant_blocks(rows: int, cols: int, qtype: str, rng: np.random.RandomState) -> np.ndarray:
+    size, halves = K_QUANT_BLOCKS[qtype]
+    raw = rng.randint(0, 256, (rows, cols // 256, size)).astype(np.uint8)
+    for at in halves:
+        raw[..., at:at + 2] = np.full(raw.shape[:2], 0.01, np.float16).view(np.uint8).reshape(*raw.shape[:2], 2)
+    return raw.reshape(rows, -1)
+
+
+def test_gguf_of_every_common_weight_type_loads(tmp_path):
+    """A model whose matrices are K-quants (Q4_K, Q5_K, Q6_K: the blocks of Q4_K_M and Q5_K_M files), Q8_0,
+    Q4_0, Q4_1, F16 and BF16 loads, each tensor exactly as the gguf package dequantises it."""
+    import gguf
+    import torch
+
+    from engine.build.checkpoint.tiny import tiny_state_dict
+
+    base = read_config(resolve_model("tiny-random"))
+    # Rows of 256: the K-quants' super-block.
+    cfg = {**base, "hidden_size": 256, "intermediate_size": 512, "head_dim": 64, "vocab_size": 512}
+    sd = tiny_state_dict(cfg)
+    types = ["Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "F16", "BF16"]
+    rng = np.random.RandomState(0)
+    w = gguf.GGUFWriter(str(tmp_path / "mixed.gguf"), "llama")
+    add_config(w, "llama", cfg)
+    names = {v: k for k, v in families.TOP_TENSORS.items()}
+    want: dict[str, torch.Tensor] = {}
+    matrices = 0
+    for hf_name, t in sd.items():
+        arr = t.numpy().astype(np.float32)
+        if hf_name in names:
+            gname = names[hf_name]
+        else:
+            parts = hf_name.split(".")
+            gname = f"blk.{parts[2]}." + families.FAMILIES["llama"].layer[".".join(parts[3:])]
+        if arr.ndim == 1 or ".attn_q." in gname or ".attn_k." in gname:
+            # Norms stay float32; q/k are permuted by the converter, which test_gguf_loader_undoes_... covers.
+            arr = (llamacpp_permute(arr, cfg["num_attention_heads" if ".attn_q." in gname else "num_key_value_heads"])
+                   if arr.ndim == 2 else arr)
+            w.add_tensor(gname, arr)
+            continue
+        qtype = getattr(gguf.GGMLQuantizationType, types[matrices % len(types)])
+        matrices += 1
+        raw = (_k_quant_blocks(*arr.shape, qtype.name, rng) if qtype.name in K_QUANT_BLOCKS
+               else gguf.quants.quantize(arr, qtype))
+        w.add_tensor(gname, raw, raw_dtype=qtype)
+        want[hf_name] = torch.from_numpy(gguf.quants.dequantize(raw, qtype).astype(np.float32))
+    finish(w, tmp_path / "mixed.gguf")
+    assert matrices >= len(types)
+    got = load_state_dict(resolve_model(str(tmp_path / "mixed.gguf")))
+    for name, t in want.items():
+        assert torch.isfinite(t).all(), name
+        assert torch.equal(got[name].float(), t), name

@@ -64,7 +64,7 @@ def assert_same_archives(got, want) -> None:
 @pytest.mark.parametrize("name,dtypes", [
     ("tiny-random", DTYPES),
     # q|k|v biases, q/k norms and sandwich norms, Phi-3's fused matrices, in the types with the most to get wrong.
-    ("tiny-random-qwen2", ("q8",)), ("tiny-random-gemma3", ("bf16", "q8")), ("tiny-random-phi3", ("f16",)),
+    ("tiny-random-qwen2", ("q8", "q4")), ("tiny-random-gemma3", ("bf16", "q8")), ("tiny-random-phi3", ("f16",)),
 ])
 def test_streamed_weights_equal_the_in_memory_build(tmp_path, name, dtypes):
     from engine.build.checkpoint import resolve_model

@@ -24,7 +24,7 @@ cache and no re-rotation on eviction.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +32,7 @@ from torch import nn
 
 from ..arch import Family, family
 from ..config import BuildSettings, ModelConfig
+from .q4 import Q4_GROUP, dequantise_q4, packable, q4_linear, quantise_q4
 
 TORCH_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 EMPTY_SLOT = 2**62  # slot_pos of an empty slot: later than any token, so masked for every query
@@ -51,31 +52,55 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Module):
-    """A weight matrix [out, in] stored in the build's type: f32, f16, bf16, or q8 (int8 with a per-row scale).
+    """A weight matrix [out, in] stored in the build's type: f32, f16, bf16, q8 (int8 with a per-row scale) or q4
+    (4-bit codes in groups with a scale and an offset each: engine/build/q4.py).
 
     Stored weights are widened inside the graph: IREE fuses the widening into the matrix-vector products, so
-    decode reads 2 (16-bit) or 1 (q8) bytes per weight while activations and accumulation stay float32.
-    The parameters have their stored type from the start, so a skeleton that never receives its weights
-    (StreamingLlama.skeleton) exports exactly as one holding them.
+    decode reads 2 (16-bit), 1 (q8) or about 0.75 (q4: half a byte and 8 bytes per 32) bytes per weight while
+    activations and accumulation stay float32. The parameters have their stored type from the start, so a
+    skeleton that never receives its weights (StreamingLlama.skeleton) exports exactly as one holding them.
     """
 
     def __init__(self, out_features: int, in_features: int, dtype: str, bias: bool = False) -> None:
         super().__init__()
-        stored = torch.int8 if dtype == "q8" else TORCH_DTYPES[dtype]
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=stored), requires_grad=False)
-        self.scale = nn.Parameter(torch.empty(out_features), requires_grad=False) if dtype == "q8" else None
+        self.dtype = dtype = matrix_dtype(dtype, in_features)
+        self.offset = None
+        if dtype == "q4":
+            groups = in_features // Q4_GROUP
+            self.weight = _frozen(torch.empty(out_features, in_features // 2, dtype=torch.int8))
+            self.scale = _frozen(torch.empty(out_features, groups))
+            self.offset = _frozen(torch.empty(out_features, groups))
+        else:
+            stored = torch.int8 if dtype == "q8" else TORCH_DTYPES[dtype]
+            self.weight = _frozen(torch.empty(out_features, in_features, dtype=stored))
+            self.scale = _frozen(torch.empty(out_features)) if dtype == "q8" else None
         # float32 whatever the weights' type: it is tiny.
-        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.bias = _frozen(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight.float())
-        y = y if self.scale is None else y * self.scale
+        if self.dtype == "q4":
+            y = q4_linear(x, self.weight, self.scale, self.offset)
+        else:
+            y = F.linear(x, self.weight.float())
+            y = y if self.scale is None else y * self.scale
         return y if self.bias is None else y + self.bias
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows as float32 (the embedding lookup of a tied matrix)."""
+        if self.dtype == "q4":
+            return dequantise_q4(*(F.embedding(ids, t) for t in (self.weight, self.scale, self.offset)))
         r = F.embedding(ids, self.weight).float()
         return r if self.scale is None else r * F.embedding(ids, self.scale.unsqueeze(1))
+
+
+def _frozen(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=False)
+
+
+def matrix_dtype(dtype: str, in_features: int) -> str:
+    """The type a matrix is stored in: the build's, except that q4 needs whole groups along a row and a matrix
+    whose rows are not (no family Eddy knows has one) is stored in q8 instead."""
+    return "q8" if dtype == "q4" and not packable(in_features) else dtype
 
 
 # Rows converted at a time by stored_matrix: its float32 temporaries stay a few MB whatever the matrix (a
@@ -85,25 +110,32 @@ CONVERT_ROWS = 4096
 
 def stored_matrix(w: torch.Tensor, dtype: str) -> dict[str, torch.Tensor]:
     """A weight matrix (float32, or the checkpoint's own 16-bit type) as Linear stores it: {"weight"} in the build's
-    type, plus a per-row float32 {"scale"} for q8 (symmetric: the row's largest magnitude maps to 127).
+    type, plus a per-row float32 {"scale"} for q8 (symmetric: the row's largest magnitude maps to 127), or the
+    packed codes with group {"scale", "offset"} for q4 (engine/build/q4.py).
 
     Each block of rows is widened to float32 and converted on its own: a 16-bit matrix is never widened whole,
     and since rows are independent (and widening 16-bit floats is exact) the bytes are those of converting the
     float32 matrix at once."""
-    q8 = dtype == "q8"
-    if not q8 and w.dtype == TORCH_DTYPES[dtype]:
+    dtype = matrix_dtype(dtype, w.shape[1])
+    if dtype in TORCH_DTYPES and w.dtype == TORCH_DTYPES[dtype]:
         return {"weight": w.contiguous()}
-    out = torch.empty(w.shape, dtype=torch.int8 if q8 else TORCH_DTYPES[dtype])
-    scale = torch.empty(w.shape[0], dtype=torch.float32) if q8 else None
+    out: dict[str, torch.Tensor] = {}
     for start in range(0, w.shape[0], CONVERT_ROWS):
-        block, rows = w[start:start + CONVERT_ROWS].float(), slice(start, start + CONVERT_ROWS)
-        if not q8:
-            out[rows] = block
-            continue
-        s = (block.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
-        out[rows] = torch.round(block / s.unsqueeze(1)).clamp(-127, 127).to(torch.int8)
-        scale[rows] = s
-    return {"weight": out} if scale is None else {"weight": out, "scale": scale}
+        block = _convert_rows(w[start:start + CONVERT_ROWS].float(), dtype)
+        for name, t in block.items():
+            if name not in out:  # allocated once: a second copy of a 1 GB embedding is what this avoids
+                out[name] = torch.empty((w.shape[0], *t.shape[1:]), dtype=t.dtype)
+            out[name][start:start + len(t)] = t
+    return out
+
+
+def _convert_rows(block: torch.Tensor, dtype: str) -> dict[str, torch.Tensor]:
+    if dtype == "q4":
+        return quantise_q4(block)
+    if dtype != "q8":
+        return {"weight": block.to(TORCH_DTYPES[dtype])}
+    s = (block.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
+    return {"weight": torch.round(block / s.unsqueeze(1)).clamp(-127, 127).to(torch.int8), "scale": s}
 
 
 @dataclass(frozen=True)
@@ -114,13 +146,14 @@ class Piece:
     module: str  # its name in the model, e.g. "layers.0.attention.wqkv"
     sources: tuple[str, ...]  # concatenated along the rows (q|k|v, gate|up)
     kind: str  # "matrix": a Linear's weight (and scale); "bias" or "norm": one float32 vector
+    dtype: str = "f32"  # a matrix's stored type (its Linear's)
 
-    def convert(self, tensors: list[torch.Tensor], dtype: str) -> dict[str, torch.Tensor]:
+    def convert(self, tensors: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         """The module's parameters by full name, from its source tensors (in `sources` order; float32, or the
         checkpoint's own floating type, which converts to the same bytes)."""
         w = tensors[0] if len(tensors) == 1 else torch.cat(tensors)
         if self.kind == "matrix":
-            return {f"{self.module}.{name}": t for name, t in stored_matrix(w, dtype).items()}
+            return {f"{self.module}.{name}": t for name, t in stored_matrix(w, self.dtype).items()}
         return {f"{self.module}.{'bias' if self.kind == 'bias' else 'weight'}": w.float().contiguous()}
 
 
@@ -292,7 +325,9 @@ class StreamingLlama(nn.Module):
         self.cfg, self.settings = cfg, settings
         self.family = fam = family(cfg.arch)
         self.embed_scale = cfg.dim ** 0.5 if fam.embed_scale else None
-        self.tok_embeddings = Linear(cfg.vocab_size, cfg.dim, settings.dtype)
+        # Like llama.cpp's 4-bit types, q4 keeps the LM head in 8 bits: every logit goes through it.
+        head = "q8" if settings.dtype == "q4" else settings.dtype
+        self.tok_embeddings = Linear(cfg.vocab_size, cfg.dim, head if cfg.tie_embeddings else settings.dtype)
         # Local layers with their own ring leave the shared cache to the others; each layer writes its own
         # row (`index`) of the buffer it uses.
         self.ring = ring = cfg.local_ring(settings)
@@ -302,7 +337,7 @@ class StreamingLlama(nn.Module):
         self.layers = nn.ModuleList(
             Block(cfg, settings, i, (local if own[i] else shared).index(i), own[i]) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, fam.norm_offset)
-        self.output = None if cfg.tie_embeddings else Linear(cfg.vocab_size, cfg.dim, settings.dtype)
+        self.output = None if cfg.tie_embeddings else Linear(cfg.vocab_size, cfg.dim, head)
         # One cache global for all shared layers (and one ring for the local ones): with many per-layer globals a
         # zero-splat initialiser gave wrong logits in IREE. float32, since 16-bit buffers do not initialise
         # reliably in turbine.
@@ -420,7 +455,8 @@ class StreamingLlama(nn.Module):
                      "post_ffn": "post_ffn_norm"}
             for role, name in fam.norms.items():
                 out.append(Piece(m + roles[role], (p + name,), "norm"))
-        return out
+        return [replace(piece, dtype=self.get_submodule(piece.module).dtype) if piece.kind == "matrix" else piece
+                for piece in out]
 
     def load_hf(self, state: dict[str, torch.Tensor]) -> None:
         """Copies a Hugging Face state dict of this family in, casting matrices to the build's weight dtype: the
@@ -428,7 +464,7 @@ class StreamingLlama(nn.Module):
         loaded: set[str] = set()
         with torch.no_grad():
             for piece in self.pieces():
-                for name, t in piece.convert([state[s] for s in piece.sources], self.settings.dtype).items():
+                for name, t in piece.convert([state[s] for s in piece.sources]).items():
                     self.get_parameter(name).copy_(t)
                     loaded.add(name)
         # Parameters start uninitialised (torch.empty): one that no piece fills would be silently random.

@@ -39,7 +39,7 @@ def write_weights(model: StreamingLlama, tensors: "CheckpointTensors", path: Pat
     pieces = model.pieces()
     with ArchiveWriter(path, archive_entries(model)) as archive, torch.no_grad():
         for done, piece in enumerate(pieces, 1):
-            made = piece.convert([tensors.read_stored(name) for name in piece.sources], model.settings.dtype)
+            made = piece.convert([tensors.read_stored(name) for name in piece.sources])
             for name, t in made.items():
                 want = params[name]
                 if t.dtype != want.dtype or t.shape != want.shape:
