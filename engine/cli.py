@@ -7,7 +7,7 @@ import sys
 import threading
 from typing import Callable, Sequence
 
-from .config import DEVICES, DTYPES, PIN_SLOTS, TARGET_CPUS, BuildSettings
+from .config import DEVICES, DTYPES, KV_DTYPES, PIN_SLOTS, TARGET_CPUS, BuildSettings
 from .errors import EddyError
 from .events import Done, Error, Event, Prefill, PrefillProgress, Token
 
@@ -30,7 +30,9 @@ def _build_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-sinks", type=int, default=None,
                    help=f"sink slots compiled, the most tokens a pinned system prompt may take (default: --sinks; "
                         f"{PIN_SLOTS} with --pin-system)")
-    p.add_argument("--dtype", choices=DTYPES, default=d.dtype, help=f"weight type; q8 = int8 with per-row scales (default {d.dtype})")
+    p.add_argument("--dtype", choices=DTYPES, default=d.dtype, help=f"weight type; q8 = int8 with per-row scales, q4 = 4-bit codes in groups of 32 with a scale and offset (default {d.dtype})")
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default=d.kv_dtype,
+                   help=f"KV cache type; 16 bits halve what attention reads over a long window (default {d.kv_dtype})")
     p.add_argument("--device", choices=DEVICES, default=d.device)
     p.add_argument("--target-cpu", choices=TARGET_CPUS, default=d.target_cpu,
                    help="cpu device: the CPU to compile for; host (default) is fastest but runs only on CPUs like "
@@ -40,7 +42,7 @@ def _build_options(p: argparse.ArgumentParser) -> None:
 def _settings(a: argparse.Namespace) -> BuildSettings:
     max_sinks = a.max_sinks if a.max_sinks is not None else (PIN_SLOTS if getattr(a, "pin_system", False) else 0)
     return BuildSettings(sinks=a.sinks, window=a.window, dtype=a.dtype, device=a.device, target_cpu=a.target_cpu,
-                         max_sinks=max_sinks)
+                         max_sinks=max_sinks, kv_dtype=a.kv_dtype)
 
 
 def _progress_printer(quiet: bool) -> Callable[[str, float], None]:
@@ -145,7 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             result = run_ppl(args.model, args.text, args.mode, args.sinks, args.window, args.dtype, args.device,
                              args.max_chunk, args.chunk, args.stride, args.max_tokens, args.json_file,
-                             None if args.quiet else sys.stderr, _progress_printer(args.quiet))
+                             None if args.quiet else sys.stderr, _progress_printer(args.quiet), args.kv_dtype)
             print(json.dumps(result), flush=True)
             return 0
     except (EddyError, ValueError, OSError) as e:

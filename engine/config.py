@@ -9,6 +9,9 @@ from .devices import DEVICES
 from .errors import ModelError
 
 DTYPES = ("f32", "f16", "bf16", "q8", "q4")
+# The KV cache's element type: 16 bits halve what attention reads per token over a long window. No bf16:
+# turbine 3.9 cannot make a bfloat16 global (it goes through numpy, which has no such type).
+KV_DTYPES = ("f32", "f16")
 # llvm-cpu targets: "host" (this machine's CPU, fastest, for local builds) or a portable one for packages
 # that run on other machines (a module built for "host" can die of illegal instructions elsewhere).
 # x86-64-v3 = AVX2 + FMA (Intel Haswell 2013+, AMD Zen 1+); x86-64 = any 64-bit x86 (slow: no AVX).
@@ -136,6 +139,7 @@ class BuildSettings:
     # Sink slots compiled (0: just `sinks`). The sink count is chosen per conversation up to this bound: a pinned
     # system prompt's tokens all become sinks; slots not used as sinks stay empty.
     max_sinks: int = 0
+    kv_dtype: str = "f32"  # see KV_DTYPES
 
     def __post_init__(self) -> None:
         if self.sinks < 0 or self.window < 1:
@@ -144,6 +148,8 @@ class BuildSettings:
             raise ValueError(f"need max sinks >= 0 (got {self.max_sinks})")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)} (got {self.dtype!r})")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"KV cache dtype must be one of {', '.join(KV_DTYPES)} (got {self.kv_dtype!r})")
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {', '.join(DEVICES)} (got {self.device!r})")
         if self.target_cpu not in TARGET_CPUS:

@@ -67,14 +67,16 @@ def dense_capacity(n_tokens: int, max_positions: int) -> int:
 
 
 def build_settings(mode: str, sinks: int, window: int, dtype: str = BuildSettings.dtype, device: str = "cpu",
-                   max_chunk: int = BuildSettings.max_chunk, dense_tokens: int = 0) -> BuildSettings:
+                   max_chunk: int = BuildSettings.max_chunk, dense_tokens: int = 0,
+                   kv_dtype: str = BuildSettings.kv_dtype) -> BuildSettings:
     """The compiled module each mode runs on."""
+    common = {"dtype": dtype, "device": device, "max_chunk": max_chunk, "kv_dtype": kv_dtype}
     if mode in ("streaming", "recompute"):
-        return BuildSettings(sinks=sinks, window=window, dtype=dtype, device=device, max_chunk=max_chunk)
+        return BuildSettings(sinks=sinks, window=window, **common)
     if mode == "window":
-        return BuildSettings(sinks=0, window=sinks + window, dtype=dtype, device=device, max_chunk=max_chunk)
+        return BuildSettings(sinks=0, window=sinks + window, **common)
     if mode == "dense":
-        return BuildSettings(sinks=0, window=dense_tokens, dtype=dtype, device=device, max_chunk=max_chunk)
+        return BuildSettings(sinks=0, window=dense_tokens, **common)
     raise ValueError(f"mode must be one of {', '.join(MODES)} (got {mode!r})")
 
 
@@ -167,7 +169,8 @@ def run_ppl(model: str | None, text_file: str | os.PathLike, mode: str, sinks: i
             dtype: str = BuildSettings.dtype, device: str = "cpu", max_chunk: int = BuildSettings.max_chunk,
             chunk: int = DEFAULT_CHUNK, stride: int = DEFAULT_STRIDE, max_tokens: int | None = None,
             json_file: str | os.PathLike | None = None, stream: TextIO | None = sys.stderr,
-            build_progress: Callable[[str, float], None] | None = None) -> dict:
+            build_progress: Callable[[str, float], None] | None = None,
+            kv_dtype: str = BuildSettings.kv_dtype) -> dict:
     """Scores the text in one mode; returns the summary (and writes it with per-position losses to json_file)."""
     from .build.artefacts import ensure_artefacts
     from .build.checkpoint import read_config, resolve_model
@@ -179,7 +182,7 @@ def run_ppl(model: str | None, text_file: str | os.PathLike, mode: str, sinks: i
         raise ValueError(f"need chunk >= 1 and stride >= 1 (got chunk={chunk}, stride={stride})")
     if max_tokens is not None and max_tokens < 2:
         raise ValueError(f"need max_tokens >= 2: the first token is not scored (got {max_tokens})")
-    BuildSettings(sinks=sinks, window=window, dtype=dtype, device=device, max_chunk=max_chunk)  # validates
+    BuildSettings(sinks=sinks, window=window, dtype=dtype, device=device, max_chunk=max_chunk, kv_dtype=kv_dtype)  # validates
     text = read_text(text_file)
     if not text.strip():
         raise TextError(f"{text_file} holds no text to score")
@@ -192,10 +195,10 @@ def run_ppl(model: str | None, text_file: str | os.PathLike, mode: str, sinks: i
             note = f"dense: cut to the model's {cfg.max_positions} positions (the text has {len(ids)} tokens)"
             ids = ids[: cfg.max_positions]
         settings = build_settings(mode, sinks, window, dtype, device, max_chunk,
-                                  dense_capacity(len(ids), cfg.max_positions))
+                                  dense_capacity(len(ids), cfg.max_positions), kv_dtype)
         loaded = open_folder(ensure_artefacts(source, settings, build_progress), source)
     else:
-        settings = build_settings(mode, sinks, window, dtype, device, max_chunk)
+        settings = build_settings(mode, sinks, window, dtype, device, max_chunk, kv_dtype=kv_dtype)
         loaded = open_folder(ensure_artefacts(source, settings, build_progress), source)
         ids = text_ids(loaded.tokenizer, text, max_tokens)
     if len(ids) < 2:

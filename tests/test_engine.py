@@ -166,6 +166,29 @@ def test_q4_module_computes_exactly_its_dequantised_weights(tiny_reference):
         assert np.abs(g - w).max() < 1e-4 * np.abs(w).max()
 
 
+def test_16_bit_kv_cache_stays_close_to_float32(tiny):
+    """--kv-dtype f16 against the float32 cache on the same weights, past eviction (so the sinks' re-rotation and
+    the ring both run on rounded values). Tolerance: 5e-3 of the largest logit, for keys and values rounded to
+    11 significant bits."""
+    from dataclasses import replace
+
+    from engine.loader import open_model
+
+    tol = 5e-3
+    eng16 = open_model("tiny-random", replace(TINY_SETTINGS, kv_dtype="f16")).engine
+    eng32 = tiny.engine
+    ids = random_ids(90, 7)  # past the 64-slot capacity
+    for eng in (eng16, eng32):
+        eng.reset()
+    got = [eng16.prefill(ids[:80]), eng16.decode(ids[80])]
+    want = [eng32.prefill(ids[:80]), eng32.decode(ids[80])]
+    assert eng16.stats.evicted > 0
+    for g, w in zip(got, want):
+        assert np.abs(g - w).max() < tol * np.abs(w).max()
+        assert g.argmax() == w.argmax()
+    assert not np.array_equal(got[1], want[1])  # really a different cache type
+
+
 def test_snapshot_and_restore_switch_conversations_without_a_prefill(family_model):
     """Two conversations take turns through one module; each continues as if it had never left (one of them
     past eviction, and through Gemma's local rings)."""

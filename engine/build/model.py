@@ -272,7 +272,7 @@ class Attention(nn.Module):
             layer = torch.full((1, 1), i, dtype=torch.int64)
             heads = torch.arange(self.cfg.n_kv_heads).view(-1, 1)
             kept = torch.where(slots < sinks, slots, torch.full_like(slots, sinks))
-            sink_keys.index_put_((layer, heads, kept.view(1, -1)), k.transpose(0, 1))
+            sink_keys.index_put_((layer, heads, kept.view(1, -1)), k.transpose(0, 1).to(sink_keys.dtype))
             originals = sink_keys[i, :, :sinks].float()  # [kvh, S, d]
             shift = step.shift[self.table]
             shifted = rotate(originals.transpose(0, 1), shift[0:1], shift[1:2]).transpose(0, 1)
@@ -339,13 +339,14 @@ class StreamingLlama(nn.Module):
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, fam.norm_offset)
         self.output = None if cfg.tie_embeddings else Linear(cfg.vocab_size, cfg.dim, head)
         # One cache global for all shared layers (and one ring for the local ones): with many per-layer globals a
-        # zero-splat initialiser gave wrong logits in IREE. float32, since 16-bit buffers do not initialise
-        # reliably in turbine.
-        kvh, d = cfg.n_kv_heads, cfg.head_dim
-        self.register_buffer("cache", torch.zeros(len(shared), 2, kvh, settings.slots, d), persistent=False)
+        # zero-splat initialiser gave wrong logits in IREE. Their type is the build's kv_dtype (values are written
+        # rounded to it and read back widened to float32); the sinks' original keys stay float32: they are
+        # rotated again on every call, and there are only a few.
+        kvh, d, kv = cfg.n_kv_heads, cfg.head_dim, TORCH_DTYPES[settings.kv_dtype]
+        self.register_buffer("cache", torch.zeros(len(shared), 2, kvh, settings.slots, d, dtype=kv), persistent=False)
         sinks = torch.zeros(len(shared), kvh, settings.sink_slots + 1, d) if settings.sink_slots else None
         self.register_buffer("sink_keys", sinks, persistent=False)
-        self.register_buffer("ring_cache", torch.zeros(len(local), 2, kvh, ring, d) if ring else None,
+        self.register_buffer("ring_cache", torch.zeros(len(local), 2, kvh, ring, d, dtype=kv) if ring else None,
                              persistent=False)
 
     @classmethod
