@@ -1,11 +1,11 @@
-"""The `eddy` command line: chat, compile, bench (the contract in DESIGN.md)."""
+"""The `eddy` command line: chat, serve, compile, bench, ppl, cache (the contract in DESIGN.md)."""
 from __future__ import annotations
 
 import argparse
 import json
 import sys
 import threading
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from .config import DEVICES, DTYPES, PIN_SLOTS, TARGET_CPUS, BuildSettings
 from .errors import EddyError
@@ -13,6 +13,9 @@ from .events import Done, Error, Event, Prefill, PrefillProgress, Token
 
 from .run.generation import EDDY_CHAT_DEFAULTS
 from .run.sampling import OPTIONS, SamplingParams
+
+if TYPE_CHECKING:
+    from .build.progress import Progress
 
 # What --json prints: DESIGN.md's lines (the other events are for live displays).
 JSON_LINES = (Prefill, Token, Done, Error)
@@ -43,14 +46,20 @@ def _settings(a: argparse.Namespace) -> BuildSettings:
                          max_sinks=max_sinks)
 
 
-def _progress_printer(quiet: bool) -> Callable[[str, float], None]:
+def _progress_printer(quiet: bool) -> "Progress":
+    """A build's progress on stderr: one line rewritten in place on a terminal; into a log or a pipe, where a
+    carriage return does not rewind, one line per stage. bench/scale.py reads the "building: STAGE N%" prefix."""
     last = {"stage": None}
+    live = sys.stderr.isatty()
 
-    def report(stage: str, fraction: float) -> None:
+    def report(stage: str, fraction: float, detail: str = "") -> None:
         if quiet:
             return
-        end = "\n" if stage == "done" else ""
-        sys.stderr.write(f"\r\033[Kbuilding: {stage} {fraction * 100:3.0f}%{end}")
+        line = f"building: {stage} {fraction * 100:3.0f}%" + (f" · {detail}" if detail else "")
+        if live:
+            sys.stderr.write(f"\r\033[K{line}" + ("\n" if stage == "done" else ""))
+        elif stage != last["stage"]:
+            sys.stderr.write(line + "\n")
         sys.stderr.flush()
         last["stage"] = stage
 
