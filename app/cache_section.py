@@ -17,7 +17,9 @@ from engine.build.artefacts import artefacts_root
 from engine.build.cache import CacheEntry, CacheError, describe_total, list_entries, remove
 from engine.build.progress import megabytes
 
-COLUMNS = ("Model", "Build", "Size", "Last used")
+# Two lines a row (model over its settings, date over time): the section shares the dialog's width with the
+# generation column, too narrow for a column each.
+COLUMNS = ("Build", "Size", "Last used")
 
 
 def _when(entry: CacheEntry) -> str:
@@ -25,7 +27,7 @@ def _when(entry: CacheEntry) -> str:
         return "being built"
     if entry.state == "damaged":
         return "damaged"
-    return time.strftime("%Y-%m-%d %H:%M", time.localtime(entry.last_used)) if entry.last_used else ""
+    return time.strftime("%Y-%m-%d\n%H:%M", time.localtime(entry.last_used)) if entry.last_used else ""
 
 
 class CacheSection(QGroupBox):
@@ -48,7 +50,12 @@ class CacheSection(QGroupBox):
         self.tree.header().setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)
         for column in range(1, len(COLUMNS)):
             self.tree.header().setSectionResizeMode(column, QHeaderView.ResizeMode.ResizeToContents)
-        self.tree.setFixedHeight(self.tree.fontMetrics().lineSpacing() * 6 + 12)
+        metrics = self.tree.fontMetrics()
+        self.tree.setFixedHeight(metrics.lineSpacing() * 7 + 12)
+        # Wide enough for a usual build's settings, its size and date unelided.
+        self.tree.setMinimumWidth(metrics.horizontalAdvance("q8, 128 sinks + 1020 window, chunk 64, cpu")
+                                  + metrics.horizontalAdvance("9,999 MB") + metrics.horizontalAdvance("2026-12-01")
+                                  + 60)
         self.tree.itemSelectionChanged.connect(self._selection_changed)
         layout.addWidget(self.tree)
         row = QHBoxLayout()
@@ -82,10 +89,11 @@ class CacheSection(QGroupBox):
         self.tree.clear()
         for e in self.entries:
             model = e.model + (" (in use)" if e.in_use else "")
-            item = QTreeWidgetItem([model, e.summary(), megabytes(e.size), _when(e)])
+            item = QTreeWidgetItem([f"{model}\n{e.summary()}", megabytes(e.size), _when(e)])
             item.setData(0, Qt.ItemDataRole.UserRole, e.name)
-            item.setToolTip(0, str(e.folder))
-            item.setTextAlignment(2, Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
+            for column in range(len(COLUMNS)):
+                item.setToolTip(column, f"{e.model}: {e.summary()}\n{e.folder}")
+            item.setTextAlignment(1, Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
             self.tree.addTopLevelItem(item)
             if selected is not None and e.name == selected.name:
                 item.setSelected(True)

@@ -113,7 +113,7 @@ class SettingsDialog(QDialog):
         self.cache = CacheSection()
         left.addWidget(self.cache)
         left.addStretch(1)
-        columns.addLayout(left, 1)
+        columns.addLayout(left, 3)  # the wider: the cache list has the longer lines
         layout.addLayout(columns)
 
         gen_box = QGroupBox("Generation")
@@ -144,7 +144,7 @@ class SettingsDialog(QDialog):
         self.reset_sampling.clicked.connect(self._reset_sampling)
         gen.addRow("", self.reset_sampling)
         self._mark_own_values()
-        columns.addWidget(gen_box, 1)
+        columns.addWidget(gen_box, 2)
 
         layout.addWidget(QLabel("System prompt"))
         self.system_prompt = QPlainTextEdit(chat.system_prompt)

@@ -66,7 +66,8 @@ def test_settings_lists_the_model_cache_and_deletes_a_build_but_not_the_one_in_u
     assert "MB in " in section.total.text() and str(spare.parent) in section.total.text()
     row = names.index(tiny.folder.name)
     item = section.tree.topLevelItem(row)
-    assert str(tiny.folder) == in_use and item.text(0) == "tiny-random (in use)" and item.text(2).endswith("MB")
+    assert str(tiny.folder) == in_use and item.text(1).endswith("MB")
+    assert item.text(0) == "tiny-random (in use)\nf32, 4 sinks + 60 window, chunk 16, cpu"
 
     section.select(tiny.folder.name)
     assert not section.delete_button.isEnabled() and "In use" in section.note.text()
