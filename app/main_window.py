@@ -448,6 +448,7 @@ class MainWindow(QMainWindow):
         if self.progress_dialog is None and self.controller.model_state == "loading" and not self._closing:
             self.progress_dialog = BuildProgressDialog(self.controller.model_spec or DEFAULT_MODEL_NAME, self)
             self.progress_dialog.cancel_requested.connect(self.controller.cancel_load)
+            self.controller.host.worker.progress_detail.connect(self.progress_dialog.set_detail)
             self.progress_dialog.show()
         if self.progress_dialog is not None:
             self.progress_dialog.set_progress(stage, fraction)

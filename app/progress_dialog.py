@@ -1,6 +1,7 @@
 """First run: the model is compiled (about two minutes) while this shows the stages and offers Cancel.
 
 Not modal: the build runs on the engine thread, so the window stays usable (chats can be read) meanwhile.
+Under the bar, the stage's own words: the tensors written of all, then how long the compiler has run.
 """
 from __future__ import annotations
 
@@ -9,8 +10,7 @@ import time
 from PySide6.QtCore import QTimer, Signal
 from PySide6.QtWidgets import QDialog, QDialogButtonBox, QLabel, QProgressBar, QVBoxLayout, QWidget
 
-# The engine's build stages, in order (engine.build.export.build reports these names).
-STAGES = ("loading weights", "exporting", "saving weights", "compiling")
+from engine.build.progress import STAGES
 STAGE_TEXT = {
     "loading weights": "Checking the model's weights",
     "exporting": "Exporting the StreamingLLM graph",
@@ -42,6 +42,9 @@ class BuildProgressDialog(QDialog):
         self.bar.setRange(0, 1000)
         self.bar.setAccessibleName("Build progress")
         layout.addWidget(self.bar)
+        self.detail = QLabel()
+        self.detail.setAccessibleName("Build step")
+        layout.addWidget(self.detail)
         self.elapsed = QLabel()
         self.elapsed.setEnabled(False)
         layout.addWidget(self.elapsed)
@@ -60,6 +63,8 @@ class BuildProgressDialog(QDialog):
         self.set_progress("loading weights", 0.0)
 
     def set_progress(self, stage: str, fraction: float) -> None:
+        if stage != self.stage:
+            self.detail.clear()  # the last stage's words no longer apply
         self.stage, self.fraction = stage, fraction
         current = STAGES.index(stage) if stage in STAGES else len(STAGES)
         for i, name in enumerate(STAGES):
@@ -70,6 +75,11 @@ class BuildProgressDialog(QDialog):
         self.bar.setValue(int(fraction * 1000))
         self.bar.setFormat(f"{fraction * 100:.0f}%")
         self._show_elapsed()
+
+    def set_detail(self, stage: str, detail: str) -> None:
+        """What the stage is at ("tensor 12 of 272, 40 MB of 135 MB"); ignored if the stage has moved on."""
+        if stage == self.stage:
+            self.detail.setText(detail)
 
     def _show_elapsed(self) -> None:
         secs = int(time.monotonic() - self._started)

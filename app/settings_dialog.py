@@ -1,4 +1,5 @@
-"""The settings dialog: model and build options (a change rebuilds the model), generation and system prompt.
+"""The settings dialog: model and build options (a change rebuilds the model), generation and system prompt,
+and the model cache (the compiled builds kept on disk, app/cache_section.py).
 
 Sampling fields show the value in force: the user's own (in bold) or the loaded model's default. Leaving a
 field at its default keeps it following the model; "Reset to the model's defaults" puts them all back.
@@ -8,7 +9,6 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from PySide6.QtCore import Qt
 from PySide6.QtWidgets import (QCheckBox, QComboBox, QDialog, QDialogButtonBox, QDoubleSpinBox, QFileDialog, QFormLayout,
                                QGroupBox, QHBoxLayout, QLabel, QLineEdit, QPlainTextEdit, QPushButton, QSpinBox,
                                QVBoxLayout, QWidget)
@@ -17,6 +17,7 @@ from engine.config import DEVICES, DTYPES, PIN_SLOTS
 from engine.run.generation import ChatDefaults, SamplingOverrides
 from engine.run.sampling import OPTIONS, Option
 
+from .cache_section import CacheSection
 from .settings import AppSettings
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
@@ -107,7 +108,12 @@ class SettingsDialog(QDialog):
         form.addRow("Device", self.device)
         form.addRow("Prefill chunk", self.max_chunk)
         columns = QHBoxLayout()  # side by side: the dialog fits a small screen's height
-        columns.addWidget(model_box, 1, Qt.AlignmentFlag.AlignTop)
+        left = QVBoxLayout()
+        left.addWidget(model_box)
+        self.cache = CacheSection()
+        left.addWidget(self.cache)
+        left.addStretch(1)
+        columns.addLayout(left, 3)  # the wider: the cache list has the longer lines
         layout.addLayout(columns)
 
         gen_box = QGroupBox("Generation")
@@ -138,7 +144,7 @@ class SettingsDialog(QDialog):
         self.reset_sampling.clicked.connect(self._reset_sampling)
         gen.addRow("", self.reset_sampling)
         self._mark_own_values()
-        columns.addWidget(gen_box, 1)
+        columns.addWidget(gen_box, 2)
 
         layout.addWidget(QLabel("System prompt"))
         self.system_prompt = QPlainTextEdit(chat.system_prompt)

@@ -7,7 +7,8 @@ directly from the GUI thread because the worker is busy inside the engine when t
 
 Events (worker -> GUI): the session's own typed events (engine/events.py), one signal per kind, each with
 the Origin of the request it answers; plus progress(stage, fraction) and loaded(info) for model loads and
-error(kind, message). The worker computes nothing about the cache: the session says it all.
+error(kind, message); progress_detail(stage, detail) follows each progress with the stage's own words ("tensor 12
+of 272"). The worker computes nothing about the cache: the session says it all.
 """
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ class Origin:
 
 class EngineWorker(QObject):
     progress = Signal(str, float)
+    progress_detail = Signal(str, str)  # stage, what it is at: right after each progress (the dialog shows it)
     loaded = Signal(object)            # {"model", "folder", "settings", "seconds", "built", "cache", "chat_defaults"}
     prefill = Signal(object, object)   # each engine event kind with its Origin
     prefill_progress = Signal(object, object)
@@ -106,10 +108,11 @@ class EngineWorker(QObject):
             return
         built = False
 
-        def progress(stage: str, fraction: float) -> None:
+        def progress(stage: str, fraction: float, detail: str = "") -> None:
             nonlocal built
             built = True
             self.progress.emit(stage, float(fraction))
+            self.progress_detail.emit(stage, detail)
 
         start = time.perf_counter()
         try:

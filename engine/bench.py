@@ -66,7 +66,7 @@ def _cold_start(model: str | None, settings: BuildSettings) -> float:
 def run_bench(model: str | None, settings: BuildSettings, runs: int = 3, json_file: str | None = None,
               long_tokens: int = 20_000) -> dict[str, Any]:
     start_load = time.perf_counter()
-    loaded = open_model(model, settings, progress=lambda s, f: None)
+    loaded = open_model(model, settings, progress=lambda s, f, d='': None)
     eng = loaded.engine
     cap = settings.capacity
     r: dict[str, Any] = {

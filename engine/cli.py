@@ -1,11 +1,11 @@
-"""The `eddy` command line: chat, compile, bench (the contract in DESIGN.md)."""
+"""The `eddy` command line: chat, serve, compile, bench, ppl, cache (the contract in DESIGN.md)."""
 from __future__ import annotations
 
 import argparse
 import json
 import sys
 import threading
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from .config import DEVICES, DTYPES, KV_DTYPES, PIN_SLOTS, TARGET_CPUS, BuildSettings
 from .errors import EddyError
@@ -13,6 +13,9 @@ from .events import Done, Error, Event, Prefill, PrefillProgress, Token
 
 from .run.generation import EDDY_CHAT_DEFAULTS
 from .run.sampling import OPTIONS, SamplingParams
+
+if TYPE_CHECKING:
+    from .build.progress import Progress
 
 # What --json prints: DESIGN.md's lines (the other events are for live displays).
 JSON_LINES = (Prefill, Token, Done, Error)
@@ -45,14 +48,20 @@ def _settings(a: argparse.Namespace) -> BuildSettings:
                          max_sinks=max_sinks, kv_dtype=a.kv_dtype)
 
 
-def _progress_printer(quiet: bool) -> Callable[[str, float], None]:
+def _progress_printer(quiet: bool) -> "Progress":
+    """A build's progress on stderr: one line rewritten in place on a terminal; into a log or a pipe, where a
+    carriage return does not rewind, one line per stage. bench/scale.py reads the "building: STAGE N%" prefix."""
     last = {"stage": None}
+    live = sys.stderr.isatty()
 
-    def report(stage: str, fraction: float) -> None:
+    def report(stage: str, fraction: float, detail: str = "") -> None:
         if quiet:
             return
-        end = "\n" if stage == "done" else ""
-        sys.stderr.write(f"\r\033[Kbuilding: {stage} {fraction * 100:3.0f}%{end}")
+        line = f"building: {stage} {fraction * 100:3.0f}%" + (f" · {detail}" if detail else "")
+        if live:
+            sys.stderr.write(f"\r\033[K{line}" + ("\n" if stage == "done" else ""))
+        elif stage != last["stage"]:
+            sys.stderr.write(line + "\n")
         sys.stderr.flush()
         last["stage"] = stage
 
@@ -103,6 +112,16 @@ def parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", dest="json_file", default=None, help="also write the results to this file")
     bench.add_argument("--runs", type=int, default=3, help="repetitions per measurement (medians are reported)")
 
+    cache = sub.add_parser("cache", help="list or delete the compiled models kept in the artefact cache",
+                           description="The artefact cache holds one compiled build per model and build settings "
+                                       "(a rebuild takes minutes, a warm start a second).")
+    cache_sub = cache.add_subparsers(dest="cache_command", required=True)
+    cache_sub.add_parser("list", help="one line per cached build: key, model, settings, size, last used, folder")
+    rm = cache_sub.add_parser("rm", help="delete cached builds (they are rebuilt when next used)")
+    rm.add_argument("keys", nargs="*", metavar="KEY",
+                    help="a key from eddy cache list (or enough of its first digits), or the folder's name")
+    rm.add_argument("--all", action="store_true", help="delete every cached build not in use")
+
     from .ppl import DEFAULT_CHUNK, DEFAULT_STRIDE, MODES
 
     ppl = sub.add_parser("ppl", help="perplexity over a long text file (streaming, window, recompute or dense)")
@@ -137,6 +156,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             print(ensure_artefacts(resolve_model(args.model), _settings(args), _progress_printer(False)))
             return 0
+        if args.command == "cache":
+            return _cache(args)
         if args.command == "bench":
             from .bench import run_bench
 
@@ -158,6 +179,52 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     return 2
+
+
+def _when(seconds: float) -> str:
+    import time
+
+    return time.strftime("%Y-%m-%d %H:%M", time.localtime(seconds)) if seconds else "?"
+
+
+def _cache(args: argparse.Namespace) -> int:
+    from .build.artefacts import artefacts_root
+    from .build.cache import CacheError, describe_total, find, list_entries, remove
+    from .build.progress import megabytes
+
+    root = artefacts_root()
+    if args.cache_command == "list":
+        entries = list_entries(root)
+        if not entries:
+            print(f"no cached builds in {root}")
+            return 0
+        rows = [("KEY", "MODEL", "BUILD", "SIZE", "LAST USED", "FOLDER")]
+        for e in entries:
+            used = {"building": "building now", "damaged": "damaged"}.get(e.state, _when(e.last_used))
+            rows.append((e.key[:12] or "-", e.model + (" (in use)" if e.in_use else ""), e.summary(),
+                         megabytes(e.size), used, str(e.folder)))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+        for r in rows:
+            print("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1])
+        print(describe_total(entries, root))
+        return 0
+    if args.all == bool(args.keys):
+        raise CacheError("eddy cache rm takes keys (from eddy cache list) or --all, not both or neither")
+    chosen = list_entries(root) if args.all else [find(k, root) for k in args.keys]
+    freed, kept = 0, []
+    for e in chosen:
+        try:
+            freed += remove(e, root)
+        except CacheError as err:
+            if not args.all:
+                raise
+            kept.append(str(err))  # --all deletes what it can and says what it kept
+            continue
+        print(f"deleted {e.key[:12] or e.name}  {e.model}  {e.summary()}  {megabytes(e.size)}")
+    for why in kept:
+        print(f"kept: {why}", file=sys.stderr)
+    print(f"freed {megabytes(freed)}")
+    return 0
 
 
 def _chat(args: argparse.Namespace) -> int:

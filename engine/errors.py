@@ -19,3 +19,7 @@ class PromptTooLongError(EddyError):
 
 class BuildCancelled(EddyError):
     """The user cancelled a build; nothing was cached."""
+
+
+class DiskSpaceError(ArtefactError):
+    """The disk lacks room for a build (checked before it starts) or filled up during it."""

@@ -4,11 +4,13 @@ from __future__ import annotations
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import IO, Callable
 
 from .build.artefacts import (bundled_entries, check_cpu, compiler_available, ensure_artefacts, find_bundled,
                               no_compiler_error, read_manifest)
+from .build.cache import hold
 from .build.checkpoint import DEFAULT_MODEL, TINY_RANDOM, ModelSource, resolve_model
+from .build.progress import Progress
 from .config import BuildSettings, ModelConfig
 from .errors import ArtefactError, ModelError
 from .run.generation import ChatDefaults, chat_defaults, read_recommended
@@ -24,6 +26,8 @@ class LoadedModel:
     engine: StreamingEngine
     tokenizer: Tokenizer
     chat_defaults: ChatDefaults = field(default_factory=ChatDefaults)  # the sampling chat apps should start from
+    # A shared lock on the entry while this model is alive, so `eddy cache rm` (or Settings) will not delete it.
+    held: IO[bytes] | None = field(default=None, repr=False)
 
     def chat(self, settings: ChatSettings | None = None) -> ChatSession:
         return ChatSession(self.engine, self.tokenizer, settings)
@@ -38,15 +42,17 @@ def load_artefacts(folder: Path) -> tuple[CompiledModule, ModelConfig, BuildSett
 
 def open_folder(folder: Path, source: ModelSource | None = None) -> LoadedModel:
     check_cpu(folder)
+    held = hold(folder)  # before loading: a delete that starts later sees it
     module, cfg, settings = load_artefacts(folder)
     # Read from the checkpoint, not the artefacts: it is not part of the compiled module, so editing a
     # folder's generation_config.json takes effect at the next start without a rebuild.
     defaults = chat_defaults(*read_recommended(source.kind, source.path)) if source else ChatDefaults()
-    return LoadedModel(source, folder, StreamingEngine(module, cfg, settings), Tokenizer.from_dir(folder), defaults)
+    return LoadedModel(source, folder, StreamingEngine(module, cfg, settings), Tokenizer.from_dir(folder), defaults,
+                       held)
 
 
 def open_model(spec: str | None, settings: BuildSettings | None = None,
-               progress: Callable[[str, float], None] | None = None,
+               progress: "Progress | None" = None,
                should_cancel: Callable[[], bool] | None = None) -> LoadedModel:
     """Resolves `spec`, builds its artefacts if needed (torch is imported only then) and opens them.
 

@@ -72,7 +72,7 @@ def build_model(target_cpu: str) -> Path:
     settings = BuildSettings(target_cpu=target_cpu)
     last = [""]
 
-    def progress(stage: str, fraction: float) -> None:
+    def progress(stage: str, fraction: float, detail: str = "") -> None:
         if stage != last[0]:
             last[0] = stage
             log(f"model: {stage}")

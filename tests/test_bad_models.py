@@ -209,7 +209,7 @@ def test_damaged_entry_is_rebuilt(tiny, private_cache):
     folder = _entry_copy(tiny, private_cache)
     DAMAGE["truncated-vmfb"](folder)
     stages = []
-    built = ensure_artefacts(tiny.source, TINY_SETTINGS, lambda stage, frac: stages.append(stage))
+    built = ensure_artefacts(tiny.source, TINY_SETTINGS, lambda stage, frac, detail: stages.append(stage))
     assert built == folder and stages, "the damaged entry was not rebuilt"
     read_manifest(built)
     assert (built / "module.vmfb").stat().st_size > 100_000  # not the 1000-byte stub it was cut to
@@ -229,7 +229,7 @@ def test_compiler_version_change_means_a_new_entry(tiny, private_cache, monkeypa
     # The stale entry is not reused: a build starts (cancelled at its first progress report to save time).
     started = []
     with pytest.raises(BuildCancelled):
-        ensure_artefacts(tiny.source, TINY_SETTINGS, lambda stage, frac: started.append(stage),
+        ensure_artefacts(tiny.source, TINY_SETTINGS, lambda stage, frac, detail: started.append(stage),
                          lambda: bool(started))
     assert started
     assert not newer.exists() and read_manifest(folder), "cancelling left a partial entry or hurt the old one"

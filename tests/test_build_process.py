@@ -1,8 +1,10 @@
-"""Builds run in a child process: Cancel ends them at once in any stage, errors keep their class, and the
-process that asked for the build never imports torch."""
+"""Builds run in a child process: Cancel ends them at once in any stage, errors keep their class, the process
+that asked for the build never imports torch, and it hears each tensor written and the compiler's time."""
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -23,23 +25,28 @@ def _children() -> list[psutil.Process]:
     return [p for p in psutil.Process().children(recursive=True) if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
 
-@pytest.mark.parametrize("stage", ["exporting", "compiling"])
+# "saving weights" cancels once the child has said a tensor is written: while the weights file is being filled.
+CANCEL_AT = {"exporting": r"", "saving weights": r"tensor [1-9]", "compiling": r""}
+
+
+@pytest.mark.parametrize("stage", list(CANCEL_AT))
 def test_cancel_stops_the_build_at_once_in_any_stage(tmp_path: Path, monkeypatch, stage: str) -> None:
     from engine.build.artefacts import artefact_dir, ensure_artefacts
     from engine.build.checkpoint import resolve_model
 
     monkeypatch.setenv("EDDY_CACHE_DIR", str(tmp_path))
     source = resolve_model("tiny-random")
-    seen: list[str] = []
+    seen: list[tuple[str, str]] = []
     asked: list[float] = []
 
     def cancel() -> bool:
-        if stage in seen and not asked:
+        if not asked and any(s == stage and re.match(CANCEL_AT[stage], d) for s, d in seen):
             asked.append(time.perf_counter())
         return bool(asked)
 
     with pytest.raises(BuildCancelled):
-        ensure_artefacts(source, SETTINGS, lambda s, f: seen.append(s), cancel)
+        ensure_artefacts(source, SETTINGS, lambda s, f, d: seen.append((s, d)), cancel)
+    assert asked, f"the build never reached {stage}"
     took = time.perf_counter() - asked[0]
     assert took < 3.0, f"the build went on for {took:.1f} s after Cancel"
     assert not _children(), "a build process outlived the cancel"
@@ -57,16 +64,33 @@ def test_an_engine_error_in_the_child_arrives_as_the_same_class(tmp_path: Path) 
 
 
 def test_the_process_that_asks_for_a_build_never_imports_torch(tmp_path: Path) -> None:
+    """One real build, watched from a process without torch: what it imports, and every progress report."""
     code = (
-        "import sys\n"
+        "import json, sys\n"
         "from engine.build.artefacts import ensure_artefacts\n"
         "from engine.build.checkpoint import resolve_model\n"
         "from engine.config import BuildSettings\n"
-        f"ensure_artefacts(resolve_model('tiny-random'), BuildSettings(sinks=2, window=22, dtype='f32', max_chunk=8))\n"
+        "reports = []\n"
+        "ensure_artefacts(resolve_model('tiny-random'), BuildSettings(sinks=2, window=22, dtype='f32', max_chunk=8),\n"
+        "                 lambda stage, fraction, detail: reports.append([stage, fraction, detail]))\n"
         "loaded = [m for m in ('torch', 'iree.turbine', 'iree.compiler', 'transformers') if m in sys.modules]\n"
-        "print('imported:', loaded)\n"
+        "print(json.dumps({'imported': loaded, 'reports': reports}))\n"
         "sys.exit(1 if loaded else 0)\n"
     )
     env = dict(os.environ, EDDY_CACHE_DIR=str(tmp_path), PYTHONPATH=str(ROOT))
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr[-2000:]
+    reports = json.loads(run.stdout.splitlines()[-1])["reports"]
+    stages = [s for s, _, _ in reports]
+    assert [s for i, s in enumerate(stages) if i == 0 or stages[i - 1] != s] == \
+        ["loading weights", "exporting", "saving weights", "compiling", "done"]
+    fractions = [f for _, f, _ in reports]
+    assert fractions == sorted(fractions) and fractions[-1] == 1.0
+    weights = [d for s, _, d in reports if s == "saving weights"]
+    counts = [tuple(map(int, re.match(r"tensor (\d+) of (\d+), ", d).groups())) for d in weights]
+    total = counts[0][1]
+    assert total > 5 and counts == [(i, total) for i in range(total + 1)]  # every tensor, in order
+    done_mb, all_mb = re.search(r", ([\d.]+) MB of ([\d.]+) MB$", weights[-1]).groups()
+    assert done_mb == all_mb and float(all_mb) > 1
+    compiling = [d for s, _, d in reports if s == "compiling"]
+    assert compiling and all(d.startswith("iree-compile running for ") for d in compiling)

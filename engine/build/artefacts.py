@@ -25,6 +25,7 @@ from ..paths import cache_dir
 
 if TYPE_CHECKING:
     from .checkpoint import ModelSource
+    from .progress import Progress
 
 MANIFEST = "manifest.json"
 BUILT_FILES = ("module.vmfb", "weights.irpa", "tokenizer.json", "chat.json")
@@ -65,9 +66,14 @@ def artefact_key(source: "ModelSource", settings: BuildSettings) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
 
 
+def artefacts_root() -> Path:
+    """The folder holding one folder per cached build (engine/build/cache.py lists and deletes them)."""
+    return cache_dir() / "artefacts"
+
+
 def artefact_dir(source: "ModelSource", settings: BuildSettings) -> Path:
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in source.name)[-40:]
-    return cache_dir() / "artefacts" / f"{safe}-{settings.dtype}-{settings.sinks}+{settings.window}-{artefact_key(source, settings)}"
+    return artefacts_root() / f"{safe}-{settings.dtype}-{settings.sinks}+{settings.window}-{artefact_key(source, settings)}"
 
 
 def file_digest(path: Path) -> str:
@@ -123,6 +129,15 @@ def read_manifest(folder: Path, full: bool = False) -> dict:
     if set(manifest.get("files", {})) != set(BUILT_FILES):
         raise ArtefactError(f"incomplete compiled model in {folder}")
     return manifest
+
+
+def mark_used(folder: Path) -> None:
+    """The manifest's mtime is when the entry was last used (`eddy cache list` shows it); the folder's own
+    mtime stays when it was built. A read-only entry (a package's) keeps its dates."""
+    try:
+        os.utime(folder / MANIFEST)
+    except OSError:
+        pass
 
 
 def compiler_available() -> bool:
@@ -242,12 +257,15 @@ def check_cpu(folder: Path) -> None:
 
 
 def ensure_artefacts(source: "ModelSource", settings: BuildSettings,
-                     progress: Callable[[str, float], None] | None = None,
+                     progress: "Progress | None" = None,
                      should_cancel: Callable[[], bool] | None = None) -> Path:
-    """The folder of a valid entry, building it first if it is missing, stale or damaged."""
+    """The folder of a valid entry, building it first if it is missing, stale or damaged.
+
+    A build is refused before it starts (DiskSpaceError) when the disk lacks room for it."""
     folder = artefact_dir(source, settings)
     try:
         read_manifest(folder)
+        mark_used(folder)
         return folder
     except ArtefactError:
         pass
@@ -257,8 +275,12 @@ def ensure_artefacts(source: "ModelSource", settings: BuildSettings,
     from .process import build_in_child
     from .checkpoint import read_config
 
-    # An unsupported model or build is refused here, before a build starts.
-    ModelConfig.from_hf(read_config(source)).check_build(settings)
+    from .room import check_room
+
+    # An unsupported model or build, or one the disk has no room for, is refused here, before a build starts.
+    cfg = ModelConfig.from_hf(read_config(source))
+    cfg.check_build(settings)
+    check_room(folder.parent, cfg, settings, source.name)
     staging = folder.with_name(f"{folder.name}.building-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)

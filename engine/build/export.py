@@ -121,23 +121,24 @@ def compile_mlir(mlir_path: Path, vmfb_path: Path, device: str, progress: Progre
 
 
 def build(source: "ModelSource", cfg: ModelConfig, settings: BuildSettings, out_dir: Path,
-          progress: Progress | None = None, should_cancel: Callable[[], bool] | None = None) -> dict[str, float]:
+          progress: Callable[..., None] | None = None, should_cancel: Callable[[], bool] | None = None) -> dict[str, float]:
     """Writes module.vmfb and weights.irpa into out_dir; returns seconds per stage.
 
     Memory follows the largest tensor, not the model: the export traces a skeleton whose weights are never
     written (they are external parameters), and weights.irpa is written straight from the checkpoint one
-    tensor at a time (engine/build/weights_file.py)."""
+    tensor at a time (engine/build/weights_file.py). progress is an engine.build.progress.Progress."""
     from .checkpoint import open_tensors
+    from .progress import compile_detail, ignore, weights_detail
     from .weights_file import write_weights
 
-    report = progress or (lambda stage, fraction: None)
+    report = progress or ignore
     cancelled = should_cancel or (lambda: False)
     times: dict[str, float] = {}
 
-    def stage(name: str, fraction: float) -> float:
+    def stage(name: str, fraction: float, detail: str = "") -> float:
         if cancelled():
             raise BuildCancelled(f"cancelled before {name}")
-        report(name, fraction)
+        report(name, fraction, detail)
         return time.perf_counter()
 
     # "loading weights" now checks the checkpoint's tensors against its config (headers only), so a bad
@@ -147,29 +148,48 @@ def build(source: "ModelSource", cfg: ModelConfig, settings: BuildSettings, out_
     tensors = open_tensors(source)
     model = StreamingLlama.skeleton(cfg, settings)
     times["load"] = time.perf_counter() - t
-    t = stage("exporting", 0.1)
+    t = stage("exporting", 0.1, f"tracing {cfg.n_layers} layers")
     aot.externalize_module_parameters(model)
     output = export_module(model)
     mlir_path = out_dir / "module.mlir"
     mlir_path.write_text(zero_init_cache(str(output.mlir_module)))
     del output
     times["export"] = time.perf_counter() - t
-    t = stage("saving weights", 0.5)
+
+    # Bytes per piece, from the skeleton's parameters (a piece makes its module's weight and q8 scale, or its
+    # bias): the embedding alone can be a tenth of a model, so counting pieces alone would stall on it.
+    sizes = {name: p.numel() * p.element_size() for name, p in model.named_parameters()}
+    pieces = model.pieces()
+    piece_bytes = [sum(n for name, n in sizes.items() if name.startswith(piece.module + ".")
+                       and name.endswith(".bias") == (piece.kind == "bias")) for piece in pieces]
+    total_bytes = sum(piece_bytes) if sum(piece_bytes) == sum(sizes.values()) else 0  # else count pieces only
+    t = stage("saving weights", 0.5, weights_detail(0, len(pieces), 0, total_bytes))
+    written_bytes = 0
 
     def written(done: int, total: int) -> None:
+        nonlocal written_bytes
         if cancelled():
             raise BuildCancelled("cancelled while saving weights")
-        report("saving weights", 0.5 + 0.1 * done / total)
+        if total_bytes and total == len(pieces):
+            written_bytes += piece_bytes[done - 1]
+            share = written_bytes / total_bytes
+        else:
+            share = done / total
+        report("saving weights", 0.5 + 0.1 * share, weights_detail(done, total, written_bytes, total_bytes))
 
     write_weights(model, tensors, out_dir / "weights.irpa", written)
     del model, tensors
     times["save"] = time.perf_counter() - t
-    t = stage("compiling", 0.6)
     # Rough compile time: grows with layers; only drives the progress bar.
     expected = 5.0 + 1.5 * cfg.n_layers
-    compile_mlir(mlir_path, out_dir / "module.vmfb", settings.device, report, cancelled, expected,
+    t = stage("compiling", 0.6, compile_detail(0.0, expected))
+
+    def compiling(name: str, fraction: float) -> None:
+        report(name, fraction, compile_detail(time.perf_counter() - t, expected))
+
+    compile_mlir(mlir_path, out_dir / "module.vmfb", settings.device, compiling, cancelled, expected,
                  settings.target_cpu)
     mlir_path.unlink()
     times["compile"] = time.perf_counter() - t
-    report("done", 1.0)
+    report("done", 1.0, "")
     return times

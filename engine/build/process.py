@@ -6,11 +6,13 @@ app down; and the gigabyte or so that torch needs for the export goes back to th
 ends, so the app that asked for it never holds torch at all.
 
 The parent passes the model and settings as JSON on the command line; the child answers one JSON object
-per line on stdout: {"progress": [stage, fraction]}, then {"done": {"config": ..., "seconds": ...}} or
-{"error": {"type": ..., "message": ...}}.
+per line on stdout: {"progress": [stage, fraction, detail]} (engine/build/progress.py; a two-item one, from an
+older child, has no detail), then {"done": {"config": ..., "seconds": ...}} or {"error": {"type": ...,
+"message": ...}}.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import queue
@@ -24,7 +26,8 @@ from typing import TYPE_CHECKING, Callable
 
 from .. import errors
 from ..config import BuildSettings
-from ..errors import ArtefactError, BuildCancelled
+from ..errors import ArtefactError, BuildCancelled, DiskSpaceError
+from .progress import Progress, ignore
 
 if TYPE_CHECKING:
     from .checkpoint import ModelSource
@@ -33,13 +36,13 @@ POLL_S = 0.1
 
 
 def build_in_child(source: "ModelSource", settings: BuildSettings, out_dir: Path,
-                   progress: Callable[[str, float], None] | None = None,
+                   progress: Progress | None = None,
                    should_cancel: Callable[[], bool] | None = None) -> dict:
     """Writes the tokenizer files, module.vmfb and weights.irpa into out_dir from a child process.
 
     Returns {"config": ModelConfig dict, "seconds": per-stage times}. Raises the child's EddyError as the
     same class, BuildCancelled as soon as should_cancel() says so, ArtefactError if the child dies."""
-    report = progress or (lambda stage, fraction: None)
+    report = progress or ignore
     cancelled = should_cancel or (lambda: False)
     job = {"source": {"name": source.name, "kind": source.kind, "path": str(source.path) if source.path else None},
            "settings": settings.to_dict(), "out": str(out_dir)}
@@ -66,7 +69,8 @@ def build_in_child(source: "ModelSource", settings: BuildSettings, out_dir: Path
                     break
                 msg = _parse(line)
                 if "progress" in msg:
-                    report(*msg["progress"])
+                    stage, fraction, *detail = msg["progress"]
+                    report(str(stage), float(fraction), str(detail[0]) if detail else "")
                 elif "done" in msg:
                     result = msg["done"]
                 elif "error" in msg:
@@ -129,10 +133,20 @@ def _child(job: dict) -> None:
         out_dir = Path(job["out"])
         cfg = ModelConfig.from_hf(read_config(source))
         save_tokenizer(source, out_dir)
-        seconds = export.build(source, cfg, settings, out_dir, lambda stage, f: say({"progress": [stage, f]}))
+        seconds = export.build(source, cfg, settings, out_dir,
+                               lambda stage, f, detail="": say({"progress": [stage, f, detail]}))
         say({"done": {"config": cfg.to_dict(), "seconds": seconds}})
     except errors.EddyError as e:
         say({"error": {"type": type(e).__name__, "message": str(e)}})
+        sys.exit(1)
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        # The room was checked before the build; something else filled the disk meanwhile (or the estimate
+        # was short): say so rather than print a traceback.
+        say({"error": {"type": DiskSpaceError.__name__,
+                       "message": f"the disk holding {out_dir} filled up while the model was built: free some "
+                                  f"space (eddy cache list shows what compiled models take) and start again"}})
         sys.exit(1)
     except MemoryError:
         say({"error": {"type": "ArtefactError", "message": "building the model ran out of memory"}})

@@ -4,10 +4,13 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import sys
-from typing import Callable
+from typing import TYPE_CHECKING
 
 from ..config import BuildSettings
 from ..errors import EddyError
+
+if TYPE_CHECKING:
+    from ..build.progress import Progress
 
 
 def is_loopback(host: str) -> bool:
@@ -33,7 +36,7 @@ def add_options(serve: argparse.ArgumentParser) -> None:
                        help="seconds a request may wait for the engine before a 503 (default 60)")
 
 
-def serve(args: argparse.Namespace, settings: BuildSettings, progress: Callable[[str, float], None]) -> int:
+def serve(args: argparse.Namespace, settings: BuildSettings, progress: "Progress") -> int:
     if not is_loopback(args.host) and not args.api_key:
         raise EddyError(f"--host {args.host} makes the server reachable from other machines: give it an --api-key")
     import uvicorn
