@@ -31,11 +31,16 @@ class ChatTree(Generic[T]):
     @classmethod
     def of(cls, rows: Iterable[R], key: Callable[[R], object], parent: Callable[[R], object],
            rank: Callable[[R], int], item: Callable[[R], T]) -> "ChatTree[T]":
-        """A tree from stored rows, parents before their children (rows whose parent is missing become roots)."""
+        """A tree from stored rows, siblings in the rows' order. Rows may come in any order (a parent stored after
+        its child still gets it); a row whose parent is missing becomes a root rather than being lost."""
         tree: ChatTree[T] = cls()
-        nodes: dict[object, Node[T]] = {}
+        rows = list(rows)
+        nodes = {key(row): Node(item(row), None, [], rank(row)) for row in rows}
         for row in rows:
-            nodes[key(row)] = tree.add(nodes.get(parent(row)), item(row), rank(row))
+            node = nodes[key(row)]
+            node.parent = nodes.get(parent(row))
+            tree.siblings(node).append(node)
+            tree.clock = max(tree.clock, node.rank)
         return tree
 
     def siblings(self, node: Node[T]) -> list[Node[T]]:

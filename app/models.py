@@ -387,7 +387,8 @@ class TurnStatsModel(QAbstractTableModel):
         if role == Qt.ItemDataRole.TextAlignmentRole:
             return int(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
         if role == Qt.ItemDataRole.ToolTipRole and r.kind == "rebuild":
-            return "The cache was rebuilt from this chat's recent messages (opening it, regenerating or editing)"
+            return ("The cache was rebuilt from this chat's recent messages (opening it, regenerating or editing), "
+                    "or moved to another branch of it")
         if role == Qt.ItemDataRole.FontRole and index.row() == self.live_row:
             font = QFont()
             font.setItalic(True)  # still streaming

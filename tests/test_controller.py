@@ -207,3 +207,10 @@ def test_alternatives_switches_and_failures_keep_every_branch(qtbot, tmp_path):
     c.open_chat(conv)
     assert contents(c) == ["Hi", "D"]
     assert c.switch_alternative(0, -1) and contents(c) == ["Hello", "A"]
+    # A search hit in a branch not shown shows that branch, and reveals the message.
+    revealed: list[int] = []
+    c.message_revealed.connect(revealed.append)
+    (hit,) = c.search("More")
+    c.open_hit(hit)
+    assert contents(c) == ["Hello", "B", "More", "C"] and revealed == [2] and host.requests[-1] == ("switch", 4)
+    assert [m.content for m in c.store.messages(conv)] == contents(c)
