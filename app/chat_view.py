@@ -451,6 +451,7 @@ class ChatView(QScrollArea):
         model.appended.connect(self._on_appended)
         model.changed.connect(self._on_changed)
         model.truncated.connect(self._on_truncated)
+        model.replaced.connect(self._on_replaced)
         model.window_changed.connect(self._place_marker)
         self._rebuild()
 
@@ -498,6 +499,19 @@ class ChatView(QScrollArea):
             w.deleteLater()
         del self.widgets[index:]
         self._dirty = {i for i in self._dirty if i < index}
+        self.empty.setVisible(not self.widgets)
+        self._place_marker()
+
+    def _on_replaced(self, index: int) -> None:
+        # Another branch from `index` on: its bubbles replace those below, rendered once (not once per message),
+        # and the view stays where it is, at the message whose alternative was chosen.
+        for w in self.widgets[index:]:
+            self.layout_.removeWidget(w)
+            w.deleteLater()
+        del self.widgets[index:]
+        self._dirty = {i for i in self._dirty if i < index}
+        for message in self.model.messages[index:]:
+            self._add_widget(message)
         self.empty.setVisible(not self.widgets)
         self._place_marker()
 

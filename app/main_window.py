@@ -65,7 +65,7 @@ class MainWindow(QMainWindow):
         self._refresh_icons()
 
         c.busy_changed.connect(self._update_controls)
-        for sig in (c.chat.reset, c.chat.appended, c.chat.truncated):
+        for sig in (c.chat.reset, c.chat.appended, c.chat.truncated, c.chat.replaced):
             sig.connect(self._update_controls)
         c.model_state_changed.connect(self._on_model_state)
         c.model_info_changed.connect(self._on_model_info)

@@ -41,7 +41,8 @@ class ChatModel(QObject):
     reset = Signal()              # a different chat (or a changed list): render everything again
     appended = Signal(int)        # index of a new message at the end
     changed = Signal(int)         # a message's text or meta changed (streaming)
-    truncated = Signal(int)       # messages from this index on were removed (another branch may follow)
+    truncated = Signal(int)       # messages from this index on were removed
+    replaced = Signal(int)        # messages from this index on are another branch's now (one signal for them all)
     window_changed = Signal()     # spans or evictions changed: the "left the window" marker may move
 
     def __init__(self, parent: QObject | None = None) -> None:
@@ -119,13 +120,12 @@ class ChatModel(QObject):
         same = index
         while same < min(len(path), len(self.nodes)) and path[same] is self.nodes[same]:
             same += 1
-        self._cut(same)
         for node in path[same:]:
             # Where it sat in the cache was for the branch shown before; the engine says where it is now.
             node.item.span = None
-            self.nodes.append(node)
-            self.messages.append(node.item)
-            self.appended.emit(len(self.messages) - 1)
+        self.nodes[same:] = path[same:]
+        self.messages[same:] = [n.item for n in path[same:]]
+        self.replaced.emit(same)
         self.window_changed.emit()
 
     def _cut(self, index: int) -> None:

@@ -171,6 +171,8 @@ def test_editing_a_middle_message_branches_and_the_old_branch_stays(qtbot, tmp_p
     # The old branch, with everything after it, is one click away.
     switch(qtbot, window, 2, -1)
     assert shown(window) == before and switcher(window, 2) == "1/2"
+    views = window.chat_view.widgets
+    assert len(views) == 6 and [views[i].body.toPlainText() for i in (2, 4)] == ["Second question", "Third question"]
     assert session_conversation(window) == before
     assert [(m.role, m.content) for m in c.store.messages(conv)] == before
 
