@@ -304,7 +304,15 @@ def test_follow_leaves_the_cache_as_a_rebuild_would(tiny):
     # sampled, which a rebuild tokenizes afresh).
     n = prefill.new_tokens
     assert followed[-n:] == session.engine.mirror()[-n:]
-    # Going back to a start of the branch prefills nothing.
+    # A branch ending with a question whose reply is not in it: cut before that question (the cache after it
+    # also holds the generation prompt, which a rendered chat does not end with), and it is fed again.
+    prefill = session.follow(b[:3])
+    assert 0 < prefill.new_tokens < session.engine.stats.position
+    followed = session.engine.mirror()
+    session.resume(b[:3])
+    assert followed[-prefill.new_tokens:] == session.engine.mirror()[-prefill.new_tokens:]
+    assert session.context().spans[-1][1] == session.engine.stats.position
+    # Going back to the start of a turn prefills nothing.
     start_of_third = session.spans[2][0]
     assert session.follow(a[:2]).new_tokens == 0 and session.engine.stats.position == start_of_third
     # A branch that shares nothing is a rebuild.

@@ -126,9 +126,16 @@ class ChatSession:
         while (shared - self.dropped < len(kept) and shared < len(conversation)
                and kept[shared - self.dropped] == conversation[shared]):
             shared += 1
-        # Only at a user message (or the kept conversation's end): the cache then ends after a closed turn, as a
-        # full render of the shared messages does, which is what chat_delta continues from.
-        while shared > self.dropped and shared < len(conversation) and conversation[shared]["role"] != "user":
+
+        def starts_a_turn(i: int) -> bool:
+            # Cut only where a user message begins (or a conversation ends) on both sides: the cache then ends
+            # after a closed turn, as a full render of the shared messages does, which chat_delta continues from.
+            # (Right after a user message it also holds the generation prompt that was fed with it.)
+            mine = i - self.dropped
+            return ((mine >= len(kept) or kept[mine]["role"] == "user")
+                    and (i >= len(conversation) or conversation[i]["role"] == "user"))
+
+        while shared > self.dropped and not starts_a_turn(shared):
             shared -= 1
         if self._stale or shared <= self.dropped or not self._same_opening():
             return self.resume(history, on_event)
