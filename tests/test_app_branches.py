@@ -315,6 +315,15 @@ def test_follow_leaves_the_cache_as_a_rebuild_would(tiny):
     # Going back to the start of a turn prefills nothing.
     start_of_third = session.spans[2][0]
     assert session.follow(a[:2]).new_tokens == 0 and session.engine.stats.position == start_of_third
+    # A branch that goes on from the reply just written: the tokens owed for closing that reply come first.
+    session.reset()
+    session.answer("one")
+    longer = [*[dict(m) for m in session.conversation], {"role": "user", "content": "more"},
+              {"role": "assistant", "content": "yes"}]
+    prefill = session.follow(longer)
+    followed = session.engine.mirror()
+    session.resume(longer)
+    assert followed[-prefill.new_tokens:] == session.engine.mirror()[-prefill.new_tokens:]
     # A branch that shares nothing is a rebuild.
     other = [{"role": "user", "content": "else"}, {"role": "assistant", "content": "x"}]
     assert session.follow(other).new_tokens == session.engine.stats.position > 0
