@@ -1,4 +1,6 @@
 """The conversation: one bubble per message (replies rendered as Markdown) and the "left the window" marker.
+A message with alternatives (replies written again, edits) has a ‹ 2/3 › switcher; its context menu edits it
+or forks the chat there. What those do is the controller's: the view only asks.
 
 Renders a ChatModel and nothing else. Streaming text is coalesced: a reply is re-rendered at most every
 REFRESH_MS, so a fast model (1000 tokens/s) costs the event loop a few renders a second, not a thousand.
@@ -7,12 +9,13 @@ from __future__ import annotations
 
 import math
 import time
+from typing import Callable
 
 from PySide6.QtCore import QEvent, QRectF, QSize, Qt, QTimer, QUrl, Signal
 from PySide6.QtGui import (QBrush, QColor, QDesktopServices, QGuiApplication, QPainter, QPainterPath, QPalette,
                            QTextBlockFormat, QTextCharFormat, QTextCursor, QTextFormat)
-from PySide6.QtWidgets import (QFrame, QHBoxLayout, QLabel, QScrollArea, QSizePolicy, QTextBrowser, QToolButton,
-                               QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (QFrame, QHBoxLayout, QLabel, QMenu, QScrollArea, QSizePolicy, QTextBrowser,
+                               QToolButton, QVBoxLayout, QWidget)
 
 from .icons import icon
 from .models import ChatModel, Message
@@ -46,6 +49,15 @@ class MarkdownView(QTextBrowser):
         self._markdown = True
         self._text = ""
         self._cut: tuple[int, str] | None = None
+        self.extra_menu: Callable[[QMenu], None] | None = None  # the message's own actions, after Copy
+
+    def contextMenuEvent(self, event) -> None:  # noqa: N802 (Qt API)
+        menu = self.createStandardContextMenu(event.pos())
+        if self.extra_menu is not None:
+            menu.addSeparator()
+            self.extra_menu(menu)
+        menu.exec(event.globalPos())
+        menu.deleteLater()
 
     def loadResource(self, kind: int, url: QUrl):  # noqa: N802 (Qt API)
         return None  # a reply must not make the app read files or fetch images
@@ -156,9 +168,12 @@ def cut_offset(text: str, seen: int, total: int) -> int:
 
 
 class MessageWidget(QFrame):
-    """One message: who, a little meta line, a copy button and the text."""
+    """One message: who, a little meta line, its alternatives (‹ 2/3 ›), a copy button and the text."""
 
     copy_requested = Signal(str)
+    switch_requested = Signal(int)  # -1: the previous alternative, +1: the next
+    edit_requested = Signal()
+    fork_requested = Signal()
 
     def __init__(self, message: Message, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -183,16 +198,61 @@ class MessageWidget(QFrame):
         self.copy.setToolTip("Copy this message")
         self.copy.setAccessibleName("Copy message")
         self.copy.clicked.connect(lambda: self.copy_requested.emit(self._content))
+        self.previous = self._arrow("‹", "Previous alternative", -1)
+        self.position = QLabel()
+        self.position.setObjectName("alternatives")
+        self.next = self._arrow("›", "Next alternative", +1)
         header.addWidget(self.who)
         header.addWidget(self.meta)
         header.addStretch(1)
+        for w in (self.previous, self.position, self.next):
+            header.addWidget(w)
         header.addWidget(self.copy)
         layout.addLayout(header)
         self.body = MarkdownView()
         self.body.setAccessibleName("Message text")
+        self.body.extra_menu = self.fill_menu
         layout.addWidget(self.body)
         self._content = ""
+        self.alternatives = (1, 1)
+        self.locked = False
         self.set_message(message)
+
+    def _arrow(self, text: str, name: str, step: int) -> QToolButton:
+        b = QToolButton()
+        b.setText(text)
+        b.setAutoRaise(True)
+        b.setAccessibleName(name)
+        b.setToolTip(name)
+        b.clicked.connect(lambda: self.switch_requested.emit(step))
+        return b
+
+    def fill_menu(self, menu: QMenu) -> None:
+        """The message's own actions (its context menu, after the text's Copy)."""
+        menu.addAction("Copy message", lambda: self.copy_requested.emit(self._content))
+        if self.role == "user":
+            edit = menu.addAction("Edit message…", self.edit_requested.emit)
+            edit.setEnabled(not self.locked)
+        fork = menu.addAction("Fork chat here", self.fork_requested.emit)
+        fork.setEnabled(not self.locked)
+
+    def contextMenuEvent(self, event) -> None:  # noqa: N802 (Qt API)
+        menu = QMenu(self)
+        self.fill_menu(menu)
+        menu.exec(event.globalPos())
+        menu.deleteLater()
+
+    def set_alternatives(self, position: int, count: int, locked: bool) -> None:
+        """Which of `count` alternatives this message is (the switcher shows only when there are several);
+        `locked`: a reply is being written, so nothing can be switched, edited or forked now."""
+        self.alternatives, self.locked = (position, count), locked
+        several = count > 1
+        for w in (self.previous, self.position, self.next):
+            w.setVisible(several)
+        self.position.setText(f"{position}/{count}")
+        self.position.setAccessibleName(f"Alternative {position} of {count}")
+        self.previous.setEnabled(several and position > 1 and not locked)
+        self.next.setEnabled(several and position < count and not locked)
 
     def set_message(self, message: Message, forgotten: bool = False, partly: bool = False,
                     seen: tuple[int, int] | None = None) -> None:
@@ -345,6 +405,9 @@ class ChatView(QScrollArea):
     """Renders a ChatModel: bubbles in a column, the eviction marker between the forgotten and seen ones."""
 
     copy_requested = Signal(str)
+    switch_requested = Signal(int, int)  # message index, step (-1 / +1)
+    edit_requested = Signal(int)         # message index
+    fork_requested = Signal(int)         # message index
 
     def __init__(self, model: ChatModel, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -370,6 +433,7 @@ class ChatView(QScrollArea):
         self.layout_.addStretch(1)
         self.setWidget(self.column)
         self.widgets: list[MessageWidget] = []
+        self.locked = False  # a reply is being written: no switching, editing or forking
         self._dirty: set[int] = set()
         self._refresh = QTimer(self)
         self._refresh.setSingleShot(True)
@@ -387,6 +451,7 @@ class ChatView(QScrollArea):
         model.appended.connect(self._on_appended)
         model.changed.connect(self._on_changed)
         model.truncated.connect(self._on_truncated)
+        model.replaced.connect(self._on_replaced)
         model.window_changed.connect(self._place_marker)
         self._rebuild()
 
@@ -409,6 +474,10 @@ class ChatView(QScrollArea):
     def _add_widget(self, message: Message) -> None:
         w = MessageWidget(message)
         w.copy_requested.connect(self.copy_requested)
+        # By the widget, not a fixed index: the index is looked up when asked, after any change above it.
+        w.switch_requested.connect(lambda step: self.switch_requested.emit(self.widgets.index(w), step))
+        w.edit_requested.connect(lambda: self.edit_requested.emit(self.widgets.index(w)))
+        w.fork_requested.connect(lambda: self.fork_requested.emit(self.widgets.index(w)))
         # Messages sit before the stretch at the end; the marker moves between them.
         self.layout_.insertWidget(self.layout_.count() - 1, w)
         self.widgets.append(w)
@@ -433,6 +502,19 @@ class ChatView(QScrollArea):
         self.empty.setVisible(not self.widgets)
         self._place_marker()
 
+    def _on_replaced(self, index: int) -> None:
+        # Another branch from `index` on: its bubbles replace those below, rendered once (not once per message),
+        # and the view stays where it is, at the message whose alternative was chosen.
+        for w in self.widgets[index:]:
+            self.layout_.removeWidget(w)
+            w.deleteLater()
+        del self.widgets[index:]
+        self._dirty = {i for i in self._dirty if i < index}
+        for message in self.model.messages[index:]:
+            self._add_widget(message)
+        self.empty.setVisible(not self.widgets)
+        self._place_marker()
+
     def _flush(self) -> None:
         dirty, self._dirty = self._dirty, set()
         start = time.perf_counter()
@@ -453,6 +535,13 @@ class ChatView(QScrollArea):
         forgotten = index < self.model.forgotten()
         self.widgets[index].set_message(self.model.messages[index], forgotten, self.model.partly_forgotten(index),
                                         self.model.seen_of(index))
+        self.widgets[index].set_alternatives(*self.model.alternatives(index), self.locked)
+
+    def set_locked(self, locked: bool) -> None:
+        """While a reply is being written nothing can switch branch, be edited or be forked."""
+        self.locked = locked
+        for i in range(len(self.widgets)):
+            self.widgets[i].set_alternatives(*self.model.alternatives(i), locked)
 
     def _place_marker(self) -> None:
         n = self.model.forgotten()

@@ -17,11 +17,12 @@ from PySide6.QtCore import QObject, Signal
 from engine.events import CacheStats, Context, DecodeProgress, Done, Prefill, PrefillProgress, Token
 from engine.run.generation import ChatDefaults
 
+from .branches import ChatTree, Node
 from .documents import Document, DocumentError, as_message, read_document
 from .models import ChatModel, ConversationListModel, DraftModel, Message, TurnStatsModel
 from .saving import SaveQueue
 from .settings import AppSettings, load_settings, save_settings
-from .store import ConversationRow, SearchHit, Store, StoreError, TurnRow
+from .store import ConversationRow, MessageRow, SearchHit, Store, StoreError, TurnRow
 from .transcript import to_json, to_markdown
 from .worker import TURN_ERRORS, EngineHost, Origin
 
@@ -39,6 +40,7 @@ class InFlight:
     reply_index: int
     user_text: str
     documents: tuple[Document, ...] = ()  # attached to the message: back into the draft if the turn fails
+    new_from: int = -1  # the first message the turn added (its user message, or a regenerated reply's index)
     stat_row: int = -1
     prefill: Prefill | None = None
 
@@ -80,8 +82,7 @@ class ChatController(QObject):
         self._after_idle: list[Callable[[], None]] = []
         self._closing = False
         self._next_temp_id = -1
-        self.saves = SaveQueue(self.store, lambda: (self.chat.conversation_id, self.chat.title, self.chat.messages),
-                               self)
+        self.saves = SaveQueue(self.store, lambda: (self.chat.conversation_id, self.chat.title, self.chat.tree), self)
         self.saves.failed.connect(lambda text: self.notice.emit("error", text, "retry_save"))
         self.saves.all_saved.connect(lambda: self.notice.emit("info", "All chats are saved again.", ""))
         self.saves.moved.connect(self._on_saved_under)
@@ -220,7 +221,7 @@ class ChatController(QObject):
         self._leave_current()
         snapshot = self.saves.reopen(conv_id)
         if snapshot is not None:
-            title, messages = snapshot
+            title, tree = snapshot
             turns: list[TurnRow] = []
         else:
             row = self._read(lambda: self.store.conversation(conv_id), None)
@@ -228,9 +229,9 @@ class ChatController(QObject):
                 self.notice.emit("error", "That chat could not be read.", "")
                 return
             title = row.title
-            messages = [Message(m.role, m.content, id=m.id) for m in self._read(lambda: self.store.messages(conv_id), [])]
+            tree = _tree_of(self._read(lambda: self.store.tree(conv_id), []))
             turns = self._read(lambda: self.store.turns(conv_id), [])
-        self.chat.load(conv_id, title, messages)
+        self.chat.load(conv_id, title, tree)
         self.turns.set_rows(turns)
         self.conversation_opened.emit()
         self._sync_engine()
@@ -252,13 +253,22 @@ class ChatController(QObject):
                 return  # it could not be read (the notice says so)
         if hit.message_id is None:
             return  # the title matched: the chat is open, at its end
-        # By id: the chat in memory may have changed since the search ran; the stored position is the fallback.
-        index = next((i for i, m in enumerate(self.chat.messages) if m.id == hit.message_id), hit.seq)
-        if 0 <= index < len(self.chat.messages):
-            self.message_revealed.emit(index)
+        # By id: the chat in memory may have changed since the search ran, and the message may be in a branch
+        # not shown, which is then shown (a reply in progress is stopped first).
+        node = next((n for n in self.chat.tree.nodes() if n.item.id == hit.message_id), None)
+        if node is None:
+            return
+        if node not in self.chat.nodes:
+            if self.busy:
+                self._when_idle(lambda: self.open_hit(hit))
+                return
+            for chosen in self.chat.show(node):
+                self._save_choice(chosen)
+            self._sync_engine()
+        self.message_revealed.emit(self.chat.nodes.index(node))
 
     def _leave_current(self) -> None:
-        self.saves.leave(self.chat.conversation_id, self.chat.title, self.chat.messages)
+        self.saves.leave(self.chat.conversation_id, self.chat.title, self.chat.tree)
 
     def rename_chat(self, conv_id: int, title: str) -> None:
         title = title.strip()
@@ -336,44 +346,100 @@ class ChatController(QObject):
             self.draft.set_tokens(tokens)
 
     def regenerate(self) -> bool:
-        """Answers the last user message again (the last reply is replaced)."""
+        """Answers the last user message again: the new reply is shown, the earlier ones stay as its
+        alternatives."""
         msgs = self.chat.messages
         if not self.can_send or len(msgs) < 2 or msgs[-1].role != "assistant" or msgs[-2].role != "user":
             return False
         user = len(msgs) - 2
-        self.chat.truncate(user + 1)
-        self._truncate_saved(user + 1)
         self.chat.update(user, pending=True)
-        self._start_turn(self.host.regenerate(), user, msgs[user].content)
+        self._start_turn(self.host.regenerate(), user, msgs[user].content, regenerate=True)
         return True
 
     def last_user_text(self) -> str | None:
-        i = self._last_user_index()
+        i = self.last_user_index()
         return None if i is None else self.chat.messages[i].content
 
-    def _last_user_index(self) -> int | None:
+    def last_user_index(self) -> int | None:
         return next((i for i in range(len(self.chat.messages) - 1, -1, -1) if self.chat.messages[i].role == "user"), None)
 
     def edit_resend(self, new_text: str) -> bool:
-        """Replaces the last user message with `new_text` (dropping what followed) and answers it."""
+        """Edits the last user message (see edit_message)."""
+        user = self.last_user_index()
+        return user is not None and self.edit_message(user, new_text)
+
+    def edit_message(self, index: int, new_text: str) -> bool:
+        """Sends `new_text` in place of user message `index` and answers it: a new branch from there. The
+        branch it replaces stays in the chat, one switch away. False (and nothing changes) if not possible."""
         new_text = new_text.strip()
-        user = self._last_user_index()
-        if not new_text or user is None or not self.can_send:
+        msgs = self.chat.messages
+        if not new_text or not self.can_send or not 0 <= index < len(msgs) or msgs[index].role != "user":
             return False
-        self.chat.truncate(user)
-        self._truncate_saved(user)
-        index = self.chat.append(Message("user", new_text, pending=True))
-        self._save_message(index)
-        self._start_turn(self.host.edit_resend(new_text), index, new_text)
+        history = self.chat.history(index)
+        self._ensure_conversation(new_text)
+        user = self.chat.branch(index, Message("user", new_text, pending=True))
+        self._save_message(user)
+        self._start_turn(self.host.answer_from(history, new_text), user, new_text)
         return True
+
+    # --- branches ------------------------------------------------------------------------------------------
+
+    def switch_alternative(self, index: int, step: int) -> bool:
+        """Shows the alternative `step` places from message `index` (-1: the previous one) and the branch
+        under it, and puts that branch into the model's cache. Refused while a reply is being written."""
+        if self.busy or self._closing:
+            self.notice.emit("info", "Wait for the reply to finish, or stop it, before switching to another "
+                             "alternative.", "")
+            return False
+        if not 0 <= index < len(self.chat.messages):
+            return False
+        node = self.chat.switch(index, step)
+        if node is None:
+            return False
+        self._save_choice(node)
+        self._sync_engine()
+        return True
+
+    def fork_chat(self, index: int) -> bool:
+        """Copies the chat as shown, up to and with message `index`, into a new chat, and opens it."""
+        if self.busy or self._closing:
+            self.notice.emit("info", "Wait for the reply to finish, or stop it, before forking the chat.", "")
+            return False
+        if not 0 <= index < len(self.chat.messages):
+            return False
+        copies = [Message(m.role, m.content, meta=dict(m.meta)) for m in self.chat.messages[: index + 1]]
+        title = _title_from(f"{self.chat.title} (fork)")
+        self._leave_current()
+        self.chat.load(None, title, copies)
+        self.turns.set_rows([])
+        self._ensure_conversation(title)
+        conv_id = self.chat.conversation_id
+
+        def write() -> None:
+            for message, mid in zip(copies, self.store.replace_messages(conv_id, title,
+                                                                       [(m.role, m.content) for m in copies])):
+                message.id = mid
+
+        self._write(conv_id, write)
+        self.conversation_opened.emit()
+        self._sync_engine()
+        return True
+
+    def _save_choice(self, node: Node[Message]) -> None:
+        conv_id, message = self.chat.conversation_id, node.item
+        if conv_id is not None and message.id is not None:
+            self._write(conv_id, lambda: self.store.choose_message(message.id, node.rank))
 
     def stop(self) -> None:
         if self._turn is not None:
             self.host.stop(self._turn.ticket)
 
-    def _start_turn(self, ticket: int, user_index: int, text: str, documents: tuple[Document, ...] = ()) -> None:
-        reply = self.chat.append(Message("assistant", "", streaming=True, pending=True))
-        self._turn = InFlight(ticket, self.chat.conversation_id, user_index, reply, text, documents)
+    def _start_turn(self, ticket: int, user_index: int, text: str, documents: tuple[Document, ...] = (),
+                    regenerate: bool = False) -> None:
+        message = Message("assistant", "", streaming=True, pending=True)
+        reply = self.chat.branch(user_index + 1, message) if regenerate else self.chat.append(message)
+        self._turn = InFlight(ticket, self.chat.conversation_id, user_index, reply, text, documents,
+                              new_from=reply if regenerate else user_index)
         self.busy_changed.emit()
 
     def _end_turn(self) -> None:
@@ -468,19 +534,28 @@ class ChatController(QObject):
             turn = self._turn
             if turn is None:
                 return
-            # Nothing of the failed turn stays in the model's session, so it leaves the chat too and the
-            # text goes back to the input box to be edited or sent again.
+            # Nothing of the failed turn stays in the model's session, so what it added leaves the chat too (what
+            # was shown before, an earlier alternative, is shown again) and a message it sent goes back to the
+            # input box to be edited or sent again.
             if turn.stat_row >= 0:
                 self.turns.update(turn.stat_row, live=False, stop_reason="error")
-            self.chat.truncate(turn.user_index)
-            self._truncate_saved(turn.user_index)
+            added = self.chat.messages[turn.new_from]
+            self.chat.remove(turn.new_from)
+            conv_id = turn.conversation_id
+            if added.id is not None:
+                self._write(conv_id, lambda: self.store.delete_message(added.id))
             if not self.chat.messages:
                 self._forget_empty_chat()
             if turn.documents and not self.draft.documents:
                 self.draft.set_documents(list(turn.documents))
-            self.restore_input.emit(turn.user_text)
+            if turn.new_from == turn.user_index:
+                self.restore_input.emit(turn.user_text)
             self.notice.emit("error", message, "")
+            # The session went back to before the turn; an earlier alternative shown again must be put back.
+            shown_again = len(self.chat.messages) > turn.new_from
             self._end_turn()
+            if shown_again:
+                self._sync_engine()
         elif kind == "load":
             self._set_model_state("failed")
             self.notice.emit("error", f"The model could not be loaded: {message}", "settings")
@@ -537,17 +612,17 @@ class ChatController(QObject):
 
     def _save_message(self, index: int) -> bool:
         conv_id = self.chat.conversation_id
-        message = self.chat.messages[index]
+        node = self.chat.nodes[index]
+        message = node.item
 
         def write() -> None:
-            message.id = self.store.append_message(conv_id, index, message.role, message.content)
+            parent = node.parent.item.id if node.parent is not None else None
+            if node.parent is not None and parent is None:
+                # Its parent never reached the disk: the whole chat is written, in order, once it can be.
+                raise StoreError("Could not save the message: the one before it is not saved yet.")
+            message.id = self.store.add_message(conv_id, parent, index, message.role, message.content, node.rank)
 
         return self._write(conv_id, write)
-
-    def _truncate_saved(self, index: int) -> None:
-        conv_id = self.chat.conversation_id
-        if conv_id is not None:
-            self._write(conv_id, lambda: self.store.truncate_messages(conv_id, index))
 
     def _write(self, conv_id: int, fn: Callable[[], object], stats_only: bool = False) -> bool:
         """One store write for a chat; if the chat is already behind on disk, writes it whole instead."""
@@ -588,12 +663,20 @@ class ChatController(QObject):
     def chat_markdown(self) -> str:
         return to_markdown(self.chat.title, self._pairs())
 
+    def _tree_rows(self) -> list[dict]:
+        nodes = [n for n in self.chat.tree.nodes() if not n.item.streaming]
+        where = {node: i for i, node in enumerate(nodes)}
+        shown = set(self.chat.nodes)
+        return [{"id": where[n], "parent": where[n.parent] if n.parent is not None else None, "role": n.item.role,
+                 "content": n.item.content, "shown": n in shown} for n in nodes]
+
     def export_chat(self, path: Path, fmt: str) -> None:
-        """Writes the open chat as "markdown" or "json"; raises OSError with the reason if it cannot."""
+        """Writes the open chat as "markdown" (the branch shown) or "json" (that branch, and every branch as a
+        tree); raises OSError with the reason if it cannot."""
         if fmt == "json":
             conv_id = self.chat.conversation_id
             turns = self._read(lambda: self.store.turns(conv_id), []) if conv_id is not None and conv_id >= 0 else []
-            text = to_json(self.chat.title, self._pairs(), turns, self.model_info.get("model"))
+            text = to_json(self.chat.title, self._pairs(), turns, self.model_info.get("model"), self._tree_rows())
         else:
             text = self.chat_markdown()
         Path(path).write_text(text, encoding="utf-8")
@@ -619,3 +702,8 @@ class ChatController(QObject):
 def _title_from(text: str) -> str:
     line = " ".join(text.split())
     return line if len(line) <= 48 else line[:47].rstrip() + "…"
+
+
+def _tree_of(rows: list[MessageRow]) -> ChatTree[Message]:
+    return ChatTree.of(rows, lambda r: r.id, lambda r: r.parent_id, lambda r: r.chosen,
+                       lambda r: Message(r.role, r.content, id=r.id))

@@ -40,6 +40,7 @@ class MainWindow(QMainWindow):
         self.controller = c = ChatController(data_dir, model, self)
         self.progress_dialog: BuildProgressDialog | None = None
         self.editing = False
+        self.editing_index = -1  # the user message being edited (a new branch from it once sent)
         self._closing = False
         self._closed = False
         self._selecting = False
@@ -64,7 +65,7 @@ class MainWindow(QMainWindow):
         self._refresh_icons()
 
         c.busy_changed.connect(self._update_controls)
-        for sig in (c.chat.reset, c.chat.appended, c.chat.truncated):
+        for sig in (c.chat.reset, c.chat.appended, c.chat.truncated, c.chat.replaced):
             sig.connect(self._update_controls)
         c.model_state_changed.connect(self._on_model_state)
         c.model_info_changed.connect(self._on_model_info)
@@ -99,6 +100,10 @@ class MainWindow(QMainWindow):
         c.chat.window_changed.connect(self._show_context)
         self.stats.show_marker_requested.connect(self.chat_view.scroll_to_marker)
         self.chat_view.copy_requested.connect(copy_to_clipboard)
+        self.chat_view.switch_requested.connect(c.switch_alternative)
+        self.chat_view.edit_requested.connect(self.start_edit)
+        self.chat_view.fork_requested.connect(c.fork_chat)
+        c.busy_changed.connect(lambda: self.chat_view.set_locked(c.busy))
         self.resize(1180, 760)
         self._restore_ui_state()
         c.start()
@@ -178,7 +183,7 @@ class MainWindow(QMainWindow):
         self.regenerate_button = self._tool("regenerate", "Regenerate", "Write the last reply again (Ctrl+R)",
                                             self.regenerate)
         self.edit_button = self._tool("edit", "Edit last message", "Edit your last message and resend it (Ctrl+E)",
-                                      self.start_edit)
+                                      lambda: self.start_edit())
         self.copy_chat_button = self._tool("copy", "Copy chat", "Copy the whole chat as Markdown (Ctrl+Shift+C)",
                                            self.copy_chat)
         self.attach_button = self._tool("attach", "Attach file",
@@ -237,7 +242,7 @@ class MainWindow(QMainWindow):
         self._action(file_menu, "&Quit", QKeySequence.StandardKey.Quit, self.close)
         chat_menu = bar.addMenu("&Chat")
         self.regenerate_action = self._action(chat_menu, "&Regenerate last reply", QKeySequence("Ctrl+R"), self.regenerate)
-        self.edit_action = self._action(chat_menu, "&Edit last message", QKeySequence("Ctrl+E"), self.start_edit)
+        self.edit_action = self._action(chat_menu, "&Edit last message", QKeySequence("Ctrl+E"), lambda: self.start_edit())
         # Esc itself is a window-wide shortcut (below); "\t" only shows it in the menu.
         self.stop_action = self._action(chat_menu, "&Stop reply\tEsc", None, c.stop)
         chat_menu.addSeparator()
@@ -287,7 +292,7 @@ class MainWindow(QMainWindow):
     def submit(self, text: str) -> None:
         if not text.strip() and (self.editing or not self.controller.draft.documents):
             return
-        ok = self.controller.edit_resend(text) if self.editing else self.controller.send(text)
+        ok = self.controller.edit_message(self.editing_index, text) if self.editing else self.controller.send(text)
         if ok:
             self.compose.clear()
             self._set_editing(False)
@@ -310,12 +315,18 @@ class MainWindow(QMainWindow):
     def count_draft(self) -> None:
         self.controller.count_draft(self.compose.toPlainText())
 
-    def start_edit(self) -> None:
-        text = self.controller.last_user_text()
-        if text is None or self.controller.busy:
+    def start_edit(self, index: int | None = None) -> None:
+        """Puts a user message (the last one unless `index` says which) into the input box to be edited; sent,
+        it starts a new branch from there."""
+        c = self.controller
+        if index is None:
+            index = c.last_user_index()
+        msgs = c.chat.messages
+        if index is None or c.busy or not 0 <= index < len(msgs) or msgs[index].role != "user":
             return
+        self.editing_index = index
         self._set_editing(True)
-        self.compose.setPlainText(text)
+        self.compose.setPlainText(msgs[index].content)
         self.compose.setFocus()
         cursor = self.compose.textCursor()
         cursor.movePosition(cursor.MoveOperation.End)
@@ -323,6 +334,10 @@ class MainWindow(QMainWindow):
 
     def _set_editing(self, on: bool) -> None:
         self.editing = on
+        if on:
+            last = self.editing_index == self.controller.last_user_index()
+            self.edit_label.setText(f"Editing your {'last ' if last else ''}message: Enter sends it as a new "
+                                    "branch (the old one stays), Esc cancels")
         self.edit_label.setVisible(on)
         self.send_button.setText("Resend" if on else "Send")
         self.send_button.setAccessibleName("Resend edited message" if on else "Send message")

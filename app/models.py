@@ -13,6 +13,7 @@ from PySide6.QtCore import QAbstractListModel, QAbstractTableModel, QModelIndex,
 
 from engine.events import Context
 
+from .branches import ChatTree, Node
 from .documents import Document
 from .store import MARK_END, MARK_START, ConversationRow, SearchHit, TurnRow
 
@@ -34,31 +35,104 @@ class Message:
 
 
 class ChatModel(QObject):
-    """The open conversation, with where each message sits in the model's cache."""
+    """The open conversation: all its branches (`tree`), the one shown (`messages`, with their `nodes` in the
+    tree) and where each shown message sits in the model's cache."""
 
     reset = Signal()              # a different chat (or a changed list): render everything again
     appended = Signal(int)        # index of a new message at the end
     changed = Signal(int)         # a message's text or meta changed (streaming)
     truncated = Signal(int)       # messages from this index on were removed
+    replaced = Signal(int)        # messages from this index on are another branch's now (one signal for them all)
     window_changed = Signal()     # spans or evictions changed: the "left the window" marker may move
 
     def __init__(self, parent: QObject | None = None) -> None:
         super().__init__(parent)
         self.conversation_id: int | None = None
         self.title = ""
+        self.tree: ChatTree[Message] = ChatTree()
+        self.nodes: list[Node[Message]] = []
         self.messages: list[Message] = []
         self.context: Context | None = None  # what the engine last said about the cache (None: nothing yet)
 
-    def load(self, conversation_id: int | None, title: str, messages: list[Message]) -> None:
-        self.conversation_id, self.title, self.messages = conversation_id, title, list(messages)
+    def load(self, conversation_id: int | None, title: str, messages: ChatTree[Message] | list[Message]) -> None:
+        """Shows a chat: its tree, or a list of messages (one branch)."""
+        if isinstance(messages, ChatTree):
+            tree = messages
+        else:
+            tree = ChatTree()
+            parent = None
+            for message in messages:
+                parent = tree.add(parent, message)
+        self.conversation_id, self.title, self.tree = conversation_id, title, tree
+        self.nodes = tree.path()
+        self.messages = [n.item for n in self.nodes]
         self.context = None
         self.reset.emit()
         self.window_changed.emit()
 
     def append(self, message: Message) -> int:
+        """Adds a message after the last one shown."""
+        self.nodes.append(self.tree.add(self.nodes[-1] if self.nodes else None, message))
         self.messages.append(message)
         self.appended.emit(len(self.messages) - 1)
         return len(self.messages) - 1
+
+    def branch(self, index: int, message: Message) -> int:
+        """Adds `message` as a new alternative to message `index` and shows it in place of that message and
+        everything after it (which stays in the tree, reachable by switching back)."""
+        parent = self.nodes[index].parent
+        self._cut(index)
+        self.nodes.append(self.tree.add(parent, message))
+        self.messages.append(message)
+        self.appended.emit(index)
+        return index
+
+    def alternatives(self, index: int) -> tuple[int, int]:
+        """(which of its alternatives message `index` is, from 1; how many there are)."""
+        return self.tree.alternatives(self.nodes[index])
+
+    def switch(self, index: int, step: int) -> Node[Message] | None:
+        """Shows the alternative `step` places from message `index` (-1: the one before) and the branch last
+        shown under it; None (nothing changes) if there is none there."""
+        siblings = self.tree.siblings(self.nodes[index])
+        at = siblings.index(self.nodes[index]) + step
+        if not 0 <= at < len(siblings):
+            return None
+        self.tree.choose(siblings[at])
+        self._follow_tree(index)
+        return siblings[at]
+
+    def show(self, node: Node[Message]) -> list[Node[Message]]:
+        """Shows the branch through `node` (a message of another branch); returns the nodes now chosen."""
+        changed = self.tree.show(node)
+        self._follow_tree(0)
+        return changed
+
+    def remove(self, index: int) -> None:
+        """Takes message `index` and everything under it out of the chat; what was shown before it came
+        (another alternative, or nothing) is shown again."""
+        self.tree.remove(self.nodes[index])
+        self._follow_tree(index)
+
+    def _follow_tree(self, index: int) -> None:
+        """Shows the tree's branch again, from the first message (at `index` or after) that changed."""
+        path = self.tree.path()
+        same = index
+        while same < min(len(path), len(self.nodes)) and path[same] is self.nodes[same]:
+            same += 1
+        for node in path[same:]:
+            # Where it sat in the cache was for the branch shown before; the engine says where it is now.
+            node.item.span = None
+        self.nodes[same:] = path[same:]
+        self.messages[same:] = [n.item for n in path[same:]]
+        self.replaced.emit(same)
+        self.window_changed.emit()
+
+    def _cut(self, index: int) -> None:
+        if index < len(self.messages):
+            del self.nodes[index:], self.messages[index:]
+            self.truncated.emit(index)
+            self.window_changed.emit()
 
     def add_text(self, index: int, text: str) -> None:
         self.messages[index].content += text
@@ -70,12 +144,6 @@ class ChatModel(QObject):
             setattr(message, name, value)
         self.changed.emit(index)
         if "span" in changes:
-            self.window_changed.emit()
-
-    def truncate(self, index: int) -> None:
-        if index < len(self.messages):
-            del self.messages[index:]
-            self.truncated.emit(index)
             self.window_changed.emit()
 
     def history(self, end: int | None = None) -> list[dict[str, str]]:
@@ -319,7 +387,8 @@ class TurnStatsModel(QAbstractTableModel):
         if role == Qt.ItemDataRole.TextAlignmentRole:
             return int(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
         if role == Qt.ItemDataRole.ToolTipRole and r.kind == "rebuild":
-            return "The cache was rebuilt from this chat's recent messages (opening it, regenerating or editing)"
+            return ("The cache was rebuilt from this chat's recent messages (opening it, regenerating or editing), "
+                    "or moved to another branch of it")
         if role == Qt.ItemDataRole.FontRole and index.row() == self.live_row:
             font = QFont()
             font.setItalic(True)  # still streaming

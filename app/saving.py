@@ -1,8 +1,8 @@
 """Chats whose copy on disk is behind memory, written again until the store takes them.
 
 Memory is the truth: a failed save leaves the chat in memory, marked unsaved, and a timer writes it whole
-again until it works. The open chat is read live (through `open_chat`); a chat left while unsaved is kept
-as a snapshot until then.
+again until it works, every branch of it. The open chat is read live (through `open_chat`); a chat left while
+unsaved is kept as a snapshot until then.
 """
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Callable
 
 from PySide6.QtCore import QObject, QTimer, Signal
 
+from .branches import ChatTree
 from .models import Message
 from .store import Store, StoreError
 
@@ -18,7 +19,7 @@ log = logging.getLogger(__name__)
 
 RETRY_SAVE_MS = 15_000
 
-OpenChat = Callable[[], tuple[int | None, str, list[Message]]]  # (id, title, messages) of the open chat
+OpenChat = Callable[[], tuple[int | None, str, ChatTree[Message]]]  # (id, title, tree) of the open chat
 
 
 class SaveQueue(QObject):
@@ -30,8 +31,9 @@ class SaveQueue(QObject):
         super().__init__(parent)
         self.store = store
         self._open_chat = open_chat
-        # id -> None (the open chat, read live) or a (title, messages) snapshot of a chat no longer open.
-        self._unsaved: dict[int, tuple[str, list[Message]] | None] = {}
+        # id -> None (the open chat, read live) or a (title, tree) snapshot of a chat no longer open (the chat
+        # model takes a new tree when it opens another chat, so the one kept is no longer changed).
+        self._unsaved: dict[int, tuple[str, ChatTree[Message]] | None] = {}
         self._timer = QTimer(self)
         self._timer.setInterval(RETRY_SAVE_MS)
         self._timer.timeout.connect(self.retry)
@@ -52,12 +54,12 @@ class SaveQueue(QObject):
         if not self._timer.isActive():
             self._timer.start()
 
-    def leave(self, conv_id: int | None, title: str, messages: list[Message]) -> None:
+    def leave(self, conv_id: int | None, title: str, tree: ChatTree[Message]) -> None:
         """The open chat is being left: if it is unsaved, its messages are kept as they are now."""
         if conv_id is not None and conv_id in self._unsaved:
-            self._unsaved[conv_id] = (title, list(messages))
+            self._unsaved[conv_id] = (title, tree)
 
-    def reopen(self, conv_id: int) -> tuple[str, list[Message]] | None:
+    def reopen(self, conv_id: int) -> tuple[str, ChatTree[Message]] | None:
         """A chat is opened again: its unsaved snapshot (None if it has none), read live from now on."""
         snapshot = self._unsaved.get(conv_id)
         if snapshot is not None:
@@ -72,17 +74,19 @@ class SaveQueue(QObject):
         """Writes a whole unsaved chat; True if it is now on disk."""
         snapshot = self._unsaved.get(conv_id)
         if snapshot is None:
-            _, title, messages = self._open_chat()
+            _, title, tree = self._open_chat()
         else:
-            title, messages = snapshot
-        done = [m for m in messages if not m.streaming]
+            title, tree = snapshot
+        done = [n for n in tree.nodes() if not n.item.streaming]  # a reply being written is a leaf
+        where = {node: i for i, node in enumerate(done)}
+        rows = [(n.item.role, n.item.content, where[n.parent] if n.parent is not None else None, n.rank) for n in done]
         try:
             real_id = self.store.create_conversation(title) if conv_id < 0 else conv_id
-            ids = self.store.replace_messages(real_id, title, [(m.role, m.content) for m in done])
+            ids = self.store.replace_tree(real_id, title, rows)
         except StoreError:
             return False
-        for message, mid in zip(done, ids):
-            message.id = mid
+        for node, mid in zip(done, ids):
+            node.item.id = mid
         del self._unsaved[conv_id]
         if real_id != conv_id:
             self.moved.emit(conv_id, real_id)

@@ -1,6 +1,6 @@
 """Takes the README screenshots from the real app (a developer tool, not used by the app itself).
 
-    xvfb-run -a -s "-screen 0 1600x1000x24" python -m app.screenshots main-window|first-run|settings OUT.png [--model M]
+    xvfb-run -a -s "-screen 0 1600x1000x24" python -m app.screenshots main-window|first-run|settings|alternatives OUT.png [--model M]
     EDDY_CACHE_DIR=$(mktemp -d) xvfb-run -a -s "-screen 0 1600x1000x24" python -m app.screenshots first-run OUT.png
 
 Under an X server (Xvfb) the picture is the screen's own pixels, so it shows what a user would see,
@@ -11,7 +11,9 @@ reply streams (and OUT-marker.png with the "left the window" marker in view); fi
 search writes a few chats, types a word into the Ctrl+K search and grabs it (OUT-open.png: the hit opened, its
 message highlighted); document attaches a text of about six windows, grabs the draft with its token count
 (OUT-draft.png), the progress bar while it streams in (OUT-reading.png) and the answered chat scrolled to the
-note where the model's view of it begins (OUT).
+note where the model's view of it begins (OUT). alternatives asks two questions, writes the last reply twice
+more and switches back to the second of the three (‹ 2/3 ›), then grabs the window once the engine has that
+branch in its cache.
 """
 from __future__ import annotations
 
@@ -297,9 +299,52 @@ def document(out: Path, model: str | None, window_size: int | None) -> int:
     return main(["--data-dir", str(data)] + (["--model", model] if model else []), on_window=drive)
 
 
+def alternatives(out: Path, model: str | None) -> int:
+    """A reply written three times, the second shown: its ‹ 2/3 › switcher, and the cache rebuilt for it."""
+    questions = ["Hi! Who are you?", "Suggest a name for a small chat app that runs models locally."]
+
+    def drive(window: MainWindow) -> None:
+        window.resize(1300, 820)
+        c = window.controller
+        state = {"turns": 0}
+
+        def ready(s: str) -> None:
+            if s == "ready" and not getattr(drive, "done", False):
+                drive.done = True
+                QTimer.singleShot(200, lambda: c.send(questions[0]))
+
+        def finished(_row) -> None:
+            state["turns"] += 1
+            n = state["turns"]
+            if n == 1:
+                QTimer.singleShot(100, lambda: c.send(questions[1]))
+            elif n in (2, 3):
+                QTimer.singleShot(100, c.regenerate)
+            else:
+                QTimer.singleShot(100, switch)
+
+        def switch() -> None:
+            c.host.idle.connect(shot)
+            c.switch_alternative(len(c.chat.messages) - 1, -1)
+            c.host.ping()  # idle comes once the engine has followed the branch
+
+        def shot() -> None:
+            window.chat_view.flush()
+            window.chat_view.scroll_to_bottom()
+            QTimer.singleShot(300, lambda: (_save(_snapshot(window), out), window.close()))
+
+        c.model_state_changed.connect(ready)
+        c.turn_finished.connect(finished)
+        QTimer.singleShot(10 * 60 * 1000, window.close)  # never hang a script
+
+    data = Path(tempfile.mkdtemp(prefix="eddy-shot-"))
+    save_settings(data, AppSettings.of(max_new_tokens=90))  # sampled with a fresh seed: three different replies
+    return main(["--data-dir", str(data)] + (["--model", model] if model else []), on_window=drive)
+
+
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
-    p.add_argument("what", choices=["main-window", "first-run", "settings", "search", "document"])
+    p.add_argument("what", choices=["main-window", "first-run", "settings", "search", "document", "alternatives"])
     p.add_argument("out", type=Path)
     p.add_argument("--model", default=None)
     p.add_argument("--max-turns", type=int, default=14)
@@ -311,6 +356,8 @@ if __name__ == "__main__":
         sys.exit(search(a.out, a.model, a.window))
     if a.what == "document":
         sys.exit(document(a.out, a.model, a.window))
+    if a.what == "alternatives":
+        sys.exit(alternatives(a.out, a.model))
     if a.what == "main-window":
         sys.exit(main_window(a.out, a.model, a.max_turns, a.grab_after, a.dark))
     if a.what == "settings":

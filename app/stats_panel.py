@@ -53,6 +53,9 @@ class StatsPanel(QFrame):
         grid.setVerticalSpacing(2)
         self.prefill_value = QLabel("–")
         self.prefill_value.setAccessibleName("Prefill of this turn")
+        # A rebuild's line ("… (rebuilt cache) · … tok/s") is wider than the panel: it wraps instead of clipping.
+        self.prefill_value.setWordWrap(True)
+        self.prefill_value.setAlignment(Qt.AlignmentFlag.AlignRight)
         self.ttft_value = QLabel("–")
         self.ttft_value.setAccessibleName("Time to first token")
         self.rate_value = QLabel("–")

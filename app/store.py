@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
+from .branches import ChatTree
+
 DB_FILE = "eddy.db"
 
 # Version 1: the schema as first released. Its IF NOT EXISTS lets step 1 finish a file whose creation was cut
@@ -84,6 +86,21 @@ INSERT INTO messages_fts(messages_fts) VALUES ('rebuild');
 INSERT INTO titles_fts(titles_fts) VALUES ('rebuild');
 """
 
+# Version 3: alternatives and branches. Each message gets its parent (NULL for a chat's first message, or an
+# alternative to it) and `chosen`, the order in which messages were last chosen: among siblings the highest is
+# shown (app/branches.py). A chat an older Eddy wrote is one chain, each message the child of the one before
+# it (by seq, then id, so even two messages at one seq stay in order); its ranks are all 0, so it has nothing
+# to choose between. Deleting a message deletes the branch under it.
+BRANCHES = """
+ALTER TABLE messages ADD COLUMN parent_id INTEGER REFERENCES messages(id) ON DELETE CASCADE;
+ALTER TABLE messages ADD COLUMN chosen INTEGER NOT NULL DEFAULT 0;
+UPDATE messages SET parent_id = (
+    SELECT p.id FROM messages p WHERE p.conversation_id = messages.conversation_id
+    AND (p.seq < messages.seq OR (p.seq = messages.seq AND p.id < messages.id))
+    ORDER BY p.seq DESC, p.id DESC LIMIT 1);
+CREATE INDEX messages_by_parent ON messages(parent_id);
+"""
+
 # A step is an SQL script or a function given the connection; either runs inside the step's transaction, so
 # it must not BEGIN or COMMIT itself. Steps run with foreign keys off: rebuilding a table (SQLite's way to
 # change a column) drops the old one, and with them on that drop would first cascade-delete every message.
@@ -94,6 +111,7 @@ Step = str | Callable[[sqlite3.Connection], None]
 MIGRATIONS: list[tuple[int, Step]] = [
     (1, SCHEMA),
     (2, SEARCH),
+    (3, BRANCHES),
 ]
 
 # The version is SQLite's PRAGMA user_version, not a table of our own: release 1 already writes 1 there, it
@@ -143,10 +161,12 @@ class ConversationRow:
 @dataclass
 class MessageRow:
     id: int
-    seq: int
+    seq: int                      # its depth: the position it has in any branch through it
     role: str
     content: str
     created: float
+    parent_id: int | None = None  # None: a first message
+    chosen: int = 0               # among its siblings the highest is shown (app/branches.py)
 
 
 @dataclass
@@ -344,12 +364,17 @@ class Store:
             raise _explain(e, doing) from e
 
     def _transaction(self, doing: str, steps: list[tuple[str, tuple]]) -> list[sqlite3.Cursor]:
+        out: list[sqlite3.Cursor] = []
+        self._atomic(doing, lambda conn: out.extend(conn.execute(sql, args) for sql, args in steps))
+        return out
+
+    def _atomic(self, doing: str, write: Callable[[sqlite3.Connection], None]) -> None:
+        """Runs `write` in one transaction: all of it is saved, or (an error, a crash) none of it."""
         try:
             self.conn.execute("BEGIN IMMEDIATE")
             try:
-                out = [self.conn.execute(sql, args) for sql, args in steps]
+                write(self.conn)
                 self.conn.execute("COMMIT")
-                return out
             except BaseException:
                 _rollback(self.conn)
                 raise
@@ -382,37 +407,85 @@ class Store:
 
     # --- messages ------------------------------------------------------------------------------------------
 
-    def messages(self, conv_id: int) -> list[MessageRow]:
-        rows = self._run("read the chat", "SELECT id, seq, role, content, created FROM messages "
-                         "WHERE conversation_id=? ORDER BY seq", (conv_id,))
-        return [MessageRow(r["id"], r["seq"], r["role"], r["content"], r["created"]) for r in rows]
+    def tree(self, conv_id: int) -> list[MessageRow]:
+        """Every message of the chat, every branch, each after its parent."""
+        rows = self._run("read the chat", "SELECT id, seq, role, content, created, parent_id, chosen FROM messages "
+                         "WHERE conversation_id=? ORDER BY seq, id", (conv_id,))
+        return [MessageRow(r["id"], r["seq"], r["role"], r["content"], r["created"], r["parent_id"], r["chosen"])
+                for r in rows]
 
-    def append_message(self, conv_id: int, seq: int, role: str, content: str) -> int:
+    def messages(self, conv_id: int) -> list[MessageRow]:
+        """The chat's messages in order: the branch shown."""
+        tree = ChatTree.of(self.tree(conv_id), lambda r: r.id, lambda r: r.parent_id, lambda r: r.chosen,
+                           lambda r: r)
+        return [node.item for node in tree.path()]
+
+    def add_message(self, conv_id: int, parent_id: int | None, seq: int, role: str, content: str,
+                    chosen: int) -> int:
+        """Saves a message under `parent_id` (None: a first message) at depth `seq`, with its rank."""
         now = time.time()
         cur, _ = self._transaction("save the message", [
-            ("INSERT INTO messages(conversation_id, seq, role, content, created) VALUES (?, ?, ?, ?, ?)",
-             (conv_id, seq, role, _text(content), now)),
+            ("INSERT INTO messages(conversation_id, seq, role, content, created, parent_id, chosen) "
+             "VALUES (?, ?, ?, ?, ?, ?, ?)", (conv_id, seq, role, _text(content), now, parent_id, chosen)),
             ("UPDATE conversations SET updated=? WHERE id=?", (now, conv_id)),
         ])
         return int(cur.lastrowid)
 
+    def append_message(self, conv_id: int, seq: int, role: str, content: str) -> int:
+        """Saves a message at position `seq` of a chat without alternatives: after the one at seq - 1."""
+        now = time.time()
+        cur, _ = self._transaction("save the message", [
+            ("INSERT INTO messages(conversation_id, seq, role, content, created, parent_id, chosen) VALUES "
+             "(?, ?, ?, ?, ?, (SELECT id FROM messages WHERE conversation_id=? AND seq=? "
+             "ORDER BY chosen DESC, id DESC LIMIT 1), "
+             "(SELECT COALESCE(MAX(chosen), 0) + 1 FROM messages WHERE conversation_id=?))",
+             (conv_id, seq, role, _text(content), now, conv_id, seq - 1, conv_id)),
+            ("UPDATE conversations SET updated=? WHERE id=?", (now, conv_id)),
+        ])
+        return int(cur.lastrowid)
+
+    def choose_message(self, message_id: int, chosen: int) -> None:
+        """Records that a message was chosen (its branch is the one shown), with its new rank."""
+        self._run("save which branch is shown", "UPDATE messages SET chosen=? WHERE id=?", (chosen, message_id))
+
+    def delete_message(self, message_id: int) -> None:
+        """Deletes a message and every message under it."""
+        self._run("update the chat", "DELETE FROM messages WHERE id=?", (message_id,))
+
     def truncate_messages(self, conv_id: int, seq: int) -> None:
-        """Deletes the messages from position `seq` on (regenerate and edit replace the chat's tail)."""
+        """Deletes the messages from depth `seq` on, in every branch."""
         self._run("update the chat", "DELETE FROM messages WHERE conversation_id=? AND seq>=?", (conv_id, seq))
 
     def replace_messages(self, conv_id: int, title: str, messages: list[tuple[str, str]]) -> list[int]:
-        """Writes a whole chat at once (used to catch up after a failed save); returns the new message ids."""
+        """Writes a whole chat without alternatives at once; returns the new message ids."""
+        return self.replace_tree(conv_id, title, [(role, content, i - 1 if i else None, 0)
+                                                  for i, (role, content) in enumerate(messages)])
+
+    def replace_tree(self, conv_id: int, title: str, messages: list[tuple[str, str, int | None, int]]) -> list[int]:
+        """Writes a whole chat at once (used to catch up after a failed save): each message as (role, content,
+        the index of its parent in `messages`, earlier in the list, or None, its rank); returns the new ids."""
         now = time.time()
-        steps: list[tuple[str, tuple]] = [
-            ("INSERT OR IGNORE INTO conversations(id, title, created, updated) VALUES (?, ?, ?, ?)",
-             (conv_id, _text(title), now, now)),
-            ("UPDATE conversations SET title=?, updated=? WHERE id=?", (_text(title), now, conv_id)),
-            ("DELETE FROM messages WHERE conversation_id=?", (conv_id,)),
-        ]
-        steps += [("INSERT INTO messages(conversation_id, seq, role, content, created) VALUES (?, ?, ?, ?, ?)",
-                   (conv_id, i, role, _text(content), now)) for i, (role, content) in enumerate(messages)]
-        cursors = self._transaction("save the chat", steps)
-        return [int(c.lastrowid) for c in cursors[3:]]
+        ids: list[int] = []
+        depth: list[int] = []
+
+        def write(conn: sqlite3.Connection) -> None:
+            conn.execute("INSERT OR IGNORE INTO conversations(id, title, created, updated) VALUES (?, ?, ?, ?)",
+                         (conv_id, _text(title), now, now))
+            conn.execute("UPDATE conversations SET title=?, updated=? WHERE id=?", (_text(title), now, conv_id))
+            conn.execute("DELETE FROM messages WHERE conversation_id=?", (conv_id,))
+            for role, content, parent, chosen in messages:
+                if parent is not None and not 0 <= parent < len(ids):
+                    raise ValueError(f"message {len(ids)}'s parent {parent} does not come before it")
+                seq = depth[parent] + 1 if parent is not None else 0
+                cur = conn.execute("INSERT INTO messages(conversation_id, seq, role, content, created, parent_id, "
+                                   "chosen) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                                   (conv_id, seq, role, _text(content), now,
+                                    ids[parent] if parent is not None else None, chosen))
+                ids.append(int(cur.lastrowid))
+                depth.append(seq)
+
+        self._atomic("save the chat", write)
+        return ids
 
     # --- search --------------------------------------------------------------------------------------------
 

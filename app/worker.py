@@ -1,7 +1,8 @@
 """The engine on its own thread. The GUI talks to it only through queued signals, so it never waits on it.
 
 Requests (GUI -> worker, queued, handled one at a time in order): load, configure, send, regenerate,
-edit_resend, switch_chat, count (a draft's tokens, answered by counted), shutdown. Two calls are made
+answer_from (an edited message, anywhere in the chat), switch_chat (another chat, or another
+branch of this one), count (a draft's tokens, answered by counted), shutdown. Two calls are made
 directly from the GUI thread because the worker is busy inside the engine when they matter: request_stop()
 (the session's stop flag is thread-safe) and cancel_load() (a flag the build polls).
 
@@ -160,19 +161,26 @@ class EngineWorker(QObject):
     def regenerate(self, ticket: int) -> None:
         self._turn(ticket, lambda session, on_event: session.regenerate(on_event))
 
-    @Slot(int, str)
-    def edit_resend(self, ticket: int, new_text: str) -> None:
-        self._turn(ticket, lambda session, on_event: session.edit_last(new_text, on_event))
+    @Slot(int, object, str)
+    def answer_from(self, ticket: int, history: list, text: str) -> None:
+        """Answers `text` as the message after `history` (the chat up to an edited message): the session goes
+        back to there, or rebuilds it, before the turn; only the turn's own events are sent."""
+        def run(session: ChatSession, on_event: EventSink) -> object:
+            session.follow(history)  # its prefill is not the turn's: the turn's own events follow
+            return session.answer(text, on_event)
+
+        self._turn(ticket, run)
 
     @Slot(int, object)
     def switch_chat(self, seq: int, history: list) -> None:
-        """Puts a chat (its user and assistant messages) into the cache: the session keeps what fits."""
+        """Puts a chat, or another branch of the open one (its user and assistant messages), into the cache:
+        the session keeps what it already holds of it, or rebuilds it with what fits."""
         session = self._session
         if seq < self._latest_switch or session is None:
             return
         origin = Origin(switch=seq)
         try:
-            session.resume(history, lambda event: self._forward(event, origin))
+            session.follow(history, lambda event: self._forward(event, origin))
         except Exception as e:
             log.exception("rebuilding the cache failed")
             self.error.emit("rebuild", f"Could not restore the chat into the model's cache: {e}")
@@ -242,7 +250,7 @@ class EngineHost(QObject):
     _configure = Signal(object)
     _send = Signal(int, str)
     _regenerate = Signal(int)
-    _edit_resend = Signal(int, str)
+    _answer_from = Signal(int, object, str)
     _switch = Signal(int, object)
     _count = Signal(int, str)
     _ping = Signal(int)
@@ -261,7 +269,7 @@ class EngineHost(QObject):
         self._configure.connect(self.worker.configure)
         self._send.connect(self.worker.send)
         self._regenerate.connect(self.worker.regenerate)
-        self._edit_resend.connect(self.worker.edit_resend)
+        self._answer_from.connect(self.worker.answer_from)
         self._switch.connect(self.worker.switch_chat)
         self._count.connect(self.worker.count)
         self._ping.connect(self.worker.ping)
@@ -299,10 +307,10 @@ class EngineHost(QObject):
         self._regenerate.emit(self._tickets)
         return self._tickets
 
-    def edit_resend(self, new_text: str) -> int:
-        """Replaces the last user message (and its reply) with `new_text` and answers it."""
+    def answer_from(self, history: list[dict], text: str) -> int:
+        """Answers `text` after `history`, a start of the conversation (an edited message's branch)."""
         self._tickets += 1
-        self._edit_resend.emit(self._tickets, new_text)
+        self._answer_from.emit(self._tickets, history, text)
         return self._tickets
 
     @property

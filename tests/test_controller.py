@@ -43,8 +43,8 @@ class RecordingHost(QObject):
     def regenerate(self) -> int:
         return self._ticket("regenerate")
 
-    def edit_resend(self, text: str) -> int:
-        return self._ticket("edit_resend", text)
+    def answer_from(self, history: list[dict], text: str) -> int:
+        return self._ticket("answer_from", len(history), text)
 
     def switch_chat(self, history: list[dict]) -> None:
         self.latest_switch += 1
@@ -105,10 +105,11 @@ def test_a_turn_shows_what_the_engine_reported(qtbot, tmp_path):
     assert c.cache.position == 12 and rates[0] == (40.0, 2)
     row = c.store.turns(c.chat.conversation_id)[0]
     assert (row.prefill_tokens, row.tokens, row.tok_s, row.cache["position"]) == (10, 2, 40.0, 12)
-    # Regenerate and edit ask the engine's session, which holds the conversation: no history is sent.
+    # Regenerate asks the engine's session, which holds the conversation: no history is sent. An edit sends
+    # the messages before the one edited: the session goes back to there (or rebuilds) itself.
     assert c.regenerate() and host.requests[-1] == ("regenerate",)
     answer(host, 2, 0, 10, ["Hey"])
-    assert c.edit_resend("Hello again") and host.requests[-1] == ("edit_resend", "Hello again")
+    assert c.edit_resend("Hello again") and host.requests[-1] == ("answer_from", 0, "Hello again")
 
 
 def test_the_marker_follows_the_engine_and_stale_events_are_ignored(qtbot, tmp_path):
@@ -156,3 +157,60 @@ def test_the_draft_shows_the_latest_count_and_documents_go_into_the_message(qtbo
     c.restore_input.connect(restored.append)
     host.worker.error.emit("turn", "it failed")
     assert [d.name for d in c.draft.documents] == ["notes.txt"] and restored == ["What is it about?"]
+
+
+def contents(c: ChatController) -> list[str]:
+    return [m.content for m in c.chat.messages]
+
+
+def test_alternatives_switches_and_failures_keep_every_branch(qtbot, tmp_path):
+    c, host = ready(qtbot, tmp_path)
+    c.send("Hello")
+    answer(host, 1, 0, 10, ["A"])
+    assert c.regenerate()
+    answer(host, 2, 0, 10, ["B"])
+    assert contents(c) == ["Hello", "B"] and c.chat.alternatives(1) == (2, 2) and c.chat.alternatives(0) == (1, 1)
+    # A regenerate that fails takes only its own reply away: the one shown before is back, and the engine
+    # (whose session went back to before the question) is given that branch.
+    assert c.regenerate()
+    host.worker.error.emit("turn", "it failed")
+    assert not c.busy and contents(c) == ["Hello", "B"] and c.chat.alternatives(1) == (2, 2)
+    assert host.requests[-1] == ("switch", 2)
+    # While a reply is being written nothing switches.
+    c.send("More")
+    notices: list[tuple] = []
+    c.notice.connect(lambda *n: notices.append(n))
+    assert not c.switch_alternative(1, -1) and not c.fork_chat(0)
+    assert contents(c) == ["Hello", "B", "More", ""] and notices[0][0] == "info" and host.requests[-1][0] == "send"
+    answer(host, 4, 12, 5, ["C"])
+    # A switch is one engine request with the branch now shown; the branch under a reply comes back as left.
+    assert c.switch_alternative(1, -1) and contents(c) == ["Hello", "A"] and host.requests[-1] == ("switch", 2)
+    assert not c.switch_alternative(1, -1) and host.requests[-1] == ("switch", 2)  # nothing before the first
+    assert c.switch_alternative(1, +1) and contents(c) == ["Hello", "B", "More", "C"]
+    assert host.requests[-1] == ("switch", 4)
+    conv = c.chat.conversation_id
+    assert [m.content for m in c.store.messages(conv)] == contents(c)
+    # A database that refuses writes: the chat stays whole in memory and is written later, every branch.
+    c.store.conn.execute("PRAGMA query_only=ON")
+    assert c.switch_alternative(1, -1)
+    assert c.saves.pending == 1 and notices[-1][0] == "error" and "read-only" in notices[-1][1]
+    assert c.edit_message(0, "Hi") and host.requests[-1] == ("answer_from", 0, "Hi")
+    answer(host, 5, 0, 8, ["D"])
+    assert contents(c) == ["Hi", "D"] and c.chat.alternatives(0) == (2, 2)
+    c.store.conn.execute("PRAGMA query_only=OFF")
+    assert c.retry_saves()
+    assert sorted(m.content for m in c.store.tree(conv)) == ["A", "B", "C", "D", "Hello", "Hi", "More"]
+    assert [m.content for m in c.store.messages(conv)] == ["Hi", "D"]
+    # Reopened, each branch comes back as it was last shown.
+    c.open_chat(conv)
+    c.new_chat()
+    c.open_chat(conv)
+    assert contents(c) == ["Hi", "D"]
+    assert c.switch_alternative(0, -1) and contents(c) == ["Hello", "A"]
+    # A search hit in a branch not shown shows that branch, and reveals the message.
+    revealed: list[int] = []
+    c.message_revealed.connect(revealed.append)
+    (hit,) = c.search("More")
+    c.open_hit(hit)
+    assert contents(c) == ["Hello", "B", "More", "C"] and revealed == [2] and host.requests[-1] == ("switch", 4)
+    assert [m.content for m in c.store.messages(conv)] == contents(c)

@@ -27,3 +27,5 @@ EDDY_CACHE_DIR=$(mktemp -d) "$PY" -m app.screenshots first-run "$OUT/first-run.p
 # answered, with the note where the model's view of it begins.
 "$PY" -m app.screenshots search "$OUT/search.png"
 "$PY" -m app.screenshots document "$OUT/document.png"
+# A reply written three times, the second of them shown (‹ 2/3 ›), the cache moved to that branch (↻).
+"$PY" -m app.screenshots alternatives "$OUT/alternatives.png"

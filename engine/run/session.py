@@ -114,6 +114,67 @@ class ChatSession:
         emit(self.context())
         return event
 
+    def follow(self, history: list[dict], on_event: EventSink | None = None) -> Prefill:
+        """Goes over to another branch of the conversation (`history`, as resume takes it). When the conversation
+        in the cache begins with the same messages up to a user message of `history`, and the cache still holds
+        them, it goes back there and prefills only the rest (messages already left out of the cache stay out);
+        otherwise this is resume(history). A prefill and a context event follow, as after resume."""
+        emit = on_event or _ignore
+        conversation = [{"role": m["role"], "content": valid_text(m["content"])} for m in history]
+        kept = self.conversation
+        shared = self.dropped
+        while (shared - self.dropped < len(kept) and shared < len(conversation)
+               and kept[shared - self.dropped] == conversation[shared]):
+            shared += 1
+
+        def starts_a_turn(i: int) -> bool:
+            # Cut only where a user message begins (or a conversation ends) on both sides: the cache then ends
+            # after a closed turn, as a full render of the shared messages does, which chat_delta continues from.
+            # (Right after a user message it also holds the generation prompt that was fed with it.)
+            mine = i - self.dropped
+            return ((mine >= len(kept) or kept[mine]["role"] == "user")
+                    and (i >= len(conversation) or conversation[i]["role"] == "user"))
+
+        while shared > self.dropped and not starts_a_turn(shared):
+            shared -= 1
+        if self._stale or shared <= self.dropped or not self._same_opening():
+            return self.resume(history, on_event)
+        self.stop_flag.clear()
+        self.rewind(shared)
+        rest = conversation[shared:]
+        delta = self.tokenizer.chat_delta(self.messages, rest, add_generation_prompt=False) if rest else []
+        ids = [*self._owed, *delta] if delta is not None else None
+        if self._stale or ids is None or self.engine.position + len(ids) > self.engine.capacity:
+            return self.resume(history, on_event)  # evicted since, or the rest would evict: a rebuild fits it
+        if self._owed and self.spans:  # the tokens that close the last reply belong to it
+            first, end = self.spans[-1]
+            self.spans[-1] = (first, end + len(self._owed))
+        begin = self.engine.position + len(self._owed)
+        for j in range(len(rest)):  # each message's own span, from the template's deltas
+            part = self.tokenizer.chat_delta(self.messages, rest[: j + 1], add_generation_prompt=False) or []
+            end = max(begin, self.engine.position + len(self._owed) + len(part))
+            self.spans.append((begin, end))
+            begin = end
+        self.messages, self._owed = [*self.messages, *rest], []
+        start = time.perf_counter()
+        try:
+            if ids and self.feed(ids, emit) is None:
+                self._stale = True  # stopped part-way: the next turn starts again
+        except BaseException:
+            self._stale = True
+            raise
+        event = Prefill(len(ids), round((time.perf_counter() - start) * 1e3, 2), self.engine.stats)
+        emit(event)
+        emit(self.context())
+        return event
+
+    def _same_opening(self) -> bool:
+        """Whether the cache begins as the settings now want: the same system prompt, pinned or not alike."""
+        opening = self._opening()
+        if self.messages[: self._head()] != opening:
+            return False
+        return (self.engine.pinned > 0) == bool(self._pin_probe(opening))
+
     def context(self) -> Context:
         """Where each message sits, and which have left the window: every one of their tokens past the sinks
         evicted (a message wholly inside the sinks, such as a pinned system prompt, never leaves)."""
