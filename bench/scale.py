@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""Real-size builds: time and memory of `eddy compile` on random-weight checkpoints with real models' shapes.
+"""Real-size builds: time and memory of `eddy compile` on random-weight checkpoints with real models' shapes, then
+the built module's warm start, prefill and decode speed against the machine's bandwidth floor.
 
-    python bench/scale.py [--size llama-3.2-1b] [--dtype q8] [--before DIR] [--json FILE]
+    python bench/scale.py [--size llama-3.2-1b ...] [--dtype q4 --dtype q8] [--before DIR] [--json FILE]
 
 For each size it writes a random bf16 safetensors checkpoint of that model's shapes under /tmp (random weights
 serve for time and memory), builds it with `eddy compile` in a private artefact cache under /tmp, and reports
@@ -12,7 +13,15 @@ The checkpoint and every artefact are deleted afterwards (they are gigabytes). O
 
 Memory is sampled from /proc every 0.1 s: the tree's peak is the largest sum of VmRSS over the CLI, the build's
 child process and the iree-compile it starts; each process's own peak is its VmHWM (the kernel's high-water
-mark, exact between samples). Prints a table and writes JSON (default bench/results/scale.json).
+mark, exact between samples).
+
+Each build is then run in a child process of its own: the warm start (opening the artefacts), prefill of 512
+tokens and decode at 1000 tokens of context (medians of 3). Decode is also given as a fraction of its floor:
+bench/bandwidth.py's 2-thread read, measured in the same run, over every byte a decode step reads (the weights
+file less an untied embedding, of which a step reads one row, plus the KV cache slots attended).
+
+Results are appended to the JSON (default bench/results/scale.json) after every build, and a rerun skips the
+(size, dtype, code) rows it already holds: the 8B builds are long.
 """
 from __future__ import annotations
 
@@ -32,6 +41,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bandwidth import read_bandwidth  # noqa: E402  (bench/bandwidth.py, beside this script)
 from machine import cpu_info  # noqa: E402  (bench/machine.py, beside this script)
 
 # config.json of each size, from the models' cards (the fields Eddy reads).
@@ -186,6 +196,7 @@ def measure_build(model: Path, dtype: str, code: Path, cache: Path) -> dict:
     sizes = {f.name: f.stat().st_size for f in folder.iterdir() if f.suffix in (".irpa", ".vmfb")}
     ends = [t for _, t in stages[1:]] + [wall]
     return {
+        "folder": str(folder),
         "wall_s": round(wall, 1),
         "stages_s": {name: round(end - t, 1) for (name, t), end in zip(stages, ends) if name != "done"},
         "tree_peak_rss_gb": round(tree_peak / 1e9, 2),
@@ -196,41 +207,104 @@ def measure_build(model: Path, dtype: str, code: Path, cache: Path) -> dict:
     }
 
 
+# Run in a child with the build's code: the warm start, prefill and decode of the built module.
+RUN_SCRIPT = r"""
+import json, sys, time
+import numpy as np
+from pathlib import Path
+from engine.loader import open_folder
+t = time.perf_counter()
+eng = open_folder(Path(sys.argv[1])).engine
+start = time.perf_counter() - t
+ids = np.random.RandomState(0).randint(0, eng.cfg.vocab_size, 1000).tolist()
+prefill, decode = [], []
+for _ in range(3):
+    eng.reset()
+    t = time.perf_counter(); eng.prefill(ids[:512]); prefill.append(512 / (time.perf_counter() - t))
+    eng.prefill(ids[512:1000])
+    t = time.perf_counter()
+    for i in range(16):
+        eng.decode(ids[i])
+    decode.append(16 / (time.perf_counter() - t))
+print(json.dumps({"warm_start_s": round(start, 2), "prefill_512_tok_s": round(float(np.median(prefill)), 1),
+                  "decode_1000_tok_s": round(float(np.median(decode)), 2)}))
+"""
+
+
+def decode_bytes(cfg: dict, irpa_bytes: int, dtype: str, context: int = 1000) -> int:
+    """Bytes one decode step reads: the weights file, less an untied embedding (a step reads one of its rows),
+    plus the KV cache slots attended (float32 keys and values of every layer)."""
+    embed = 0
+    if not cfg["tie_word_embeddings"]:
+        per_weight = {"q8": 1.0, "q4": 0.75, "f16": 2.0, "bf16": 2.0, "f32": 4.0}[dtype]
+        embed = int(cfg["vocab_size"] * cfg["hidden_size"] * per_weight)
+    kv = context * cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * 4
+    return irpa_bytes - embed + kv
+
+
+def measure_run(folder: Path, code: Path, cache: Path) -> dict:
+    env = {**os.environ, "EDDY_CACHE_DIR": str(cache), "PYTHONPATH": str(code)}
+    out = subprocess.run([sys.executable, "-c", RUN_SCRIPT, str(folder)], cwd=code, env=env, capture_output=True,
+                         text=True, timeout=3600)
+    if out.returncode:
+        raise SystemExit(f"running {folder} failed:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", action="append", choices=sorted(SIZES), help="repeatable (default llama-3.2-1b)")
-    p.add_argument("--dtype", default="q8")
+    p.add_argument("--dtype", action="append", help="repeatable (default q4 and q8)")
     p.add_argument("--before", type=Path, help="a checkout of the code to compare with (built first)")
     p.add_argument("--label", default="", help="free text stored with the figures")
     p.add_argument("--json", default=str(ROOT / "bench" / "results" / "scale.json"))
     a = p.parse_args()
     codes = ([("before", a.before.resolve())] if a.before else []) + [("after", ROOT)]
-    rows = []
+    out = Path(a.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    kept = json.loads(out.read_text()) if out.exists() else {}
+    rows = kept.get("results", [])
+    done = {(r["size"], r["dtype"], r["code"]) for r in rows}
+    bandwidth = read_bandwidth()
+    print(f"read bandwidth: {bandwidth['gb_per_s']:.1f} GB/s", flush=True)
+
+    def save() -> None:
+        out.write_text(json.dumps({"machine": cpu_info(), "label": a.label, "bandwidth": bandwidth,
+                                   "results": rows}, indent=1) + "\n")
+
     for size in a.size or ["llama-3.2-1b"]:
+        todo = [(d, label, code) for d in a.dtype or ["q4", "q8"] for label, code in codes
+                if (size, d, label) not in done]
+        if not todo:
+            continue
         work = Path(tempfile.mkdtemp(prefix=f"eddy-scale-{size}-"))
         try:
             t = time.perf_counter()
             nbytes = write_checkpoint(work / size, SIZES[size])
             print(f"{size}: random checkpoint {nbytes / 1e9:.2f} GB in {time.perf_counter() - t:.0f} s", flush=True)
-            for label, code in codes:
+            for dtype, label, code in todo:
                 cache = work / f"cache-{label}"
-                result = measure_build(work / size, a.dtype, code, cache)
+                result = measure_build(work / size, dtype, code, cache)
+                result.update(measure_run(Path(result.pop("folder")), code, cache))
+                step = decode_bytes(SIZES[size], result["artefact_bytes"].get("weights.irpa", 0), dtype)
+                floor = bandwidth["gb_per_s"] * 1e9 / step
+                result.update(decode_bytes_per_token=step, floor_tok_s=round(floor, 2),
+                              decode_fraction_of_floor=round(result["decode_1000_tok_s"] / floor, 3))
                 shutil.rmtree(cache)  # the artefacts, before the next build
-                rows.append({"size": size, "dtype": a.dtype, "code": label, "checkpoint_bytes": nbytes, **result})
+                rows.append({"size": size, "dtype": dtype, "code": label, "checkpoint_bytes": nbytes, **result})
+                save()
                 print(json.dumps(rows[-1]), flush=True)
         finally:
             shutil.rmtree(work, ignore_errors=True)
 
-    print(f"\n{'size':14} {'dtype':5} {'code':6} {'wall s':>7} {'tree peak GB':>12} {'at stage':>15} "
-          f"{'child GB':>8} {'compile GB':>10} {'irpa GB':>8}")
+    print(f"\n{'size':14} {'dtype':5} {'code':6} {'wall s':>7} {'tree GB':>7} {'at stage':>15} {'irpa GB':>7} "
+          f"{'start s':>7} {'pf512/s':>7} {'dec/s':>6} {'floor':>6} {'of floor':>8}")
     for r in rows:
-        procs = r["process_peak_rss_gb"]
-        print(f"{r['size']:14} {r['dtype']:5} {r['code']:6} {r['wall_s']:7.1f} {r['tree_peak_rss_gb']:12.2f} "
-              f"{str(r['tree_peak_stage']):>15} {procs.get('build child', 0):8.2f} {procs.get('iree-compile', 0):10.2f} "
-              f"{r['artefact_bytes'].get('weights.irpa', 0) / 1e9:8.2f}")
-    out = Path(a.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": cpu_info(), "label": a.label, "results": rows}, indent=1) + "\n")
+        print(f"{r['size']:14} {r['dtype']:5} {r['code']:6} {r['wall_s']:7.1f} {r['tree_peak_rss_gb']:7.2f} "
+              f"{str(r['tree_peak_stage']):>15} {r['artefact_bytes'].get('weights.irpa', 0) / 1e9:7.2f} "
+              f"{r.get('warm_start_s', 0):7.2f} {r.get('prefill_512_tok_s', 0):7.1f} {r.get('decode_1000_tok_s', 0):6.2f} "
+              f"{r.get('floor_tok_s', 0):6.2f} {r.get('decode_fraction_of_floor', 0):8.0%}")
+    save()
     print(f"wrote {out}")
 
 
