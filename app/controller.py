@@ -19,6 +19,7 @@ from engine.run.generation import ChatDefaults
 
 from .branches import ChatTree, Node
 from .documents import Document, DocumentError, as_message, read_document
+from .local_server import LocalServer, ServedTurn, ServerConfig
 from .models import ChatModel, ConversationListModel, DraftModel, Message, TurnStatsModel
 from .saving import SaveQueue
 from .settings import AppSettings, load_settings, save_settings
@@ -62,6 +63,8 @@ class ChatController(QObject):
     message_revealed = Signal(int)     # scroll the open chat to this message and highlight it (a search hit)
     current_changed = Signal()         # the open chat got an id (first message saved) or lost it
     closed = Signal()                  # shutdown() finished: the engine thread has ended, the store is closed
+    server_changed = Signal()          # the local server started, stopped, or began or ended a request
+    server_turn = Signal(object)       # a local-server request's TurnRow (kind "server"; never stored)
 
     def __init__(self, data_dir: Path, model_override: str | None = None, parent: QObject | None = None,
                  host: EngineHost | None = None) -> None:
@@ -101,6 +104,13 @@ class ChatController(QObject):
         w.context.connect(self._on_context)
         w.error.connect(self._on_error)
         self.host.stopped.connect(self._on_engine_stopped)
+        self._engine_stopped = False
+        # The local server runs its requests on this same engine worker (app/local_server.py).
+        self.local_server = LocalServer(self.host.serve, self)
+        self.server_busy = False  # a server request is on the engine now
+        self.local_server.request_started.connect(self._on_server_request)
+        self.local_server.request_done.connect(self._on_served)
+        self.local_server.stopped.connect(self._on_server_stopped)
 
     # --- start-up ------------------------------------------------------------------------------------------
 
@@ -157,6 +167,7 @@ class ChatController(QObject):
     def _set_model_state(self, state: str) -> None:
         self.model_state = state
         self.model_state_changed.emit(state)
+        self._sync_server()  # it serves the loaded model only: off while another loads, back once ready
 
     def _on_loaded(self, info: dict) -> None:
         self.model_info = info
@@ -191,6 +202,7 @@ class ChatController(QObject):
             self.load_model()
             return
         self.host.configure(self._chat_dict())
+        self._sync_server()
         if old.system_prompt != new.system_prompt:
             # The chat's beginning changed: rebuild its cache, after the reply in progress (if any) ends.
             self._when_idle(self._sync_engine, stop=False)
@@ -689,6 +701,7 @@ class ChatController(QObject):
             return
         self._closing = True
         self._after_idle.clear()
+        self.local_server.stop()  # first: a server request in progress ends within a token, freeing the engine
         self.host.shutdown()
 
     def _on_engine_stopped(self) -> None:
@@ -696,7 +709,84 @@ class ChatController(QObject):
         # stopped reply is already in the chat: write whatever is still unsaved, then close the store.
         self.saves.close()
         self.store.close()
-        self.closed.emit()
+        self._engine_stopped = True
+        self._close_when_done()
+
+    def _close_when_done(self) -> None:
+        """closed follows once both the engine thread and the local server's thread (its port freed) ended."""
+        if self._closing and self._engine_stopped and not self.local_server.running:
+            self.closed.emit()
+
+    # --- the local server ----------------------------------------------------------------------------------
+
+    @property
+    def server_address(self) -> str | None:
+        """Where the local server answers, while it is on."""
+        return self.local_server.address
+
+    @property
+    def waiting_for_server(self) -> bool:
+        """A window turn is queued behind a server request (its message waits, the window is not frozen)."""
+        return self.server_busy and self._turn is not None and self._turn.prefill is None
+
+    def _server_config(self) -> ServerConfig | None:
+        """What the server should be running with now; None: it should be off."""
+        s = self.settings
+        if not s.server.serve or self.model_state != "ready" or self._closing or not self.model_info:
+            return None
+        return ServerConfig(s.server.server_port, s.server.server_key, str(self.model_info.get("model")),
+                            self.chat_defaults, s.chat.pin_system, s.chat.max_new_tokens)
+
+    def _sync_server(self) -> None:
+        """Starts, stops or restarts the local server to match the settings and the model."""
+        want, server = self._server_config(), self.local_server
+        if server.running:
+            if server.config != want:
+                server.stop()  # stopped follows once the port is free; then this runs again
+                self.server_changed.emit()
+            return
+        session = self.host.worker.session
+        if want is None or session is None:
+            return
+        try:
+            server.start(session, want)
+        except OSError as e:
+            # Refused clearly, and the switch goes off: it would fail the same way at every start.
+            self.notice.emit("error", f"The local server could not start: {e.strerror or e}. Choose another port "
+                             "in Settings.", "settings")
+            self.settings = replace(self.settings, server=replace(self.settings.server, serve=False))
+            try:
+                save_settings(self.data_dir, self.settings)
+            except Exception as e2:  # QSettings reports no errors; be safe anyway
+                log.warning("could not save the settings: %s", e2)
+        self.server_changed.emit()
+
+    def _on_server_request(self) -> None:
+        self.server_busy = True
+        self.server_changed.emit()
+
+    def _on_served(self, served: ServedTurn) -> None:
+        self.server_busy = False
+        p, d = served.prefill, served.done
+        if p is not None:
+            # Its own kind of row: the request's prefill beside what its conversation's cache already held.
+            row = TurnRow("server", p.new_tokens, p.ms, d.tokens if d else 0, d.ms if d else 0.0,
+                          d.tok_s if d else 0.0, d.stop_reason if d else "stopped", (d or p).cache.to_dict(),
+                          reused=p.cache.position - p.new_tokens)
+            self.turns.append(row)
+            self.server_turn.emit(row)
+        self._on_cache(served.window_cache)  # the window's conversation is back in the cache: the bar shows it
+        self.server_changed.emit()
+
+    def _on_server_stopped(self, problem: str) -> None:
+        self.server_busy = False
+        if problem and not self._closing:
+            self.notice.emit("warning", f"{problem[:1].upper()}{problem[1:]}.", "")
+        self.server_changed.emit()
+        if self._closing:
+            self._close_when_done()
+        elif not problem:
+            self._sync_server()  # a restart (new port, key or model) starts once the old one has let go
 
 
 def _title_from(text: str) -> str:

@@ -23,6 +23,7 @@ from .notice import NoticeBar
 from .progress_dialog import BuildProgressDialog
 from .reading_bar import ReadingBar
 from .search_view import LiveSearch, SearchPopup, SearchResults
+from .server_section import ServerStatus
 from .settings_dialog import DEFAULT_MODEL_NAME, SettingsDialog
 from .stats_panel import StatsPanel
 
@@ -61,6 +62,8 @@ class MainWindow(QMainWindow):
         self.status_label = QLabel("Starting…")
         self.status_label.setAccessibleName("Model status")
         self.statusBar().addWidget(self.status_label, 1)
+        self.server_status = ServerStatus(c)  # "Serving on http://127.0.0.1:PORT/v1" while the local server is on
+        self.statusBar().addPermanentWidget(self.server_status)
         self._build_actions()
         self._refresh_icons()
 

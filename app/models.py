@@ -327,10 +327,11 @@ class SearchResultsModel(QAbstractListModel):
 
 
 class TurnStatsModel(QAbstractTableModel):
-    """One row per prefill of the open chat: its replies and its cache rebuilds."""
+    """One row per prefill of the open chat: its replies and its cache rebuilds; and the local server's
+    requests made while it is open (kind "server": the same engine, another conversation's cache)."""
 
     HEADERS = ("#", "Prefill tok", "TTFT ms", "Reply tok", "tok/s")
-    TOOLTIPS = ("Turn number (↻ marks a cache rebuild from the stored chat)",
+    TOOLTIPS = ("Turn number (↻ marks a cache rebuild from the stored chat, \"server\" a local-server request)",
                 "New tokens the model had to read before answering",
                 "Time to first token: how long that prefill took",
                 "Tokens in the reply", "Reply speed (decode tokens per second)")
@@ -389,6 +390,9 @@ class TurnStatsModel(QAbstractTableModel):
         if role == Qt.ItemDataRole.ToolTipRole and r.kind == "rebuild":
             return ("The cache was rebuilt from this chat's recent messages (opening it, regenerating or editing), "
                     "or moved to another branch of it")
+        if role == Qt.ItemDataRole.ToolTipRole and r.kind == "server":
+            return (f"A request to the local server: {r.prefill_tokens:,} new tokens read, {r.reused:,} reused from "
+                    "its conversation's cache. This chat's cache was set aside and put back as it was.")
         if role == Qt.ItemDataRole.FontRole and index.row() == self.live_row:
             font = QFont()
             font.setItalic(True)  # still streaming
@@ -396,7 +400,7 @@ class TurnStatsModel(QAbstractTableModel):
         if role != Qt.ItemDataRole.DisplayRole:
             return None
         if col == 0:
-            return "↻" if r.kind == "rebuild" else str(self.turn_number(index.row()))
+            return {"rebuild": "↻", "server": "server"}.get(r.kind) or str(self.turn_number(index.row()))
         if col == 1:
             return f"{r.prefill_tokens:,}"
         if col == 2:

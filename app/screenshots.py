@@ -13,7 +13,8 @@ message highlighted); document attaches a text of about six windows, grabs the d
 (OUT-draft.png), the progress bar while it streams in (OUT-reading.png) and the answered chat scrolled to the
 note where the model's view of it begins (OUT). alternatives asks two questions, writes the last reply twice
 more and switches back to the second of the three (‹ 2/3 ›), then grabs the window once the engine has that
-branch in its cache.
+branch in its cache. local-server switches the Local server on, chats once in the window, sends one request
+with the openai client and grabs the window: the address in the status bar, the server's row in the stats panel.
 """
 from __future__ import annotations
 
@@ -342,9 +343,53 @@ def alternatives(out: Path, model: str | None) -> int:
     return main(["--data-dir", str(data)] + (["--model", model] if model else []), on_window=drive)
 
 
+def local_server(out: Path, model: str | None, build: dict[str, object]) -> int:
+    """The Local server on: a window turn, then one request from the openai client, its own row in the stats."""
+    import socket
+    import threading
+
+    with socket.socket() as probe:  # a free loopback port for this run
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+
+    def drive(window: MainWindow) -> None:
+        window.resize(1300, 820)
+        c = window.controller
+
+        def ready(s: str) -> None:
+            if s == "ready" and not getattr(drive, "done", False):
+                drive.done = True
+                QTimer.singleShot(200, lambda: c.send(PROMPTS[0]))
+
+        def request() -> None:  # on a thread of its own: the window goes on painting meanwhile
+            import openai
+
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+            client.chat.completions.create(model=c.model_info["model"], max_tokens=40, messages=[
+                {"role": "system", "content": "You are a coding assistant in an editor."},
+                {"role": "user", "content": "Write a one-line docstring for a function that adds two numbers."}])
+
+        def finished(_row) -> None:
+            threading.Thread(target=request, daemon=True).start()
+
+        def served(_row) -> None:
+            window.chat_view.flush()
+            QTimer.singleShot(400, lambda: (_save(_snapshot(window), out), window.close()))
+
+        c.model_state_changed.connect(ready)
+        c.turn_finished.connect(finished)
+        c.server_turn.connect(served)
+        QTimer.singleShot(10 * 60 * 1000, window.close)  # never hang a script
+
+    data = Path(tempfile.mkdtemp(prefix="eddy-shot-"))
+    save_settings(data, AppSettings.of(max_new_tokens=60, serve=True, server_port=port, **build))
+    return main(["--data-dir", str(data)] + (["--model", model] if model else []), on_window=drive)
+
+
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
-    p.add_argument("what", choices=["main-window", "first-run", "settings", "search", "document", "alternatives"])
+    p.add_argument("what", choices=["main-window", "first-run", "settings", "search", "document", "alternatives",
+                                    "local-server"])
     p.add_argument("out", type=Path)
     p.add_argument("--model", default=None)
     p.add_argument("--max-turns", type=int, default=14)
@@ -358,6 +403,8 @@ if __name__ == "__main__":
         sys.exit(document(a.out, a.model, a.window))
     if a.what == "alternatives":
         sys.exit(alternatives(a.out, a.model))
+    if a.what == "local-server":
+        sys.exit(local_server(a.out, a.model, {"window": a.window} if a.window else {}))
     if a.what == "main-window":
         sys.exit(main_window(a.out, a.model, a.max_turns, a.grab_after, a.dark))
     if a.what == "settings":

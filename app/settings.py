@@ -42,10 +42,20 @@ class ChatOptions:
 
 
 @dataclass(frozen=True)
+class ServerOptions:
+    """The local server (app/local_server.py): `eddy serve`'s API over the window's own engine, loopback only."""
+
+    serve: bool = False
+    server_port: int = 8080
+    server_key: str = ""  # "" = no key; else clients send "Authorization: Bearer KEY" (as `eddy serve --api-key`)
+
+
+@dataclass(frozen=True)
 class AppSettings:
     model: str = ""  # "" = the default model; else a built-in name, a .gguf file or a Hugging Face folder
     build: BuildSettings = BuildSettings()  # its max_sinks is not the app's: pin_system decides it
     chat: ChatOptions = ChatOptions()
+    server: ServerOptions = ServerOptions()
 
     @classmethod
     def of(cls, **values: Any) -> "AppSettings":
@@ -98,6 +108,8 @@ class AppSettings:
         self.chat_settings()   # and so does SamplingParams
         if self.chat.max_new_tokens < 1:
             raise ValueError("max new tokens must be at least 1")
+        if not 1 <= self.server.server_port <= 65535:
+            raise ValueError("the server's port must be between 1 and 65535")
 
     def needs_rebuild(self, other: "AppSettings") -> bool:
         # build_settings() holds pin_system too, as the sink slots it compiles.
@@ -115,6 +127,7 @@ def _where() -> dict[str, tuple[str, ...]]:
     pairs += [(f.name, ("build",)) for f in fields(BuildSettings) if f.name != "max_sinks"]
     pairs += [(f.name, ("chat",)) for f in fields(ChatOptions) if f.name != "sampling"]
     pairs += [(name, ("chat", "sampling")) for name in SAMPLING_FIELDS]
+    pairs += [(f.name, ("server",)) for f in fields(ServerOptions)]
     out = dict(pairs)
     if len(out) != len(pairs):  # the file is flat: a sampler option named like a build field would share its key
         raise RuntimeError("two settings share a name in the settings file")
@@ -147,7 +160,12 @@ def _field_type(name: str) -> Callable[[Any], Any]:
     if name in OPTIONS:
         return OPTIONS[name].kind  # the default is None: the type is the option's
     kind = type(AppSettings().flat()[name])
-    return _boolean if kind is bool else kind
+    return _boolean if kind is bool else _text if kind is str else kind
+
+
+def _text(value: Any) -> str:
+    # The INI format reads a value with a comma in it (a key may hold one) back as a list of its parts.
+    return ",".join(map(str, value)) if isinstance(value, list) else str(value)
 
 
 def _boolean(value: Any) -> bool:

@@ -1,5 +1,6 @@
 """The settings dialog: model and build options (a change rebuilds the model), generation and system prompt,
-and the model cache (the compiled builds kept on disk, app/cache_section.py).
+the model cache (the compiled builds kept on disk, app/cache_section.py) and the local server
+(app/server_section.py).
 
 Sampling fields show the value in force: the user's own (in bold) or the loaded model's default. Leaving a
 field at its default keeps it following the model; "Reset to the model's defaults" puts them all back.
@@ -18,6 +19,7 @@ from engine.run.generation import ChatDefaults, SamplingOverrides
 from engine.run.sampling import OPTIONS, Option
 
 from .cache_section import CacheSection
+from .server_section import ServerSection
 from .settings import AppSettings
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
@@ -112,6 +114,8 @@ class SettingsDialog(QDialog):
         left.addWidget(model_box)
         self.cache = CacheSection()
         left.addWidget(self.cache)
+        self.server = ServerSection(current.server)
+        left.addWidget(self.server)
         left.addStretch(1)
         columns.addLayout(left, 3)  # the wider: the cache list has the longer lines
         layout.addLayout(columns)
@@ -198,7 +202,7 @@ class SettingsDialog(QDialog):
         chat = replace(c.chat, max_new_tokens=self.max_new_tokens.value(), seed=self.seed.value(),
                        system_prompt=self.system_prompt.toPlainText().strip(), pin_system=self.pin_system.isChecked(),
                        sampling=SamplingOverrides(**self._sampling_values()))
-        return replace(c, model=self.model.text().strip(), build=build, chat=chat)
+        return replace(c, model=self.model.text().strip(), build=build, chat=chat, server=self.server.value())
 
     def _sampling_values(self) -> dict[str, float | int | None]:
         """The user's own values; None where a field shows the model's default (so it keeps following it)."""

@@ -94,6 +94,9 @@ class StatsPanel(QFrame):
         header.setSectionResizeMode(0, QHeaderView.ResizeMode.ResizeToContents)
         self.table.verticalHeader().setDefaultSectionSize(self.table.fontMetrics().height() + 6)
         turns.rowsInserted.connect(lambda *_: self.table.scrollToBottom())
+        # The # column fits its widest mark ("server", a turn number in the hundreds): Qt sizes a
+        # ResizeToContents column from the rows it had when laid out, not from rows inserted since.
+        turns.rowsInserted.connect(lambda *_: header.resizeSections())
         layout.addWidget(self.table, 1)
 
     # --- fed by the controller's signals -------------------------------------------------------------------

@@ -181,7 +181,7 @@ class SearchHit:
 
 @dataclass
 class TurnRow:
-    kind: str  # "turn" (a reply) or "rebuild" (the cache rebuilt from a chat's history)
+    kind: str  # "turn" (a reply), "rebuild" (the cache rebuilt from a chat's history) or "server" (never stored)
     prefill_tokens: int
     prefill_ms: float
     tokens: int = 0
@@ -191,6 +191,7 @@ class TurnRow:
     cache: dict[str, int] | None = None
     message_id: int | None = None
     id: int | None = None
+    reused: int = 0  # a local-server request's tokens that were already in its conversation's cache
 
 
 def _explain(e: sqlite3.Error, doing: str) -> StoreError:

@@ -11,6 +11,8 @@ from .models import TurnStatsModel
 
 TURN_COLOUR = QColor("#2f80ed")
 REBUILD_COLOUR = QColor("#e0803a")
+SERVER_COLOUR = QColor("#8e5bd6")  # a local-server request: another conversation on the same engine
+COLOURS = {"rebuild": REBUILD_COLOUR, "server": SERVER_COLOUR}
 MAX_BARS = 40  # the most recent turns; older ones scroll off to the left
 
 
@@ -70,15 +72,17 @@ class TtftChart(QWidget):
             r = rows[i]
             h = max(1.0, plot.height() * r.prefill_ms / top)
             bar = QRectF(plot.left() + k * slot + (slot - width) / 2, plot.bottom() - h, width, h)
-            painter.fillRect(bar, REBUILD_COLOUR if r.kind == "rebuild" else TURN_COLOUR)
+            painter.fillRect(bar, COLOURS.get(r.kind, TURN_COLOUR))
             self._bars.append((QRectF(plot.left() + k * slot, plot.top(), slot, plot.height()), i))
         # Legend top right, latest value bottom left (elided so the two never collide).
-        legend_w = fm.horizontalAdvance("■ turn  ■ rebuild")
-        lx = self.width() - 4 - legend_w
-        painter.setPen(TURN_COLOUR)
-        painter.drawText(QPointF(lx, fm.ascent() + 2), "■ turn")
-        painter.setPen(REBUILD_COLOUR)
-        painter.drawText(QPointF(lx + fm.horizontalAdvance("■ turn  "), fm.ascent() + 2), "■ rebuild")
+        legend = [("■ turn", TURN_COLOUR), ("■ rebuild", REBUILD_COLOUR)]
+        if any(rows[i].kind == "server" for i in visible):  # only when there is one: the panel is narrow
+            legend.append(("■ server", SERVER_COLOUR))
+        lx = self.width() - 4 - fm.horizontalAdvance("  ".join(entry for entry, _ in legend))
+        for entry, colour in legend:
+            painter.setPen(colour)
+            painter.drawText(QPointF(lx, fm.ascent() + 2), entry)
+            lx += fm.horizontalAdvance(entry + "  ")
         painter.setPen(blend(base, text, 0.6))
         last = rows[visible[-1]]
         latest = fm.elidedText(f"latest {last.prefill_ms:,.1f} ms for {last.prefill_tokens:,} tokens",
@@ -89,7 +93,8 @@ class TtftChart(QWidget):
         for area, i in self._bars:
             if area.contains(event.position()):
                 r = self.model.rows[i]
-                label = "cache rebuild" if r.kind == "rebuild" else f"turn {self.model.turn_number(i)}"
+                label = {"rebuild": "cache rebuild", "server": "server request"}.get(r.kind) \
+                    or f"turn {self.model.turn_number(i)}"
                 QToolTip.showText(event.globalPosition().toPoint(),
                                   f"{label}: {r.prefill_tokens:,} tokens in {r.prefill_ms:,.1f} ms", self)
                 return

@@ -2,7 +2,8 @@
 
 Requests (GUI -> worker, queued, handled one at a time in order): load, configure, send, regenerate,
 answer_from (an edited message, anywhere in the chat), switch_chat (another chat, or another
-branch of this one), count (a draft's tokens, answered by counted), shutdown. Two calls are made
+branch of this one), count (a draft's tokens, answered by counted), serve (a local-server request, posted
+from the server's HTTP thread: it lines up with the window's requests), shutdown. Two calls are made
 directly from the GUI thread because the worker is busy inside the engine when they matter: request_stop()
 (the session's stop flag is thread-safe) and cancel_load() (a flag the build polls).
 
@@ -79,6 +80,11 @@ class EngineWorker(QObject):
         }
 
     # --- called from the GUI thread --------------------------------------------------------------------
+
+    @property
+    def session(self) -> ChatSession | None:
+        """The loaded model's session, for the local server to run its jobs on (on this worker's thread)."""
+        return self._session
 
     def request_stop(self, ticket: int) -> None:
         self._stop_ticket = ticket
@@ -196,6 +202,14 @@ class EngineWorker(QObject):
         except Exception:  # a count is only a hint: never an error for the user
             log.exception("counting a draft's tokens failed")
 
+    @Slot(object, object)
+    def serve(self, runner: Any, job: Any) -> None:
+        """A local-server request (app/local_server.py WorkerRunner), between the window's turns."""
+        try:
+            runner.run_between(job)
+        except Exception:  # the window's conversation stays as the runner left it; the app must go on
+            log.exception("a local-server request failed on the engine thread")
+
     @Slot(int)
     def ping(self, n: int) -> None:
         self.pong.emit(n)
@@ -254,6 +268,7 @@ class EngineHost(QObject):
     _switch = Signal(int, object)
     _count = Signal(int, str)
     _ping = Signal(int)
+    _serve = Signal(object, object)
     _shutdown = Signal()
 
     stopped = Signal()  # the worker thread has ended (after shutdown())
@@ -273,6 +288,7 @@ class EngineHost(QObject):
         self._switch.connect(self.worker.switch_chat)
         self._count.connect(self.worker.count)
         self._ping.connect(self.worker.ping)
+        self._serve.connect(self.worker.serve)
         # Relayed through this GUI-thread object, so it arrives after the events queued before it.
         self.worker.pong.connect(self._on_pong)
         self._shutdown.connect(self.worker.shutdown)
@@ -331,6 +347,10 @@ class EngineHost(QObject):
     def ping(self) -> None:
         """`idle` follows once the worker has handled every request sent before (tests wait on it)."""
         self._ping.emit(0)
+
+    def serve(self, runner: object, job: object) -> None:
+        """Any thread (the local server's HTTP thread): runs `job` on the worker after what is queued before."""
+        self._serve.emit(runner, job)
 
     def _on_pong(self, _n: int) -> None:
         self.idle.emit()

@@ -29,3 +29,5 @@ EDDY_CACHE_DIR=$(mktemp -d) "$PY" -m app.screenshots first-run "$OUT/first-run.p
 "$PY" -m app.screenshots document "$OUT/document.png"
 # A reply written three times, the second of them shown (‹ 2/3 ›), the cache moved to that branch (↻).
 "$PY" -m app.screenshots alternatives "$OUT/alternatives.png"
+# The Local server on, one openai request answered: its "server" row, the address in the status bar.
+"$PY" -m app.screenshots local-server "$OUT/local-server.png" --model tiny-random

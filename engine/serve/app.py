@@ -1,4 +1,4 @@
-"""The HTTP side of `eddy serve`: a Starlette application (run by uvicorn) over one EngineThread.
+"""The HTTP side of `eddy serve`: a Starlette application (run by uvicorn) over one JobRunner (the engine thread).
 
 Every error a client can cause is an OpenAI-shaped JSON error, never a traceback: a body that is not JSON or
 not UTF-8 (400), a wrong key (401), an unknown model or path (404), a body over the limit (413), a field of
@@ -26,7 +26,7 @@ from ..run.generation import ChatDefaults, sampling_params
 from ..run.session import ChatSettings, TurnResult
 from .conversations import Reuse
 from .protocol import FINISH, APIError, ChatRequest, CompletionRequest, Sampling, completion_id, now, parse
-from .worker import EngineThread, Job
+from .worker import Job, JobRunner
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class StopWatcher:
         return out
 
 
-def create_app(engine: EngineThread, settings: ServerSettings) -> Starlette:
+def create_app(engine: JobRunner, settings: ServerSettings) -> Starlette:
     s = settings
 
     def authorise(request: Request) -> None:

@@ -101,6 +101,13 @@ class ConversationPool:
         self.last = TurnResult(reply.text, reply.tokens, len(ids) - shared, prefill_ms, reply.ms, reply.stop_reason)
         return self.last, Reuse(kind, shared)
 
+    def park(self) -> None:
+        """Keeps the conversation in the engine as a snapshot, because someone else is about to use the engine
+        (the desktop app's window, between server requests): the next request restores it from there."""
+        if self.active is not None:
+            self.active.state = self.session.snapshot()
+            self.active = None
+
     @staticmethod
     def _shared(kept: Kept, history: list[dict]) -> int:
         n = 0

@@ -1,6 +1,7 @@
-"""The one engine thread that requests queue on, in arrival order, one at a time.
+"""The engine thread that requests queue on, in arrival order, one at a time.
 
-HTTP handlers run on the asyncio loop; the model's session belongs to this thread. A job's events come back
+JobRunner runs a job on the calling thread; EngineThread is `eddy serve`'s thread of its own that does, and
+the desktop app runs the same jobs on its engine worker instead. HTTP handlers run on the asyncio loop; the model's session belongs to this thread. A job's events come back
 to the loop through call_soon_threadsafe, so a handler awaits them without blocking other clients. Stopping a
 job that has not started drops it; stopping the running one sets the session's stop flag, which the
 generation loop reads before every token.
@@ -23,7 +24,7 @@ log = logging.getLogger(__name__)
 class Job:
     """One request's work on the engine thread, seen from the asyncio loop."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, work: Callable[["EngineThread", Callable[[Event], None]], Any]):
+    def __init__(self, loop: asyncio.AbstractEventLoop, work: Callable[["JobRunner", Callable[[Event], None]], Any]):
         self.loop, self.work = loop, work
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self.started = asyncio.Event()
@@ -48,13 +49,68 @@ class Job:
             self.result.set_result(value)
 
 
-class EngineThread:
+class JobRunner:
+    """Runs jobs one at a time on whichever thread calls run(): the seam between the HTTP side and the engine.
+
+    `eddy serve` runs them on its own EngineThread; the desktop app runs them on its engine worker's thread,
+    between the window's turns (app/local_server.py). Either way the pool and the session belong to that one
+    thread; submit() and stop() may be called from any thread."""
+
     def __init__(self, session: ChatSession, conversations: int = 4) -> None:
         self.session = session
         self.pool = ConversationPool(session, conversations)
-        self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._running: Job | None = None
         self._lock = threading.Lock()
+
+    def submit(self, job: Job) -> Job:
+        raise NotImplementedError
+
+    @property
+    def waiting(self) -> int:
+        """Jobs submitted and not started yet (for /health)."""
+        raise NotImplementedError
+
+    def stop(self, job: Job) -> None:
+        """Thread-safe: a queued job is dropped, the running one ends within one token."""
+        job.cancelled.set()
+        with self._lock:
+            if self._running is job:
+                self.session.stop()
+
+    def run(self, job: Job) -> bool:
+        """Runs one job on the calling thread (the engine's); False if it was dropped without running."""
+        if job.cancelled.is_set():  # its client gave up before it started
+            job._call(job.result.cancel)
+            return False
+        with self._lock:
+            self._running = job
+        job._call(job.started.set)
+        try:
+            value = job.work(self, self._stoppable(job))
+            job._call(job._settle, value, None)
+        except BaseException as e:  # reported to the handler, which answers the client
+            if not isinstance(e, Exception):
+                log.exception("engine job failed")
+            job._call(job._settle, None, e)
+        finally:
+            with self._lock:
+                self._running = None
+        return True
+
+    def _stoppable(self, job: Job) -> Callable[[Event], None]:
+        def emit(event: Event) -> None:
+            if job.cancelled.is_set():  # a stop that came before the session had cleared its flag
+                self.session.stop()
+            job.emit(event)
+        return emit
+
+
+class EngineThread(JobRunner):
+    """`eddy serve`'s engine: a thread of its own that runs the jobs in arrival order."""
+
+    def __init__(self, session: ChatSession, conversations: int = 4) -> None:
+        super().__init__(session, conversations)
+        self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="eddy-serve-engine", daemon=True)
         self._thread.start()
 
@@ -65,13 +121,6 @@ class EngineThread:
     @property
     def waiting(self) -> int:
         return self._jobs.qsize()
-
-    def stop(self, job: Job) -> None:
-        """Thread-safe: a queued job is dropped, the running one ends within one token."""
-        job.cancelled.set()
-        with self._lock:
-            if self._running is job:
-                self.session.stop()
 
     def close(self, timeout: float = 10.0) -> None:
         """Ends the thread once the running job returns, and lets go of the model (its IREE context)."""
@@ -84,26 +133,4 @@ class EngineThread:
             job = self._jobs.get()
             if job is None:
                 return
-            if job.cancelled.is_set():  # its client gave up before it started
-                job._call(job.result.cancel)
-                continue
-            with self._lock:
-                self._running = job
-            job._call(job.started.set)
-            try:
-                value = job.work(self, self._stoppable(job))
-                job._call(job._settle, value, None)
-            except BaseException as e:  # reported to the handler, which answers the client
-                if not isinstance(e, Exception):
-                    log.exception("engine job failed")
-                job._call(job._settle, None, e)
-            finally:
-                with self._lock:
-                    self._running = None
-
-    def _stoppable(self, job: Job) -> Callable[[Event], None]:
-        def emit(event: Event) -> None:
-            if job.cancelled.is_set():  # a stop that came before the session had cleared its flag
-                self.session.stop()
-            job.emit(event)
-        return emit
+            self.run(job)
