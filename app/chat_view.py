@@ -51,6 +51,8 @@ def code_blocks(markdown: str) -> list[tuple[str, str]]:
             # The opening fence's indent is taken off each line, as far as the line has it.
             code.append(line[min(indent, len(line) - len(line.lstrip(" "))):])
             i += 1
+        if i >= len(lines) and code and code[-1] == "" and markdown.endswith("\n"):
+            code.pop()  # still open: the text's last line break ends its last line, it is not a line of its own
         i += 1  # past the closing fence
         out.append((info.split()[0] if info else "", "\n".join(code)))
     return out
@@ -267,7 +269,7 @@ class MarkdownView(QTextBrowser):
             self.code_copied.emit(self.codes[n])
             b = self.code_buttons[n]
             b.setText("Copied")  # the click did something: say so where the user looks
-            QTimer.singleShot(COPIED_MS, lambda: b.setText("Copy"))
+            QTimer.singleShot(COPIED_MS, b, lambda: b.setText("Copy"))  # b as context: not after it is gone
 
     def _place_buttons(self) -> None:
         """Each code block's Copy button at the right end of its heading line."""
