@@ -275,7 +275,7 @@ class MarkdownView(QTextBrowser):
         """Each code block's Copy button at the right end of its heading line."""
         doc = self.document()
         n = 0
-        block = doc.begin()
+        block = doc.begin() if self.codes else doc.end()  # no code: no block to look at (a long reply has many)
         right = self.viewport().width() - doc.documentMargin()
         while block.isValid() and n < len(self.codes):
             if block.blockFormat().hasProperty(CODE_HEADER) and block.layout().lineCount():
@@ -655,6 +655,7 @@ class ChatView(QScrollArea):
         self._stick = True
         self._place_marker()
         self.empty.setVisible(not self.widgets)
+        self._update_jump()
         QTimer.singleShot(0, self.scroll_to_bottom)
 
     def _add_widget(self, message: Message) -> None:

@@ -29,3 +29,5 @@ EDDY_CACHE_DIR=$(mktemp -d) "$PY" -m app.screenshots first-run "$OUT/first-run.p
 "$PY" -m app.screenshots document "$OUT/document.png"
 # A reply written three times, the second of them shown (‹ 2/3 ›), the cache moved to that branch (↻).
 "$PY" -m app.screenshots alternatives "$OUT/alternatives.png"
+# A reply's code blocks with their Copy buttons, scrolled back to while the next reply streams ("Follow the reply").
+"$PY" -m app.screenshots details "$OUT/details.png"
