@@ -269,7 +269,8 @@ class MarkdownView(QTextBrowser):
             self.code_copied.emit(self.codes[n])
             b = self.code_buttons[n]
             b.setText("Copied")  # the click did something: say so where the user looks
-            QTimer.singleShot(COPIED_MS, b, lambda: b.setText("Copy"))  # b as context: not after it is gone
+            self._place_buttons()  # a wider word: the button keeps its right edge
+            QTimer.singleShot(COPIED_MS, b, lambda: (b.setText("Copy"), self._place_buttons()))  # b: not once gone
 
     def _place_buttons(self) -> None:
         """Each code block's Copy button at the right end of its heading line."""

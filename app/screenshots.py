@@ -25,9 +25,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from PySide6.QtCore import QPoint, QTimer
-from PySide6.QtGui import QColor, QCursor, QGuiApplication, QPainter, QPalette, QPixmap
-from PySide6.QtWidgets import QApplication, QStyleFactory, QToolTip
+from PySide6.QtCore import QEvent, QPoint, QTimer
+from PySide6.QtGui import QColor, QCursor, QGuiApplication, QHelpEvent, QPainter, QPalette, QPixmap
+from PySide6.QtWidgets import QApplication, QStyleFactory
 
 from .main import main
 from .main_window import MainWindow
@@ -398,13 +398,18 @@ def details(out: Path, model: str | None) -> int:
                 QTimer.singleShot(300, lambda: hover(reply))
 
         def hover(reply) -> None:
-            at = reply.mapToGlobal(QPoint(reply.width() // 3, reply.who.geometry().bottom() + 30))
-            QCursor.setPos(at)
-            QToolTip.showText(at, reply.toolTip(), reply)
-            QTimer.singleShot(500, shot)
+            # The pointer rests on the reply's text: Qt asks that view for a tooltip, as a real hover does.
+            viewport = reply.body.viewport()
+            at = QPoint(viewport.width() // 2, viewport.height() - 6)  # its last line: the tip falls below the code
+            QCursor.setPos(viewport.mapToGlobal(at))
+
+            def ask() -> None:  # once the pointer's own move and enter events are through (they hide tooltips)
+                QApplication.sendEvent(viewport, QHelpEvent(QEvent.Type.ToolTip, at, viewport.mapToGlobal(at)))
+                QTimer.singleShot(400, shot)
+
+            QTimer.singleShot(400, ask)
 
         def shot() -> None:
-            window.chat_view.flush()
             QApplication.processEvents()
             _save(_snapshot(window), out)
             c.stop()
@@ -412,7 +417,9 @@ def details(out: Path, model: str | None) -> int:
 
         c.model_state_changed.connect(ready)
         c.live_rate.connect(on_rate)
-        QTimer.singleShot(10 * 60 * 1000, window.close)  # never hang a script
+        # Never hang a script, but leave a first start room to compile the default model (over ten minutes on a
+        # busy two-core machine).
+        QTimer.singleShot(30 * 60 * 1000, window.close)
 
     data = Path(tempfile.mkdtemp(prefix="eddy-shot-"))
     save_settings(data, AppSettings.of(max_new_tokens=300, seed=1))

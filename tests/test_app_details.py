@@ -8,9 +8,9 @@ from pathlib import Path
 
 from conftest_app import TURN_TIMEOUT_MS, last_reply, open_window, send_text, wait_idle, write_settings
 
-from PySide6.QtCore import QPoint, QSize, Qt
-from PySide6.QtGui import QGuiApplication
-from PySide6.QtWidgets import QApplication
+from PySide6.QtCore import QEvent, QPoint, QSize, Qt
+from PySide6.QtGui import QGuiApplication, QHelpEvent
+from PySide6.QtWidgets import QApplication, QToolTip
 
 from app.store import Store, TurnRow
 
@@ -59,9 +59,13 @@ def test_code_blocks_have_a_copy_button_that_copies_exactly_their_code(qtbot, tm
     QGuiApplication.clipboard().setText("something else")
     qtbot.mouseClick(reply.body.code_buttons[1], Qt.MouseButton.LeftButton)
     assert QGuiApplication.clipboard().text() == SHELL  # its trailing spaces too
-    qtbot.mouseClick(reply.body.code_buttons[0], Qt.MouseButton.LeftButton)
+    first = reply.body.code_buttons[0]
+    right = first.geometry().right()
+    qtbot.mouseClick(first, Qt.MouseButton.LeftButton)
     assert QApplication.clipboard().text() == PYTHON
-    assert reply.body.code_buttons[0].text() == "Copied"
+    # It says so, in full, at the same right edge.
+    assert first.text() == "Copied" and first.geometry().right() == right
+    assert first.width() >= first.sizeHint().width()
 
 
 def test_code_blocks_are_read_as_commonmark_fences():
@@ -122,9 +126,13 @@ def test_message_time_and_reply_speed_on_hover(qtbot, tmp_path, tiny):
     tip = window.chat_view.widgets[-1].toolTip()
     assert f"{done.tokens:,} tokens at {done.tok_s:.1f} tok/s" in tip
     assert time.strftime("%H:%M:%S", time.localtime(c.chat.messages[-1].created)) in tip
-    # Hovering the reply's text shows the bubble's tooltip (the text view has none of its own).
-    body = window.chat_view.widgets[-1].body
-    assert not body.toolTip() and not body.viewport().toolTip()
+    # Hovering the reply's text shows the bubble's tooltip (the text view has none of its own, so Qt hands the
+    # hover on to the bubble).
+    viewport = window.chat_view.widgets[-1].body.viewport()
+    at = QPoint(10, 5)
+    QApplication.sendEvent(viewport, QHelpEvent(QEvent.Type.ToolTip, at, viewport.mapToGlobal(at)))
+    assert QToolTip.isVisible() and QToolTip.text() == tip
+    QToolTip.hideText()
 
 
 def test_short_time_shows_the_date_when_it_is_not_today():
