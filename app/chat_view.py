@@ -8,6 +8,7 @@ REFRESH_MS, so a fast model (1000 tokens/s) costs the event loop a few renders a
 from __future__ import annotations
 
 import math
+import re
 import time
 from typing import Callable
 
@@ -22,6 +23,64 @@ from .models import ChatModel, Message
 
 REFRESH_MS = 40
 FLASH_MS = 1600  # how long a revealed message (a search hit) stays highlighted
+COPIED_MS = 1500  # how long a code block's button says "Copied"
+# A code block's heading line (language and Copy button) is a block of its own, marked with this property so
+# it is never taken for code.
+CODE_HEADER = QTextFormat.Property.UserProperty + 1
+_FENCE = re.compile(r"^( {0,3})(`{3,}|~{3,})(.*)$")
+
+
+def code_blocks(markdown: str) -> list[tuple[str, str]]:
+    """The fenced code blocks of a Markdown text, in order, as (language, code): the code exactly as written
+    between the fences (CommonMark's rules: a fence of three or more ` or ~, closed by one at least as long of
+    the same character; a block still open runs to the end, as a reply being written does)."""
+    out: list[tuple[str, str]] = []
+    lines = markdown.split("\n")
+    i = 0
+    while i < len(lines):
+        m = _FENCE.match(lines[i])
+        if m is None or (m.group(2)[0] == "`" and "`" in m.group(3)):
+            i += 1
+            continue
+        indent, fence, info = len(m.group(1)), m.group(2), m.group(3).strip()
+        closing = re.compile(r"^ {0,3}" + re.escape(fence[0]) + "{" + str(len(fence)) + r",}[ \t]*$")
+        code: list[str] = []
+        i += 1
+        while i < len(lines) and not closing.match(lines[i]):
+            line = lines[i]
+            # The opening fence's indent is taken off each line, as far as the line has it.
+            code.append(line[min(indent, len(line) - len(line.lstrip(" "))):])
+            i += 1
+        if i >= len(lines) and code and code[-1] == "" and markdown.endswith("\n"):
+            code.pop()  # still open: the text's last line break ends its last line, it is not a line of its own
+        i += 1  # past the closing fence
+        out.append((info.split()[0] if info else "", "\n".join(code)))
+    return out
+
+
+def short_time(t: float, now: float | None = None) -> str:
+    """A message's time as the bubble shows it: the time of day, with the date when it is not today."""
+    when, today = time.localtime(t), time.localtime(now if now is not None else time.time())
+    if when[:3] == today[:3]:
+        return time.strftime("%H:%M", when)
+    if when.tm_year == today.tm_year:
+        return f"{when.tm_mday} {time.strftime('%b %H:%M', when)}"
+    return f"{when.tm_mday} {time.strftime('%b %Y %H:%M', when)}"
+
+
+def message_tooltip(message: Message) -> str:
+    """What hovering a message tells: when it was written and, for a reply, how fast and how long it was."""
+    when = time.localtime(message.created)
+    lines = [f"{'Sent' if message.role == 'user' else 'Written'} {time.strftime('%H:%M:%S', when)} on "
+             f"{when.tm_mday} {time.strftime('%B %Y', when)}"]
+    m = message.meta
+    if message.streaming:
+        lines.append("Being written…")
+    elif message.role == "assistant" and m:
+        lines.append(f"{m.get('tokens', 0):,} tokens at {m.get('tok_s', 0):.1f} tok/s (decode)")
+        if m.get("prefill_tokens"):
+            lines.append(f"Read {m['prefill_tokens']:,} new tokens first, in {m.get('prefill_ms', 0):,.0f} ms")
+    return "\n".join(lines)
 
 
 def blend(a: QColor, b: QColor, t: float) -> QColor:
@@ -31,7 +90,10 @@ def blend(a: QColor, b: QColor, t: float) -> QColor:
 
 
 class MarkdownView(QTextBrowser):
-    """A read-only text block as tall as its content (the scroll area around the chat does the scrolling)."""
+    """A read-only text block as tall as its content (the scroll area around the chat does the scrolling).
+    Each fenced code block of a Markdown text gets a heading line with its language and a Copy button."""
+
+    code_copied = Signal(str)  # a code block's Copy button: exactly that block's code
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -50,6 +112,8 @@ class MarkdownView(QTextBrowser):
         self._text = ""
         self._cut: tuple[int, str] | None = None
         self.extra_menu: Callable[[QMenu], None] | None = None  # the message's own actions, after Copy
+        self.codes: list[str] = []  # the code of each code block shown, in order
+        self.code_buttons: list[QToolButton] = []  # one per code block (kept, and reused as a reply streams)
 
     def contextMenuEvent(self, event) -> None:  # noqa: N802 (Qt API)
         menu = self.createStandardContextMenu(event.pos())
@@ -76,10 +140,13 @@ class MarkdownView(QTextBrowser):
         if markdown:
             self.setMarkdown(text)
             self._style_code()
+            self._head_code()
         elif cut is not None:
             self._show_cut(text, *cut)
         else:
             self.setPlainText(text)
+        if not markdown:
+            self.codes = []
         self._fit()
 
     def _show_cut(self, text: str, offset: int, note: str) -> None:
@@ -138,6 +205,100 @@ class MarkdownView(QTextBrowser):
                     it += 1
             block = block.next()
 
+    def _head_code(self) -> None:
+        """Puts a heading line over each code block: its language, and room for its Copy button (_place_buttons).
+        The code copied is the Markdown's own, between the fences (the document's text of the block only if
+        Qt found other code blocks than the fences, e.g. indented ones)."""
+        doc = self.document()
+        firsts: list[int] = []       # where each code block starts
+        texts: list[list[str]] = []  # its lines as the document has them
+        block, inside = doc.begin(), False
+        while block.isValid():
+            code = block.blockFormat().hasProperty(QTextFormat.Property.BlockCodeFence)
+            if code and not inside:
+                firsts.append(block.position())
+                texts.append([])
+            if code:
+                texts[-1].append(block.text())
+            inside = code
+            block = block.next()
+        sources = code_blocks(self._text)
+        if len(sources) != len(firsts):
+            sources = [("", "\n".join(lines)) for lines in texts]
+        self.codes = [code for _, code in sources]
+        pal = self.palette()
+        base, fg = pal.color(QPalette.ColorRole.Base), pal.color(QPalette.ColorRole.Text)
+        label = QTextCharFormat()
+        label.setForeground(QBrush(blend(fg, base, 0.45)))
+        cursor = QTextCursor(doc)
+        for at, (language, _code) in reversed(list(zip(firsts, sources))):  # from the end: positions stay put
+            code_fmt = doc.findBlock(at).blockFormat()
+            head = QTextBlockFormat()
+            head.setProperty(CODE_HEADER, True)
+            head.setBackground(QBrush(blend(base, fg, 0.17)))
+            head.setLeftMargin(6)
+            head.setRightMargin(6)
+            head.setTopMargin(max(code_fmt.topMargin(), 6.0))  # the gap above the block goes above its heading
+            code_fmt.setTopMargin(0)
+            cursor.setPosition(at)
+            cursor.insertBlock(code_fmt)  # the code moves to the new block; the empty one left becomes the heading
+            cursor.setPosition(at)
+            cursor.setBlockFormat(head)
+            cursor.insertText(language or "code", label)
+
+    def _code_button(self, n: int) -> QToolButton:
+        while len(self.code_buttons) <= n:
+            b = QToolButton(self.viewport())
+            b.setText("Copy")
+            b.setIcon(icon("copy", size=14))
+            b.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonTextBesideIcon)
+            b.setAutoRaise(True)
+            # Flat and without padding: it fits inside the heading line (a taller line would not be shaded whole).
+            b.setStyleSheet("QToolButton { border: none; padding: 0px 4px; } QToolButton:hover { text-decoration: underline; }")
+            b.setIconSize(QSize(12, 12))
+            b.setCursor(Qt.CursorShape.PointingHandCursor)
+            b.setToolTip("Copy this code block")
+            b.setAccessibleName("Copy code")
+            i = len(self.code_buttons)
+            b.clicked.connect(lambda _checked=False, i=i: self._copy_code(i))
+            self.code_buttons.append(b)
+        return self.code_buttons[n]
+
+    def _copy_code(self, n: int) -> None:
+        if n < len(self.codes):
+            self.code_copied.emit(self.codes[n])
+            b = self.code_buttons[n]
+            b.setText("Copied")  # the click did something: say so where the user looks
+            self._place_buttons()  # a wider word: the button keeps its right edge
+            QTimer.singleShot(COPIED_MS, b, lambda: (b.setText("Copy"), self._place_buttons()))  # b: not once gone
+
+    def _place_buttons(self) -> None:
+        """Each code block's Copy button at the right end of its heading line."""
+        doc = self.document()
+        n = 0
+        block = doc.begin() if self.codes else doc.end()  # no code: no block to look at (a long reply has many)
+        right = self.viewport().width() - doc.documentMargin()
+        while block.isValid() and n < len(self.codes):
+            if block.blockFormat().hasProperty(CODE_HEADER) and block.layout().lineCount():
+                line = block.layout().lineAt(0)
+                top = block.layout().position().y() + line.y()
+                b = self._code_button(n)
+                b.adjustSize()
+                b.setFixedHeight(math.floor(line.height()))
+                x = right - block.blockFormat().rightMargin() - b.width()
+                b.move(int(x), int(top + (line.height() - b.height()) / 2))
+                b.show()
+                n += 1
+            block = block.next()
+        for b in self.code_buttons[n:]:
+            b.hide()
+
+    def changeEvent(self, event: QEvent) -> None:  # noqa: N802
+        super().changeEvent(event)
+        if event.type() == QEvent.Type.PaletteChange:
+            for b in self.code_buttons:
+                b.setIcon(icon("copy", size=14))  # icons are drawn in the palette's text colour
+
     def resizeEvent(self, event) -> None:  # noqa: N802
         super().resizeEvent(event)
         self._fit()
@@ -149,6 +310,7 @@ class MarkdownView(QTextBrowser):
         height = math.ceil(doc.size().height()) + margins.top() + margins.bottom()
         if height != self.height():
             self.setFixedHeight(height)
+        self._place_buttons()
 
     def sizeHint(self) -> QSize:  # noqa: N802
         return QSize(200, self.height())
@@ -190,6 +352,12 @@ class MessageWidget(QFrame):
         font = self.who.font()
         font.setBold(True)
         self.who.setFont(font)
+        self.time = QLabel()  # when it was written; the tooltip has the date and a reply's speed
+        self.time.setObjectName("time")
+        small = self.time.font()
+        if small.pointSizeF() > 0:
+            small.setPointSizeF(small.pointSizeF() * 0.85)
+        self.time.setFont(small)
         self.meta = QLabel()
         self.meta.setObjectName("meta")
         self.copy = QToolButton()
@@ -203,6 +371,7 @@ class MessageWidget(QFrame):
         self.position.setObjectName("alternatives")
         self.next = self._arrow("›", "Next alternative", +1)
         header.addWidget(self.who)
+        header.addWidget(self.time)
         header.addWidget(self.meta)
         header.addStretch(1)
         for w in (self.previous, self.position, self.next):
@@ -212,6 +381,7 @@ class MessageWidget(QFrame):
         self.body = MarkdownView()
         self.body.setAccessibleName("Message text")
         self.body.extra_menu = self.fill_menu
+        self.body.code_copied.connect(self.copy_requested)
         layout.addWidget(self.body)
         self._content = ""
         self.alternatives = (1, 1)
@@ -284,6 +454,9 @@ class MessageWidget(QFrame):
         elif partly:
             bits.append("partly out of the model's window")
         self.meta.setText(" · ".join(bits))
+        self.time.setText(short_time(message.created))
+        # On the whole bubble: its text shows the tooltip too (the text view has none of its own).
+        self.setToolTip(message_tooltip(message))
         who = "Your message" if self.role == "user" else "Reply from Eddy"
         self.setAccessibleName(who + (" (no longer seen by the model)" if forgotten else ""))
         self.setAccessibleDescription(message.content[:500])
@@ -314,6 +487,7 @@ class MessageWidget(QFrame):
         meta_pal = self.meta.palette()
         meta_pal.setColor(QPalette.ColorRole.WindowText, dim)
         self.meta.setPalette(meta_pal)
+        self.time.setPalette(meta_pal)
         body_pal = self.body.palette()
         text = pal.color(QPalette.ColorRole.Text)
         body_pal.setColor(QPalette.ColorRole.Text, blend(text, pal.color(QPalette.ColorRole.Base), 0.4) if self.forgotten else text)
@@ -447,6 +621,19 @@ class ChatView(QScrollArea):
         self._reveal_end.timeout.connect(self._end_reveal)
         self.verticalScrollBar().rangeChanged.connect(self._follow)
         self.verticalScrollBar().valueChanged.connect(self._note_position)
+        # Shown while the view is scrolled up (older messages being read): the way back to the end, where the
+        # view follows a reply as it is written again. New text never moves the view while it shows.
+        self.jump = QToolButton(self.viewport())
+        self.jump.setObjectName("jumpToBottom")
+        self.jump.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonTextOnly)
+        self.jump.setAccessibleName("Scroll to the latest message")
+        self.jump.setToolTip("Scroll to the latest message and follow the reply")
+        self.jump.setCursor(Qt.CursorShape.PointingHandCursor)
+        self.jump.setStyleSheet("QToolButton { background: palette(highlight); color: palette(highlighted-text); "
+                                "border: none; border-radius: 13px; padding: 5px 14px; font-weight: bold; }")
+        self.jump.clicked.connect(self.follow_again)
+        self.jump.hide()
+        model.changed.connect(self._update_jump)  # a reply starts or stops being written: the label says which
         model.reset.connect(self._rebuild)
         model.appended.connect(self._on_appended)
         model.changed.connect(self._on_changed)
@@ -469,6 +656,7 @@ class ChatView(QScrollArea):
         self._stick = True
         self._place_marker()
         self.empty.setVisible(not self.widgets)
+        self._update_jump()
         QTimer.singleShot(0, self.scroll_to_bottom)
 
     def _add_widget(self, message: Message) -> None:
@@ -563,12 +751,42 @@ class ChatView(QScrollArea):
     def _note_position(self, value: int) -> None:
         bar = self.verticalScrollBar()
         self._stick = value >= bar.maximum() - 24
+        self._update_jump()
 
     def _follow(self, _min: int, _max: int) -> None:
         if self._revealing >= 0:
             self._show_revealed()
         elif self._stick:
             self.verticalScrollBar().setValue(self.verticalScrollBar().maximum())
+        self._update_jump()
+
+    def _update_jump(self, *_: object) -> None:
+        bar = self.verticalScrollBar()
+        up = not self._stick and bar.value() < bar.maximum() - 24
+        if up:
+            writing = bool(self.model.messages) and self.model.messages[-1].streaming
+            text = "↓  Follow the reply" if writing else "↓  Latest message"
+            if text != self.jump.text():
+                self.jump.setText(text)
+                self.jump.adjustSize()
+            self._place_jump()
+            self.jump.raise_()
+        self.jump.setVisible(up)
+
+    def _place_jump(self) -> None:
+        v = self.viewport()
+        self.jump.move((v.width() - self.jump.width()) // 2, v.height() - self.jump.height() - 12)
+
+    def resizeEvent(self, event) -> None:  # noqa: N802
+        super().resizeEvent(event)
+        self._place_jump()
+
+    def follow_again(self) -> None:
+        """Back to the end of the chat, following the reply being written from there."""
+        self._end_reveal()
+        self._stick = True
+        self.scroll_to_bottom()
+        self._update_jump()
 
     def reveal(self, index: int) -> None:
         """Scrolls message `index` into view and highlights it for a moment (a search hit was opened)."""

@@ -15,6 +15,7 @@ class ComposeBox(QPlainTextEdit):
     submitted = Signal(str)
     cancelled = Signal()  # Esc with nothing else to do (e.g. leave edit mode)
     files_dropped = Signal(list)  # [Path]: local files dropped or pasted on the box
+    recall_requested = Signal()  # Up in an empty box: edit the last message (as in a shell's history)
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -32,6 +33,11 @@ class ComposeBox(QPlainTextEdit):
                 self.insertPlainText("\n")
             else:
                 self.submitted.emit(self.toPlainText())
+            event.accept()
+            return
+        if (event.key() == Qt.Key.Key_Up and not self.toPlainText()
+                and not event.modifiers() & ~Qt.KeyboardModifier.KeypadModifier):
+            self.recall_requested.emit()
             event.accept()
             return
         if event.key() == Qt.Key.Key_Escape:

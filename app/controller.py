@@ -10,7 +10,7 @@ import logging
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 from PySide6.QtCore import QObject, Signal
 
@@ -114,15 +114,16 @@ class ChatController(QObject):
 
     # --- start-up ------------------------------------------------------------------------------------------
 
-    def start(self) -> None:
-        """Shows the most recent chat and starts loading the model (call once the views are connected)."""
+    def start(self, last_chat: int | None = None) -> None:
+        """Shows the chat open when the app last closed (`last_chat`, if it still exists), else the most recent
+        one, and starts loading the model (call once the views are connected)."""
         if self.store.recovered_from is not None:
             self.notice.emit("warning", f"The chat database was damaged and has been moved aside to "
                              f"{self.store.recovered_from}. Eddy started with an empty one.", "")
         rows = self._read(self.store.conversations, [])
         self.conversations.set_rows(rows)
         if rows:
-            self.open_chat(rows[0].id)
+            self.open_chat(last_chat if any(r.id == last_chat for r in rows) else rows[0].id)
         else:
             self._show_new_chat()
         self.load_model()
@@ -241,8 +242,8 @@ class ChatController(QObject):
                 self.notice.emit("error", "That chat could not be read.", "")
                 return
             title = row.title
-            tree = _tree_of(self._read(lambda: self.store.tree(conv_id), []))
             turns = self._read(lambda: self.store.turns(conv_id), [])
+            tree = _tree_of(self._read(lambda: self.store.tree(conv_id), []), turns)
         self.chat.load(conv_id, title, tree)
         self.turns.set_rows(turns)
         self.conversation_opened.emit()
@@ -794,6 +795,14 @@ def _title_from(text: str) -> str:
     return line if len(line) <= 48 else line[:47].rstrip() + "…"
 
 
-def _tree_of(rows: list[MessageRow]) -> ChatTree[Message]:
-    return ChatTree.of(rows, lambda r: r.id, lambda r: r.parent_id, lambda r: r.chosen,
-                       lambda r: Message(r.role, r.content, id=r.id))
+def _tree_of(rows: list[MessageRow], turns: Sequence[TurnRow] = ()) -> ChatTree[Message]:
+    # A stored reply gets back the stats its turn saved (the same meta _on_done gives a reply just written).
+    stats = {t.message_id: t for t in turns if t.kind == "turn" and t.message_id is not None}
+
+    def message(r: MessageRow) -> Message:
+        t = stats.get(r.id)
+        meta = {"tokens": t.tokens, "tok_s": t.tok_s, "stop_reason": t.stop_reason, "prefill_tokens": t.prefill_tokens,
+                "prefill_ms": t.prefill_ms} if t is not None and r.role == "assistant" else {}
+        return Message(r.role, r.content, id=r.id, meta=meta, created=r.created)
+
+    return ChatTree.of(rows, lambda r: r.id, lambda r: r.parent_id, lambda r: r.chosen, message)

@@ -107,9 +107,10 @@ class MainWindow(QMainWindow):
         self.chat_view.edit_requested.connect(self.start_edit)
         self.chat_view.fork_requested.connect(c.fork_chat)
         c.busy_changed.connect(lambda: self.chat_view.set_locked(c.busy))
+        self.compose.recall_requested.connect(self.start_edit)
         self.resize(1180, 760)
         self._restore_ui_state()
-        c.start()
+        c.start(self._last_chat())
         self._update_controls()
 
     # --- layout --------------------------------------------------------------------------------------------
@@ -187,7 +188,7 @@ class MainWindow(QMainWindow):
                                             self.regenerate)
         self.edit_button = self._tool("edit", "Edit last message", "Edit your last message and resend it (Ctrl+E)",
                                       lambda: self.start_edit())
-        self.copy_chat_button = self._tool("copy", "Copy chat", "Copy the whole chat as Markdown (Ctrl+Shift+C)",
+        self.copy_chat_button = self._tool("copy", "Copy chat", "Copy the whole chat as Markdown (Ctrl+Alt+C)",
                                            self.copy_chat)
         self.attach_button = self._tool("attach", "Attach file",
                                         f"Attach a text file: plain text, Markdown, code, CSV, JSON, up to "
@@ -249,7 +250,9 @@ class MainWindow(QMainWindow):
         # Esc itself is a window-wide shortcut (below); "\t" only shows it in the menu.
         self.stop_action = self._action(chat_menu, "&Stop reply\tEsc", None, c.stop)
         chat_menu.addSeparator()
-        self._action(chat_menu, "&Copy chat", QKeySequence("Ctrl+Shift+C"), self.copy_chat)
+        self.copy_reply_action = self._action(chat_menu, "Copy last re&ply", QKeySequence("Ctrl+Shift+C"),
+                                              self.copy_last_reply)
+        self._action(chat_menu, "&Copy chat", QKeySequence("Ctrl+Alt+C"), self.copy_chat)
         self._action(chat_menu, "Re&name chat…", QKeySequence("F2"), self.rename_current)
         self._action(chat_menu, "&Delete chat…", None, self.delete_current)
         view_menu = bar.addMenu("&View")
@@ -355,6 +358,14 @@ class MainWindow(QMainWindow):
     def copy_chat(self) -> None:
         copy_to_clipboard(self.controller.chat_markdown())
         self.statusBar().showMessage("Chat copied as Markdown", 3000)
+
+    def copy_last_reply(self) -> None:
+        """The last reply written (not one still being written) onto the clipboard, as its Markdown."""
+        reply = next((m for m in reversed(self.controller.chat.messages)
+                      if m.role == "assistant" and not m.streaming and m.content), None)
+        if reply is not None:
+            copy_to_clipboard(reply.content)
+            self.statusBar().showMessage("Last reply copied", 3000)
 
     def export_chat(self, fmt: str) -> None:
         suffix, filt = (".json", "JSON (*.json)") if fmt == "json" else (".md", "Markdown (*.md)")
@@ -557,6 +568,18 @@ class MainWindow(QMainWindow):
         s.setValue("geometry", self.saveGeometry())
         s.setValue("splitter", self.splitter.saveState())
         s.setValue("stats_visible", not self.stats.isHidden())
+        conv_id = self.controller.chat.conversation_id
+        if conv_id is not None and conv_id >= 0:  # a negative id is not on disk yet: it will not be there
+            s.setValue("last_chat", conv_id)
+        else:
+            s.remove("last_chat")
+
+    def _last_chat(self) -> int | None:
+        """The chat open when the app last closed (None: the most recent one is opened)."""
+        try:
+            return int(self._ui_settings().value("last_chat"))
+        except (TypeError, ValueError):
+            return None
 
     def _restore_ui_state(self) -> None:
         s = self._ui_settings()

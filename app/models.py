@@ -29,6 +29,7 @@ class Message:
     meta: dict[str, Any] = field(default_factory=dict)  # a reply's stats: tokens, tok_s, stop_reason
     streaming: bool = False              # a reply still being written
     pending: bool = False                # sent, but the engine has not reported where it went yet
+    created: float = field(default_factory=time.time)  # when it was written (seconds since the epoch)
 
     def as_dict(self) -> dict[str, str]:
         return {"role": self.role, "content": self.content}

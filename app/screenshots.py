@@ -15,6 +15,9 @@ note where the model's view of it begins (OUT). alternatives asks two questions,
 more and switches back to the second of the three (‹ 2/3 ›), then grabs the window once the engine has that
 branch in its cache. local-server switches the Local server on, chats once in the window, sends one request
 with the openai client and grabs the window: the address in the status bar, the server's row in the stats panel.
+details opens a stored chat with a reply holding two code blocks (each with its Copy button), sends a question,
+and while the reply streams scrolls back up to the code as a reader would: the "Follow the reply" button shows,
+and the tooltip of the code's reply (its time, tokens and tok/s) is up.
 """
 from __future__ import annotations
 
@@ -23,15 +26,15 @@ import sys
 import tempfile
 from pathlib import Path
 
-from PySide6.QtCore import QPoint, QTimer
-from PySide6.QtGui import QColor, QGuiApplication, QPainter, QPalette, QPixmap
+from PySide6.QtCore import QEvent, QPoint, QTimer
+from PySide6.QtGui import QColor, QCursor, QGuiApplication, QHelpEvent, QPainter, QPalette, QPixmap
 from PySide6.QtWidgets import QApplication, QStyleFactory
 
 from .main import main
 from .main_window import MainWindow
 from .settings import AppSettings, save_settings
 from .settings_dialog import SettingsDialog
-from .store import Store
+from .store import Store, TurnRow
 
 PROMPTS = [
     "Hi! Who are you?",
@@ -385,11 +388,97 @@ def local_server(out: Path, model: str | None, build: dict[str, object]) -> int:
     save_settings(data, AppSettings.of(max_new_tokens=60, serve=True, server_port=port, **build))
     return main(["--data-dir", str(data)] + (["--model", model] if model else []), on_window=drive)
 
+CODE_REPLY = """Here is a small function that ignores case and anything that is not a letter or a digit:
+
+```python
+def is_palindrome(word: str) -> bool:
+    letters = [c.lower() for c in word if c.isalnum()]
+    return letters == letters[::-1]
+```
+
+For example, `is_palindrome("Racecar")` is `True`. From a shell:
+
+```bash
+python -c 'from pal import is_palindrome; print(is_palindrome("level"))'
+```"""
+
+DETAILS_CHAT = [
+    ("user", "Write a Python function that checks whether a word is a palindrome."),
+    ("assistant", CODE_REPLY),
+    ("user", "What is a KV cache in a language model? Answer in a short paragraph."),
+    ("assistant", "A KV cache keeps the keys and values that attention computed for the tokens already read, so "
+                  "each new token only computes its own instead of the whole conversation's again. It is why a "
+                  "reply's second token comes much faster than the first.\n\nIts size grows with the "
+                  "conversation, which is why Eddy keeps a window of recent tokens plus a few attention sinks."),
+    ("user", "Explain attention sinks in StreamingLLM to a new engineer."),
+    ("assistant", "The first few tokens of a sequence collect a large share of attention whatever they say: the "
+                  "model uses them as a place to put attention it does not need elsewhere. Evict them and the "
+                  "output falls apart; keep them (the sinks) with a sliding window of recent tokens and the model "
+                  "keeps talking sensibly however long the chat grows."),
+]
+
+
+def details(out: Path, model: str | None) -> int:
+    """A reply with code blocks and their Copy buttons, scrolled back to while the next reply streams (the
+    scroll-to-bottom button shows), with the reply's tooltip (time, tokens, tok/s) up."""
+    def drive(window: MainWindow) -> None:
+        window.resize(1300, 820)
+        c = window.controller
+        state = {"shot": False}
+
+        def ready(s: str) -> None:
+            if s == "ready" and not getattr(drive, "done", False):
+                drive.done = True
+                QTimer.singleShot(300, lambda: c.send("Give three tips for writing clear commit messages, as a list."))
+
+        def on_rate(_rate: float, tokens: int) -> None:
+            if tokens >= 25 and not state["shot"]:
+                state["shot"] = True
+                view = window.chat_view
+                view.flush()
+                reply = view.widgets[1]
+                view.verticalScrollBar().setValue(max(0, reply.geometry().top() - 40))  # the reader scrolls up
+                QTimer.singleShot(300, lambda: hover(reply))
+
+        def hover(reply) -> None:
+            # The pointer rests on the reply's text: Qt asks that view for a tooltip, as a real hover does.
+            viewport = reply.body.viewport()
+            at = QPoint(viewport.width() // 2, viewport.height() - 6)  # its last line: the tip falls below the code
+            QCursor.setPos(viewport.mapToGlobal(at))
+
+            def ask() -> None:  # once the pointer's own move and enter events are through (they hide tooltips)
+                QApplication.sendEvent(viewport, QHelpEvent(QEvent.Type.ToolTip, at, viewport.mapToGlobal(at)))
+                QTimer.singleShot(400, shot)
+
+            QTimer.singleShot(400, ask)
+
+        def shot() -> None:
+            QApplication.processEvents()
+            _save(_snapshot(window), out)
+            c.stop()
+            QTimer.singleShot(300, window.close)
+
+        c.model_state_changed.connect(ready)
+        c.live_rate.connect(on_rate)
+        # Never hang a script, but leave a first start room to compile the default model (over ten minutes on a
+        # busy two-core machine).
+        QTimer.singleShot(30 * 60 * 1000, window.close)
+
+    data = Path(tempfile.mkdtemp(prefix="eddy-shot-"))
+    save_settings(data, AppSettings.of(max_new_tokens=300, seed=1))
+    store = Store.open(data)
+    conv = store.create_conversation("Palindromes, caches and sinks")
+    ids = [store.append_message(conv, seq, role, text) for seq, (role, text) in enumerate(DETAILS_CHAT)]
+    for i in (1, 3, 5):  # each reply's turn, as the app stores it: the tooltip shows its speed
+        store.add_turn(conv, TurnRow("turn", 24 + i, 30.0 + i, 80 + 10 * i, 1800.0, 46.0 + i, "eos", message_id=ids[i]))
+    store.close()
+    return main(["--data-dir", str(data)] + (["--model", model] if model else []), on_window=drive)
+
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("what", choices=["main-window", "first-run", "settings", "search", "document", "alternatives",
-                                    "local-server"])
+                                    "local-server", "details"])
     p.add_argument("out", type=Path)
     p.add_argument("--model", default=None)
     p.add_argument("--max-turns", type=int, default=14)
@@ -405,6 +494,8 @@ if __name__ == "__main__":
         sys.exit(alternatives(a.out, a.model))
     if a.what == "local-server":
         sys.exit(local_server(a.out, a.model, {"window": a.window} if a.window else {}))
+    if a.what == "details":
+        sys.exit(details(a.out, a.model))
     if a.what == "main-window":
         sys.exit(main_window(a.out, a.model, a.max_turns, a.grab_after, a.dark))
     if a.what == "settings":

@@ -31,3 +31,5 @@ EDDY_CACHE_DIR=$(mktemp -d) "$PY" -m app.screenshots first-run "$OUT/first-run.p
 "$PY" -m app.screenshots alternatives "$OUT/alternatives.png"
 # The Local server on, one openai request answered: its "server" row, the address in the status bar.
 "$PY" -m app.screenshots local-server "$OUT/local-server.png" --model tiny-random
+# A reply's code blocks with their Copy buttons, scrolled back to while the next reply streams ("Follow the reply").
+"$PY" -m app.screenshots details "$OUT/details.png"
