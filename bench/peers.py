@@ -199,15 +199,29 @@ class LlamaPeer:
 class HFPeer:
     def __init__(self, gguf: Path, dtype: str) -> None:
         import torch
-        from transformers import AutoModelForCausalLM
 
         torch.set_num_threads(THREADS)
         self.torch = torch
         self.dtype = dtype
         self.name = f"hf-{dtype}"
         start = time.perf_counter()
-        self.model = AutoModelForCausalLM.from_pretrained(
-            str(gguf.parent), gguf_file=gguf.name, torch_dtype={"bf16": torch.bfloat16, "f32": torch.float32}[dtype])
+        # Eddy's checkpoint loader (engine.build.checkpoint: the GGUF's Q4_1 tensors dequantised by the gguf
+        # package, under Hugging Face names) into transformers' own class for the family: seconds, where
+        # from_pretrained(gguf_file=...) took minutes here.
+        import transformers
+
+        from engine.arch import family
+        from engine.build.checkpoint import load_state_dict, read_config
+        from engine.build.checkpoint.source import ModelSource
+        from engine.build.checkpoint.tiny import transformers_config
+
+        source = ModelSource("smollm2-135m-instruct", "gguf", gguf)
+        cfg = read_config(source)
+        self.model = getattr(transformers, family(cfg["model_type"]).hf_class)(transformers_config(cfg))
+        missing, unexpected = self.model.load_state_dict(load_state_dict(source), strict=False)
+        assert set(missing) <= {"lm_head.weight"} and not unexpected, (missing, unexpected)
+        self.model.tie_weights()
+        self.model.to({"bf16": torch.bfloat16, "f32": torch.float32}[dtype])
         self.model.eval()
         self.load_s = time.perf_counter() - start
         self.cache = None
@@ -217,8 +231,9 @@ class HFPeer:
         import transformers
 
         return {"transformers": transformers.__version__, "torch": self.torch.__version__, "dtype": self.dtype,
-                "weights": "the default model's GGUF (Q4_1) dequantised by transformers' gguf loader "
-                           "(from_pretrained(gguf_file=...)), held as " + self.dtype,
+                "weights": "the default model's GGUF (Q4_1) dequantised by Eddy's checkpoint loader "
+                           "(engine.build.checkpoint.load_state_dict) into transformers' "
+                           f"{type(self.model).__name__}, held as {self.dtype}",
                 "threads": self.torch.get_num_threads(), "attn": self.model.config._attn_implementation,
                 "load_s": self.load_s}
 
@@ -243,7 +258,9 @@ class HFPeer:
         self.saved[len(ids)] = (self._forward(ids), ids[-1])
 
     def back_to(self, n: int) -> Any:
-        self.cache.crop(n)
+        extra = self.cache.get_seq_length() - n
+        if extra > 0:
+            self.cache.crop(-extra)  # transformers 5: a negative count of tokens to drop from the end
         return self.saved[n][0]
 
     def step(self, token: int) -> Any:
@@ -638,8 +655,12 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="smoke run: 1 sample, small sizes")
     p.add_argument("--samples", type=int, default=None, help="samples per figure (default 5; 1 with --quick)")
-    p.add_argument("--peers", default="eddy,llama.cpp,hf-bf16,hf-f32")
+    p.add_argument("--peers", default="eddy,llama.cpp,hf-f32",
+                   help="any of eddy, llama.cpp, hf-f32, hf-bf16 (bf16 matmuls are very slow on a CPU without bf16 "
+                        "instructions)")
     p.add_argument("--no-oneshot", action="store_true")
+    p.add_argument("--oneshot-peers", default="eddy,llama.cpp",
+                   help="whole-process one-shot answer for these (hf-bf16/hf-f32 load the GGUF through transformers)")
     p.add_argument("--no-slots", action="store_true", help="skip the window 1020 vs 8188 figures")
     p.add_argument("--flash-attn", action="store_true", help="llama.cpp with flash attention")
     p.add_argument("--max-retries", type=int, default=10, help="tries thrown away per sample at most")
@@ -647,6 +668,9 @@ def main() -> int:
                    help="a sample is quiet when others used at most this share of all CPUs during it")
     p.add_argument("--quiet-floor-ms", type=float, default=30.0, help="...or at most this much CPU time")
     p.add_argument("--no-gate", action="store_true", help="take every sample as it comes")
+    p.add_argument("--retry-budget-s", type=float, default=300.0,
+                   help="seconds of thrown-away tries per peer (and for the one-shots) before samples are kept as "
+                        "they come, counted noisy")
     p.add_argument("--worker-timeout", type=float, default=3600)
     p.add_argument("--json", default=None)
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -668,7 +692,8 @@ def main() -> int:
             peers.remove("llama.cpp")
     machine = cpu_info()
     gate_cfg = {"samples": samples, "max_retries": a.max_retries, "fraction": a.quiet_fraction,
-                "floor_s": a.quiet_floor_ms / 1e3, "enabled": not a.no_gate}
+                "floor_s": a.quiet_floor_ms / 1e3, "enabled": not a.no_gate,
+                "retry_budget_s": a.retry_budget_s}
     need = max(sizes["history"] + sizes["turn"], max(sizes["prefill"]), max(sizes["decode_ctx"]),
                sizes["slots_far_history"] + sizes["slots_turn"])
     ids, ids_info = token_ids(need)
@@ -689,7 +714,7 @@ def main() -> int:
         if not a.no_oneshot:
             gate = Gate(**gate_cfg, log=log)
             results["oneshot"] = {}
-            for kind in peers:
+            for kind in [x.strip() for x in a.oneshot_peers.split(",") if x.strip() in peers]:
                 log(f"== one-shot {kind}")
                 results["oneshot"][kind] = oneshot(kind, gate)
     finally:

@@ -66,6 +66,7 @@ class Figure:
     retries: int = 0  # samples thrown away because the machine was not quiet
     noisy: int = 0  # accepted samples that never got a quiet try (retries exhausted): the least disturbed try
     extra: list[Any] = field(default_factory=list)  # what each accepted sample's body returned
+    budget_out: bool = False  # the gate's retry budget ran out during this figure
 
     @property
     def median(self) -> float:
@@ -75,7 +76,7 @@ class Figure:
 
     def to_dict(self) -> dict[str, Any]:
         return {"median_s": self.median, "samples_s": self.samples, "retries": self.retries, "noisy": self.noisy,
-                "other_cpu_s": [round(x, 3) for x in self.other_cpu_s],
+                "retry_budget_out": self.budget_out, "other_cpu_s": [round(x, 3) for x in self.other_cpu_s],
                 **({"extra": self.extra} if any(e is not None for e in self.extra) else {})}
 
 
@@ -83,18 +84,21 @@ class Gate:
     """Takes samples of a timed body, each retried while other processes use the CPU."""
 
     def __init__(self, root: int | None = None, samples: int = 5, max_retries: int = 10, fraction: float = 0.05,
-                 floor_s: float = 0.03, backoff_s: float = 1.0, enabled: bool = True,
+                 floor_s: float = 0.03, backoff_s: float = 1.0, enabled: bool = True, retry_budget_s: float = 1e9,
                  log: Callable[[str], None] | None = None) -> None:
         self.root = root or int(os.environ.get("PEERS_ROOT_PID", os.getpid()))
         self.samples, self.max_retries, self.fraction, self.floor_s = samples, max_retries, fraction, floor_s
         self.backoff_s, self.enabled, self.log = backoff_s, enabled, log or (lambda s: None)
+        # Seconds of thrown-away tries (and their back-off) this gate may spend in all; past it, each sample is
+        # taken once and counted noisy when not quiet, so a machine that is never quiet still ends.
+        self.retry_budget_s, self.retry_spent_s = retry_budget_s, 0.0
         self.ncpu = os.cpu_count() or 1
         self.figures: dict[str, Figure] = {}
 
     def config(self) -> dict[str, Any]:
         return {"samples": self.samples, "max_retries_per_sample": self.max_retries, "quiet_fraction": self.fraction,
                 "quiet_floor_s": self.floor_s, "backoff_s": self.backoff_s, "enabled": self.enabled,
-                "cpus": self.ncpu, "tick_s": TICK}
+                "cpus": self.ncpu, "tick_s": TICK, "retry_budget_s": self.retry_budget_s}
 
     def figure(self, name: str, body: Callable[[], Any], setup: Callable[[], Any] | None = None) -> Figure:
         """`samples` accepted samples of body()'s wall time. body() may return a dict with `reaped_cpu_s` (CPU
@@ -102,8 +106,7 @@ class Gate:
         kept in Figure.extra. setup() runs before each try, outside the timing."""
         fig = Figure(name)
         for _ in range(self.samples):
-            best: tuple[float, float, Any] | None = None  # the least disturbed try so far
-            accepted = None
+            tries: list[tuple[float, float, Any, bool]] = []
             for attempt in range(self.max_retries + 1):
                 if setup:
                     setup()
@@ -116,22 +119,22 @@ class Gate:
                 t1 = tree_cpu(self.root)
                 reaped = out.get("reaped_cpu_s", 0.0) if isinstance(out, dict) else 0.0
                 other, quiet = interference(s1 - s0, t1 - t0 + reaped, wall, self.ncpu, self.floor_s, self.fraction)
-                if quiet or not self.enabled:
-                    accepted = (wall, other, out)
+                tries.append((wall, other, out, quiet or not self.enabled))
+                if quiet or not self.enabled or attempt == self.max_retries:
                     break
-                if best is None or other < best[1]:
-                    best = (wall, other, out)
-                fig.retries += 1
+                if self.retry_spent_s >= self.retry_budget_s:
+                    fig.budget_out = True
+                    break
+                self.retry_spent_s += wall + self.backoff_s
                 self.log(f"  {name}: not quiet ({other * 1e3:.0f} ms of others' CPU in {wall * 1e3:.0f} ms), "
-                         f"try {attempt + 1}/{self.max_retries + 1}")
-                if attempt < self.max_retries:
-                    time.sleep(self.backoff_s)
-            if accepted is None:  # never quiet: keep the least disturbed try, counted as noisy
+                         f"retry {attempt + 1}/{self.max_retries}")
+                time.sleep(self.backoff_s)
+            if tries[-1][3]:
+                wall, other, out, _ = tries[-1]
+            else:  # never quiet: keep the least disturbed try, counted as noisy
+                wall, other, out, _ = min(tries, key=lambda t: t[1])
                 fig.noisy += 1
-                fig.retries -= 1  # its last try is the sample kept, not a retry
-                accepted = best
-            assert accepted is not None
-            wall, other, out = accepted
+            fig.retries += len(tries) - 1
             fig.samples.append(wall)
             fig.other_cpu_s.append(other)
             fig.extra.append({k: v for k, v in out.items() if k != "reaped_cpu_s"} if isinstance(out, dict) else None)

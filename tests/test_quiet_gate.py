@@ -31,3 +31,14 @@ def test_gate_retries_are_bounded_and_counted(monkeypatch):
     gate = Gate(root=1, samples=2, max_retries=3, backoff_s=0.0)
     fig = gate.figure("x", lambda: None)
     assert len(fig.samples) == 2 and fig.noisy == 2 and fig.retries == 2 * 3
+
+
+def test_gate_stops_retrying_when_its_budget_is_spent(monkeypatch):
+    import bench.quiet as q
+
+    busy = iter(range(0, 10_000, 5))
+    monkeypatch.setattr(q, "system_cpu", lambda: (float(next(busy)), 0.0))
+    monkeypatch.setattr(q, "tree_cpu", lambda root: 0.0)
+    gate = Gate(root=1, samples=3, max_retries=5, backoff_s=0.0, retry_budget_s=0.0)
+    fig = gate.figure("x", lambda: None)
+    assert len(fig.samples) == 3 and fig.noisy == 3 and fig.retries == 0 and fig.budget_out
