@@ -436,6 +436,7 @@ llm = llama_cpp.Llama(str(gguf), n_ctx=1024, n_threads=2, n_threads_batch=2, n_b
 r = llm.create_chat_completion(messages=[{"role": "user", "content": sys.argv[1]}], max_tokens=int(sys.argv[2]),
                                temperature=0.0, top_k=1)
 print(r["choices"][0]["message"]["content"])
+print("tokens:", r["usage"]["completion_tokens"])
 """
 
 ONESHOT_HF = r"""
@@ -460,7 +461,7 @@ print(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
 def oneshot_cmd(kind: str) -> list[str]:
     py = sys.executable
     if kind == "eddy":
-        return [py, "-m", "engine.cli", "chat", "--prompt", QUESTION, "--max-new-tokens", str(ONESHOT_TOKENS)]
+        return [py, "-m", "engine.cli", "chat", "--prompt", QUESTION, "--max-new-tokens", str(ONESHOT_TOKENS), "--json"]
     if kind == "llama.cpp":
         return [py, "-c", ONESHOT_LLAMA, QUESTION, str(ONESHOT_TOKENS)]
     return [py, "-c", ONESHOT_HF, QUESTION, str(ONESHOT_TOKENS), kind[3:]]
@@ -470,11 +471,19 @@ def oneshot_once(kind: str) -> dict:
     """Start to exit of one process answering QUESTION; its peak RSS and CPU from wait4's rusage."""
     proc = subprocess.Popen(oneshot_cmd(kind), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                             env=dict(os.environ, PYTHONPATH=str(ROOT)))
-    answer = proc.stdout.read().decode(errors="replace") if proc.stdout else ""
+    text = proc.stdout.read().decode(errors="replace") if proc.stdout else ""
     _, status, usage = os.wait4(proc.pid, 0)
     proc.returncode = os.waitstatus_to_exitcode(status)
+    answer, tokens = text.strip(), None
+    if kind == "eddy":  # --json events: the tokens' text, and the count in `done`
+        events = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+        answer = "".join(e.get("text", "") for e in events if e.get("event") == "token")
+        tokens = next((e.get("tokens") for e in events if e.get("event") == "done"), None)
+    elif "tokens:" in text:
+        answer, _, count = text.rpartition("tokens:")
+        answer, tokens = answer.strip(), int(count)
     return {"reaped_cpu_s": usage.ru_utime + usage.ru_stime, "rss_peak_mb": usage.ru_maxrss / 1024,
-            "rc": proc.returncode, "answer": answer.strip()[:120]}
+            "rc": proc.returncode, "answer": answer.strip()[:120], "tokens": tokens}
 
 
 def oneshot(kind: str, gate: Gate) -> dict:
@@ -485,6 +494,7 @@ def oneshot(kind: str, gate: Gate) -> dict:
     d["rss_peak_mb_median"] = rss[len(rss) // 2]
     d["answers"] = sorted({e["answer"] for e in d["extra"]})
     d["rc"] = sorted({e["rc"] for e in d["extra"]})
+    d["tokens_generated"] = sorted({e["tokens"] for e in d["extra"] if e["tokens"] is not None})
     return d
 
 
@@ -700,7 +710,9 @@ def main() -> int:
     gguf = default_gguf()
     results: dict[str, Any] = {
         "machine": machine, "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"), "quick": a.quick, "sizes": sizes, "gguf": str(gguf),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"), "quick": a.quick,
+        "commit": subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True,
+                                 text=True).stdout.strip(), "sizes": sizes, "gguf": str(gguf),
         "ids": ids_info, "gate": Gate(**gate_cfg).config(), "loadavg_start": os.getloadavg(), "peers": {},
     }
     results["sampling"] = app_sampling()
@@ -708,17 +720,30 @@ def main() -> int:
         json.dump({"ids": ids, "sizes": sizes, "sampling": results["sampling"], "gate": gate_cfg, "gguf": str(gguf),
                    "skip_slots": a.no_slots, "flash_attn": a.flash_attn}, fh)
         spec = fh.name
+    out = a.json or str(ROOT / "bench" / "results" / f"peers-{cpu_slug(machine)}-q8{'-quick' if a.quick else ''}.json")
     try:
-        for kind in peers:
-            results["peers"][kind] = run_worker(kind, spec, a.worker_timeout)
-        if not a.no_oneshot:
-            gate = Gate(**gate_cfg, log=log)
-            results["oneshot"] = {}
-            for kind in [x.strip() for x in a.oneshot_peers.split(",") if x.strip() in peers]:
-                log(f"== one-shot {kind}")
-                results["oneshot"][kind] = oneshot(kind, gate)
+        # The compiled and native peers first, then the one-shots, then transformers (the slowest): each stage
+        # writes what is done so far, so a run cut short keeps its figures.
+        order = [k for k in peers if not k.startswith("hf-")] + ["oneshot"] + [k for k in peers if k.startswith("hf-")]
+        for kind in order:
+            if kind == "oneshot":
+                if a.no_oneshot:
+                    continue
+                gate = Gate(**gate_cfg, log=log)
+                results["oneshot"] = {}
+                for k in [x.strip() for x in a.oneshot_peers.split(",") if x.strip() in peers]:
+                    log(f"== one-shot {k}")
+                    results["oneshot"][k] = oneshot(k, gate)
+            else:
+                results["peers"][kind] = run_worker(kind, spec, a.worker_timeout)
+            finish(results, peers, out, partial=kind != order[-1])
     finally:
         os.unlink(spec)
+    return 0
+
+
+def finish(results: dict, peers: list[str], out: str, partial: bool) -> None:
+    machine = results["machine"]
     results["loadavg_end"] = os.getloadavg()
     retries = {}
     for kind, r in results["peers"].items():
@@ -734,16 +759,17 @@ def main() -> int:
     summary = summarise(results)
     llama_slots_rows(summary["table"])
     results["summary"] = summary
-    print(f"{machine.get('Model name')} ({machine.get('CPU(s)')} CPUs; {' '.join(machine.get('simd', []))})")
-    print(format_table(summary, [p for p in peers]))
+    results["partial"] = partial
+    shown = [p for p in peers if p in results["peers"] or p in results.get("oneshot", {})]
+    print(f"{machine.get('Model name')} ({machine.get('CPU(s)')} CPUs; {' '.join(machine.get('simd', []))})"
+          + (" [partial: more peers to come]" if partial else ""))
+    print(format_table(summary, shown))
     print("gate:", json.dumps(retries))
     if not results["quiet"]:
         print("NOTE: some samples never got a quiet try (noisy > 0): the machine was busy; figures marked so in JSON")
-    out = a.json or str(ROOT / "bench" / "results" / f"peers-{cpu_slug(machine)}-q8{'-quick' if a.quick else ''}.json")
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(results, indent=1))
     log(f"wrote {out}")
-    return 0
 
 
 if __name__ == "__main__":
