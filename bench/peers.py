@@ -661,6 +661,58 @@ def format_table(summary: dict, peers: list[str]) -> str:
     return text
 
 
+LABELS = {
+    "turn_{t}_after_{h}_ms": "{t}-token turn after {h} tokens of history (ms)",
+    "turn_{t}_after_{h}_recompute_ms": "same, recomputing the history (ms)",
+    "prefill_{n}_tok_s": "prefill {n} tokens (tok/s)",
+    "decode_{c}_greedy_tok_s": "decode at {c} context, greedy (tok/s)",
+    "decode_{c}_sampled_tok_s": "decode at {c} context, app's sampler chain (tok/s)",
+    "window_{w}_turn_{st}_at_{sh}_ms": "{st}-token turn at {sh} history, window {w} / n_ctx {n} (ms)",
+    "oneshot_wall_ms": "one-shot answer, process start to exit (ms)",
+    "oneshot_rss_peak_mb": "one-shot answer, peak RSS (MB)",
+}
+
+
+def label(key: str) -> str:
+    for pattern, text in LABELS.items():
+        regex = "^" + re.sub(r"\\{(\w+)\\}", r"(?P<\1>\\d+)", re.escape(pattern)) + "$"
+        m = re.match(regex, key)
+        if m:
+            g = m.groupdict()
+            if "w" in g:
+                g["n"] = str(int(g["w"]) + 4)
+            return text.format(**g)
+    return key
+
+
+def markdown(results: dict) -> str:
+    """The table of a run's JSON as Markdown (for docs/BENCHMARKS.md)."""
+    summary = results["summary"]
+    table = summary["table"]
+    peers = [p for p in ("eddy", "llama.cpp", "hf-f32", "hf-bf16") if any(p in row for row in table.values())]
+    names = {"eddy": "Eddy (q8)", "llama.cpp": "llama.cpp", "hf-f32": "transformers f32", "hf-bf16": "transformers bf16"}
+    head = ["", *[names[p] for p in peers], *[f"Eddy / {names[p]}" for p in peers if p != "eddy"]]
+    lines = ["| " + " | ".join(head) + " |", "|---" + "|---:" * (len(head) - 1) + "|"]
+    for key, row in table.items():
+        if key.startswith("n_ctx_"):
+            continue
+        cells = [label(key)]
+        for p in peers:
+            v = row.get(p)
+            cells.append("" if v is None else (f"{v:.0f}" if v >= 100 else f"{v:.1f}"))
+        for p in peers:
+            if p != "eddy":
+                r = ratio(row.get("eddy"), row.get(p))
+                cells.append("" if r is None else f"{r:.2f}×")
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "| target | ratio | want | |", "|---|---:|---:|---|"]
+    for tg in summary["targets"]:
+        got = "n/a" if tg["ratio"] is None else f"{tg['ratio']:.2f}"
+        verdict = "n/a" if tg["met"] is None else ("met" if tg["met"] else "**missed**")
+        lines.append(f"| {tg['target']} | {got} | {tg['want']} | {verdict} |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="smoke run: 1 sample, small sizes")
@@ -683,12 +735,16 @@ def main() -> int:
                         "they come, counted noisy")
     p.add_argument("--worker-timeout", type=float, default=3600)
     p.add_argument("--json", default=None)
+    p.add_argument("--markdown", metavar="JSON", help="print a run's table as Markdown and exit")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.worker:
         return worker(a.worker, a.spec, a.out)
+    if a.markdown:
+        print(markdown(json.loads(Path(a.markdown).read_text())))
+        return 0
 
     sizes = dict(QUICK if a.quick else FULL)
     samples = a.samples or (1 if a.quick else 5)
