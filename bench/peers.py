@@ -709,6 +709,8 @@ def markdown(results: dict) -> str:
     for tg in summary["targets"]:
         got = "n/a" if tg["ratio"] is None else f"{tg['ratio']:.2f}"
         verdict = "n/a" if tg["met"] is None else ("met" if tg["met"] else "**missed**")
+        if tg["met"] is not None and not results.get("quiet", True):
+            verdict += " (busy machine: no verdict)"
         lines.append(f"| {tg['target']} | {got} | {tg['want']} | {verdict} |")
     return "\n".join(lines)
 
