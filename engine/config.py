@@ -12,6 +12,8 @@ DTYPES = ("f32", "f16", "bf16", "q8", "q4")
 # The KV cache's element type: 16 bits halve what attention reads per token over a long window. No bf16:
 # turbine 3.9 cannot make a bfloat16 global (it goes through numpy, which has no such type).
 KV_DTYPES = ("f32", "f16")
+# q4's group: weights per scale and offset along a row (GGUF Q4_0/Q4_1's block, so their codes pass through).
+Q4_GROUP = 32
 # llvm-cpu targets: "host" (this machine's CPU, fastest, for local builds) or a portable one for packages
 # that run on other machines (a module built for "host" can die of illegal instructions elsewhere).
 # x86-64-v3 = AVX2 + FMA (Intel Haswell 2013+, AMD Zen 1+); x86-64 = any 64-bit x86 (slow: no AVX).

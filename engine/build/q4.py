@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-Q4_GROUP = 32  # GGUF's Q4_0/Q4_1 block: their codes pass through unchanged (see quantise_q4)
+from ..config import Q4_GROUP
 
 
 def packable(in_features: int) -> bool:

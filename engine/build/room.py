@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..arch import family
-from ..config import BuildSettings, ModelConfig
+from ..config import Q4_GROUP, BuildSettings, ModelConfig
 from ..errors import DiskSpaceError
 from .progress import megabytes
 
@@ -36,13 +36,25 @@ class BuildSize:
         return self.weights + self.module + self.scratch
 
 
+def matrix_bytes(rows: int, cols: int, dtype: str) -> int:
+    """One matrix as engine/build/model.py stores it (mirrored here without torch): q8 adds a float32 scale per
+    row; q4 is half a byte per weight plus a float32 scale and offset per group of 32, and a matrix whose rows
+    are not whole groups falls back to q8."""
+    if dtype == "q4":
+        if cols % Q4_GROUP:
+            return matrix_bytes(rows, cols, "q8")
+        return rows * cols // 2 + rows * (cols // Q4_GROUP) * 8
+    return rows * cols * WEIGHT_BYTES[dtype] + (rows * 4 if dtype == "q8" else 0)
+
+
 def weights_bytes(cfg: ModelConfig, settings: BuildSettings) -> int:
-    """Bytes of weights.irpa's tensors: each matrix in the build's dtype (q8 adds a float32 scale per row),
+    """Bytes of weights.irpa's tensors: each matrix in the build's dtype (the LM head of a q4 build in q8),
     norms and biases in float32."""
-    per = WEIGHT_BYTES[settings.dtype]
+    dtype = settings.dtype
+    head = "q8" if dtype == "q4" else dtype
 
     def matrix(rows: int, cols: int) -> int:
-        return rows * cols * per + (rows * 4 if settings.dtype == "q8" else 0)
+        return matrix_bytes(rows, cols, dtype)
 
     fam = family(cfg.arch)
     qkv_rows = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
@@ -53,7 +65,8 @@ def weights_bytes(cfg: ModelConfig, settings: BuildSettings) -> int:
         layer += qkv_rows * NORM_BYTES
     if fam.qk_norm:
         layer += 2 * cfg.head_dim * NORM_BYTES
-    embeddings = matrix(cfg.vocab_size, cfg.dim) * (1 if cfg.tie_embeddings else 2)
+    embeddings = matrix_bytes(cfg.vocab_size, cfg.dim, head) + (
+        0 if cfg.tie_embeddings else matrix(cfg.vocab_size, cfg.dim))
     return embeddings + cfg.dim * NORM_BYTES + cfg.n_layers * layer
 
 
