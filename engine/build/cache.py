@@ -69,6 +69,8 @@ def settings_summary(settings: dict) -> str:
         parts.append(f"{s['max_sinks']} sink slots")
     if s["max_chunk"] != d["max_chunk"]:
         parts.append(f"chunk {s['max_chunk']}")
+    if s["kv_dtype"] != d["kv_dtype"]:
+        parts.append(f"KV cache {s['kv_dtype']}")
     parts.append(str(s["device"]) if s["target_cpu"] == "host" or s["device"] != "cpu" else f"cpu {s['target_cpu']}")
     return ", ".join(parts)
 
