@@ -178,16 +178,16 @@ def run(model: str | None, max_new_tokens: int, idle_s: float, paste_words: int,
             c.send(prompts[state["i"] % len(prompts)])
             state["i"] += 1
 
-        def on_prefilled(ev: dict) -> None:
-            if ev.get("kind") == "turn" and state["first_at"] is None:
+        def on_prefilled(ev) -> None:  # a turn's Prefill (a rebuild's comes as `rebuilt`)
+            if state["first_at"] is None:
                 state["first_at"] = time.perf_counter()
                 probe.set_phase("decode")
 
-        def on_done(ev: dict) -> None:
+        def on_done(ev) -> None:  # the turn's TurnRow
             probe.set_phase("between")
             result["turns"].append({"prompt_chars": len(prompts[(state["i"] - 1) % len(prompts)]),
                                     "p99_ms": percentile(probe.turn, 99), "max_ms": max(probe.turn, default=0.0),
-                                    "tokens": ev.get("tokens"), "tok_s": ev.get("tok_s"),
+                                    "tokens": ev.tokens, "tok_s": ev.tok_s,
                                     "ttft_ms": ((state["first_at"] or time.perf_counter()) - state["sent_at"]) * 1000})
             QTimer.singleShot(300, send_next)
 
