@@ -253,13 +253,16 @@ class ConversationListModel(QAbstractListModel):
             self.dataChanged.emit(self.index(i), self.index(i))
             return
         if i >= 0:
+            self.rows[i] = row
             if i == 0:
-                self.rows[0] = row
                 self.dataChanged.emit(self.index(0), self.index(0))
                 return
-            self.beginRemoveRows(QModelIndex(), i, i)
-            del self.rows[i]
-            self.endRemoveRows()
+            # A move, not a removal and an insertion: the list's current item (the open chat) moves with its
+            # row. Removing it would make the view pick a neighbour as current, and the window open that chat.
+            self.beginMoveRows(QModelIndex(), i, i, QModelIndex(), 0)
+            self.rows.insert(0, self.rows.pop(i))
+            self.endMoveRows()
+            return
         self.beginInsertRows(QModelIndex(), 0, 0)
         self.rows.insert(0, row)
         self.endInsertRows()
