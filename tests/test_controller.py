@@ -60,6 +60,9 @@ class RecordingHost(QObject):
     def cancel_load(self) -> None:
         pass
 
+    def serve(self, runner: object, job: object) -> None:
+        self.requests.append(("serve",))
+
     def shutdown(self) -> None:
         self.running = False
         self.stopped.emit()
