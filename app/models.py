@@ -256,9 +256,13 @@ class ConversationListModel(QAbstractListModel):
                 self.rows[0] = row
                 self.dataChanged.emit(self.index(0), self.index(0))
                 return
-            self.beginRemoveRows(QModelIndex(), i, i)
-            del self.rows[i]
-            self.endRemoveRows()
+            # A move, not a removal and an insertion: while the row was out, Qt made a neighbour the list's
+            # current row, and the window opened that chat once the reply ended.
+            self.beginMoveRows(QModelIndex(), i, i, QModelIndex(), 0)
+            self.rows.insert(0, self.rows.pop(i))
+            self.rows[0] = row
+            self.endMoveRows()
+            return
         self.beginInsertRows(QModelIndex(), 0, 0)
         self.rows.insert(0, row)
         self.endInsertRows()
