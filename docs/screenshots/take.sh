@@ -31,3 +31,5 @@ EDDY_CACHE_DIR=$(mktemp -d) "$PY" -m app.screenshots first-run "$OUT/first-run.p
 "$PY" -m app.screenshots alternatives "$OUT/alternatives.png"
 # The Local server on, one openai request answered: its "server" row, the address in the status bar.
 "$PY" -m app.screenshots local-server "$OUT/local-server.png" --model tiny-random
+# A chat with its own system prompt from a preset, pinned in the sinks: the header and the cache bar's caption.
+"$PY" -m app.screenshots system-prompt "$OUT/system-prompt.png" --model tiny-random --window 124
