@@ -14,21 +14,39 @@ SINK_COLOUR = QColor("#e0803a")    # warm: kept forever
 PIN_COLOUR = QColor("#9b51e0")     # the sinks that hold the pinned system prompt
 WINDOW_COLOUR = QColor("#2f80ed")  # the sliding window's used slots
 MIN_SINK_PX = 6
+BAR_PX = 22      # the bar itself
+CAPTION_PX = 16  # under it, while a system prompt is pinned: a bracket under its sink slots, and a label
 
 
 class CacheBar(QWidget):
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
-        self.setMinimumHeight(22)
+        self.setFixedHeight(BAR_PX)
         self.setAccessibleName("Cache window")
         self.stats = CacheStats(0, 0, 0, 0, 0, 0)
         self._describe()
 
     def set_stats(self, stats: CacheStats) -> None:
         self.stats = stats
+        # The caption row is there only while the engine reports a pinned prompt, so the bar does not jump
+        # for the users who never pin one.
+        self.setFixedHeight(BAR_PX + (CAPTION_PX if self.pinned_label() else 0))
         self._describe()
         self.update()
+
+    def pinned_label(self) -> str:
+        """The pinned segment's caption ("" when no system prompt is pinned), from the engine's own count."""
+        pinned = min(self.stats.pinned, self.stats.used, self.stats.sinks)
+        return f"system prompt: {pinned:,} tokens pinned" if pinned else ""
+
+    def pinned_width(self, width: float) -> float:
+        """How wide the sink slots holding the pinned prompt are drawn, in a bar `width` pixels wide."""
+        s = self.stats
+        if not (s.capacity and s.sinks):
+            return 0.0
+        sink_w = max(MIN_SINK_PX, width * s.sinks / s.capacity)
+        return sink_w * min(s.pinned, s.used, s.sinks) / s.sinks
 
     @property
     def window_used(self) -> int:
@@ -62,14 +80,14 @@ class CacheBar(QWidget):
         self.setAccessibleDescription(self.summary())
 
     def sizeHint(self) -> QSize:  # noqa: N802
-        return QSize(240, 22)
+        return QSize(240, self.height())
 
     def paintEvent(self, event) -> None:  # noqa: N802
         s = self.stats
         pal = self.palette()
         painter = QPainter(self)
         painter.setRenderHint(QPainter.RenderHint.Antialiasing)
-        rect = QRectF(self.rect()).adjusted(0.5, 3.5, -0.5, -3.5)
+        rect = QRectF(0, 0, self.width(), BAR_PX).adjusted(0.5, 3.5, -0.5, -3.5)
         outline = QPainterPath()
         outline.addRoundedRect(rect, 5, 5)
         free = blend(pal.color(QPalette.ColorRole.Base), pal.color(QPalette.ColorRole.Text), 0.08)
@@ -102,3 +120,16 @@ class CacheBar(QWidget):
             painter.restore()
         painter.setPen(blend(pal.color(QPalette.ColorRole.Base), pal.color(QPalette.ColorRole.Text), 0.3))
         painter.drawPath(outline)
+        caption = self.pinned_label()
+        if caption:
+            # A bracket under exactly the sink slots that hold the prompt, and its label from there on.
+            pin_w = max(2.0, self.pinned_width(rect.width()))
+            top = BAR_PX - 1.0
+            painter.setRenderHint(QPainter.RenderHint.Antialiasing, False)  # crisp one-pixel lines
+            painter.setPen(PIN_COLOUR)
+            painter.drawLine(rect.left(), top, rect.left(), top + 4)
+            painter.drawLine(rect.left(), top + 4, rect.left() + pin_w, top + 4)
+            painter.drawLine(rect.left() + pin_w, top, rect.left() + pin_w, top + 4)
+            text_rect = QRectF(rect.left(), top + 3, rect.width(), CAPTION_PX - 2)
+            text = self.fontMetrics().elidedText(caption, Qt.TextElideMode.ElideRight, int(text_rect.width()))
+            painter.drawText(text_rect, Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignVCenter, text)

@@ -23,6 +23,7 @@ from .local_server import LocalServer, ServedTurn, ServerConfig
 from .models import ChatModel, ConversationListModel, DraftModel, Message, TurnStatsModel
 from .saving import SaveQueue
 from .settings import AppSettings, load_settings, save_settings
+from .system_prompts import SystemPrompts
 from .store import ConversationRow, MessageRow, SearchHit, Store, StoreError, TurnRow
 from .transcript import to_json, to_markdown
 from .worker import TURN_ERRORS, EngineHost, Origin
@@ -91,6 +92,13 @@ class ChatController(QObject):
         self.saves.moved.connect(self._on_saved_under)
 
         self.conversations.rename_requested.connect(self.rename_chat)
+        # The open chat's own system prompt (or Settings'), and the presets (app/system_prompts.py). Connected
+        # before anything else: the engine must be given a chat's prompt before its cache is rebuilt.
+        self.prompts = SystemPrompts(self.store, lambda: self.settings.system_prompt, self)
+        self.conversation_opened.connect(lambda: self.prompts.open(self.chat.conversation_id))
+        self.current_changed.connect(lambda: self.prompts.saved_as(self.chat.conversation_id))
+        self.prompts.chat_prompt_changed.connect(self._on_chat_prompt)
+        self.prompts.failed.connect(lambda text: self.notice.emit("warning", text, ""))
         self.host = host or EngineHost(self)  # a test may hand it one without a model
         w = self.host.worker
         w.progress.connect(self.load_progress)
@@ -158,7 +166,12 @@ class ChatController(QObject):
         self.host.cancel_load()
 
     def _chat_dict(self) -> dict:
-        return self.settings.chat_dict()
+        # The open chat's own system prompt, else Settings': what the engine is given for this chat.
+        return {**self.settings.chat_dict(), "system_prompt": self.prompts.effective.strip() or None}
+
+    def _on_chat_prompt(self) -> None:
+        # The chat's beginning changed: rebuild its cache with the new prompt, after the reply in progress ends.
+        self._when_idle(self._sync_engine, stop=False)
 
     @property
     def chat_defaults(self) -> ChatDefaults:
@@ -186,6 +199,7 @@ class ChatController(QObject):
     def _sync_engine(self) -> None:
         """Puts the open chat into the model's cache (a rebuild; its prefill shows up as a ↻ turn)."""
         if self.model_state == "ready" and not self._closing and not self.busy:
+            self.host.configure(self._chat_dict())  # this chat's system prompt; queued before the switch
             self.host.switch_chat(self.chat.history())
 
     # --- settings ------------------------------------------------------------------------------------------
@@ -205,8 +219,7 @@ class ChatController(QObject):
         self.host.configure(self._chat_dict())
         self._sync_server()
         if old.system_prompt != new.system_prompt:
-            # The chat's beginning changed: rebuild its cache, after the reply in progress (if any) ends.
-            self._when_idle(self._sync_engine, stop=False)
+            self.prompts.default_changed(old.system_prompt)  # a chat on the default rebuilds (_on_chat_prompt)
 
     # --- chats ---------------------------------------------------------------------------------------------
 

@@ -26,6 +26,7 @@ from .search_view import LiveSearch, SearchPopup, SearchResults
 from .server_section import ServerStatus
 from .settings_dialog import DEFAULT_MODEL_NAME, SettingsDialog
 from .stats_panel import StatsPanel
+from .system_prompt_bar import SystemPromptBar
 
 UI_STATE_FILE = "ui.ini"
 
@@ -177,6 +178,8 @@ class MainWindow(QMainWindow):
         layout.setSpacing(6)
         self.notice = NoticeBar()
         layout.addWidget(self.notice)
+        self.system_bar = SystemPromptBar(self.controller.prompts)  # the chat's system prompt and its preset
+        layout.addWidget(self.system_bar)
         self.chat_view = ChatView(self.controller.chat)
         layout.addWidget(self.chat_view, 1)
         self.reading_bar = ReadingBar()

@@ -1,6 +1,6 @@
 """Takes the README screenshots from the real app (a developer tool, not used by the app itself).
 
-    xvfb-run -a -s "-screen 0 1600x1000x24" python -m app.screenshots main-window|first-run|settings|alternatives OUT.png [--model M]
+    xvfb-run -a -s "-screen 0 1600x1000x24" python -m app.screenshots main-window|first-run|settings|alternatives|system-prompt OUT.png [--model M]
     EDDY_CACHE_DIR=$(mktemp -d) xvfb-run -a -s "-screen 0 1600x1000x24" python -m app.screenshots first-run OUT.png
 
 Under an X server (Xvfb) the picture is the screen's own pixels, so it shows what a user would see,
@@ -18,6 +18,8 @@ with the openai client and grabs the window: the address in the status bar, the 
 details opens a stored chat with a reply holding two code blocks (each with its Copy button), sends a question,
 and while the reply streams scrolls back up to the code as a reader would: the "Follow the reply" button shows,
 and the tooltip of the code's reply (its time, tokens and tok/s) is up.
+system-prompt saves two presets, picks one for a new chat (pinned in the sinks) and chats twice: the header at the
+top of the chat and the cache bar's pinned segment.
 """
 from __future__ import annotations
 
@@ -475,10 +477,47 @@ def details(out: Path, model: str | None) -> int:
     return main(["--data-dir", str(data)] + (["--model", model] if model else []), on_window=drive)
 
 
+def system_prompt(out: Path, model: str | None, build: dict[str, object]) -> int:
+    """A chat with its own system prompt, picked from a saved preset and pinned in the sinks: the header at the
+    top of the chat, and the cache bar's pinned segment with the engine's count."""
+    pirate = ("You are Captain Eddy, a friendly pirate. Answer every question in two short lines, in a pirate's "
+              "voice, and never forget that you sail the seven seas.")
+
+    def drive(window: MainWindow) -> None:
+        window.resize(1300, 820)
+        c = window.controller
+        state = {"turns": 0}
+
+        def ready(s: str) -> None:
+            if s == "ready" and not getattr(drive, "done", False):
+                drive.done = True
+                c.prompts.save_preset("Pirate captain", pirate)
+                c.prompts.save_preset("Code reviewer", "You review Python code and point out bugs first.")
+                c.prompts.pick("Pirate captain")
+                QTimer.singleShot(300, lambda: c.send(PROMPTS[0]))
+
+        def finished(_row) -> None:
+            state["turns"] += 1
+            if state["turns"] == 1:
+                QTimer.singleShot(100, lambda: c.send(PROMPTS[3]))
+            else:
+                window.notice.hide()  # the build's "compiled and ready" is not what this shows
+                window.chat_view.flush()
+                QTimer.singleShot(400, lambda: (_save(_snapshot(window), out), window.close()))
+
+        c.model_state_changed.connect(ready)
+        c.turn_finished.connect(finished)
+        QTimer.singleShot(10 * 60 * 1000, window.close)  # never hang a script
+
+    data = Path(tempfile.mkdtemp(prefix="eddy-shot-"))
+    save_settings(data, AppSettings.of(max_new_tokens=50, pin_system=True, **build))
+    return main(["--data-dir", str(data)] + (["--model", model] if model else []), on_window=drive)
+
+
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("what", choices=["main-window", "first-run", "settings", "search", "document", "alternatives",
-                                    "local-server", "details"])
+                                    "local-server", "details", "system-prompt"])
     p.add_argument("out", type=Path)
     p.add_argument("--model", default=None)
     p.add_argument("--max-turns", type=int, default=14)
@@ -496,6 +535,8 @@ if __name__ == "__main__":
         sys.exit(local_server(a.out, a.model, {"window": a.window} if a.window else {}))
     if a.what == "details":
         sys.exit(details(a.out, a.model))
+    if a.what == "system-prompt":
+        sys.exit(system_prompt(a.out, a.model, {"window": a.window} if a.window else {}))
     if a.what == "main-window":
         sys.exit(main_window(a.out, a.model, a.max_turns, a.grab_after, a.dark))
     if a.what == "settings":

@@ -101,6 +101,17 @@ UPDATE messages SET parent_id = (
 CREATE INDEX messages_by_parent ON messages(parent_id);
 """
 
+# Version 4: system prompts. Each chat may have its own (NULL: the app's default from Settings, so every chat an
+# older Eddy wrote keeps following Settings as it did; '' is a chosen "none"), and named presets to pick one from.
+SYSTEM_PROMPTS = """
+ALTER TABLE conversations ADD COLUMN system_prompt TEXT;
+CREATE TABLE presets (
+    id INTEGER PRIMARY KEY,
+    name TEXT NOT NULL UNIQUE,
+    text TEXT NOT NULL
+);
+"""
+
 # A step is an SQL script or a function given the connection; either runs inside the step's transaction, so
 # it must not BEGIN or COMMIT itself. Steps run with foreign keys off: rebuilding a table (SQLite's way to
 # change a column) drops the old one, and with them on that drop would first cascade-delete every message.
@@ -112,6 +123,7 @@ MIGRATIONS: list[tuple[int, Step]] = [
     (1, SCHEMA),
     (2, SEARCH),
     (3, BRANCHES),
+    (4, SYSTEM_PROMPTS),
 ]
 
 # The version is SQLite's PRAGMA user_version, not a table of our own: release 1 already writes 1 there, it
@@ -405,6 +417,35 @@ class Store:
         r = self._run("read the chat", "SELECT id, title, created, updated FROM conversations WHERE id=?",
                       (conv_id,)).fetchone()
         return ConversationRow(r["id"], r["title"], r["created"], r["updated"]) if r else None
+
+    def system_prompt(self, conv_id: int) -> str | None:
+        """The chat's own system prompt; None: it follows the app's default (Settings)."""
+        r = self._run("read the chat's system prompt", "SELECT system_prompt FROM conversations WHERE id=?",
+                      (conv_id,)).fetchone()
+        return r["system_prompt"] if r else None
+
+    def set_system_prompt(self, conv_id: int, text: str | None) -> None:
+        self._run("save the chat's system prompt", "UPDATE conversations SET system_prompt=? WHERE id=?",
+                  (None if text is None else _text(text), conv_id))
+
+    # --- system prompt presets -----------------------------------------------------------------------------
+
+    def presets(self) -> list[tuple[str, str]]:
+        """Every preset as (name, text), by name."""
+        rows = self._run("read the system prompt presets", "SELECT name, text FROM presets ORDER BY name COLLATE NOCASE")
+        return [(r["name"], r["text"]) for r in rows]
+
+    def save_preset(self, name: str, text: str) -> None:
+        """Adds a preset, or replaces the text of the one with that name."""
+        self._run("save the preset", "INSERT INTO presets(name, text) VALUES (?, ?) "
+                  "ON CONFLICT(name) DO UPDATE SET text=excluded.text", (_text(name), _text(text)))
+
+    def rename_preset(self, old: str, new: str) -> None:
+        """Raises StoreError if another preset already has the new name (names are unique)."""
+        self._run("rename the preset", "UPDATE presets SET name=? WHERE name=?", (_text(new), old))
+
+    def delete_preset(self, name: str) -> None:
+        self._run("delete the preset", "DELETE FROM presets WHERE name=?", (name,))
 
     # --- messages ------------------------------------------------------------------------------------------
 

@@ -114,7 +114,9 @@ def test_the_cache_bar_shows_the_pinned_slots(qtbot, tmp_path, tiny_pinning):
     bar = window.stats.cache_bar
     assert bar.stats.pinned > 20 and bar.stats.sinks == bar.stats.pinned and bar.stats.evicted > 0
     assert f"system prompt pinned ({bar.stats.pinned})" in window.stats.cache_label.text()
+    from app.cache_bar import BAR_PX
+
     image = bar.grab().toImage()
-    y = image.height() // 2
+    y = BAR_PX // 2  # the bar's middle (a caption row under it names the pinned slots)
     colours = {image.pixelColor(x, y).name() for x in range(2, int(image.width() * 0.02))}
     assert "#9b51e0" in colours  # PIN_COLOUR at the bar's left end

@@ -33,3 +33,5 @@ EDDY_CACHE_DIR=$(mktemp -d) "$PY" -m app.screenshots first-run "$OUT/first-run.p
 "$PY" -m app.screenshots local-server "$OUT/local-server.png" --model tiny-random
 # A reply's code blocks with their Copy buttons, scrolled back to while the next reply streams ("Follow the reply").
 "$PY" -m app.screenshots details "$OUT/details.png"
+# A chat with its own system prompt from a preset, pinned in the sinks: the header and the cache bar's caption.
+"$PY" -m app.screenshots system-prompt "$OUT/system-prompt.png" --model tiny-random --window 124
