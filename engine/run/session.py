@@ -102,17 +102,7 @@ class ChatSession:
         self.engine.pin(pinned)
         self.messages, self.dropped = messages, dropped
         self.spans = self._rendered_spans(messages) if ids else []
-        start = time.perf_counter()
-        try:
-            if ids and self.feed(ids, emit) is None:
-                self._stale = True  # stopped part-way: the next turn starts again
-        except BaseException:
-            self._stale = True
-            raise
-        event = Prefill(self.engine.position, round((time.perf_counter() - start) * 1e3, 2), self.engine.stats)
-        emit(event)
-        emit(self.context())
-        return event
+        return self._feed_reported(ids, emit, whole_cache=True)
 
     def follow(self, history: list[dict], on_event: EventSink | None = None) -> Prefill:
         """Goes over to another branch of the conversation (`history`, as resume takes it). When the conversation
@@ -156,14 +146,21 @@ class ChatSession:
             self.spans.append((begin, end))
             begin = end
         self.messages, self._owed = [*self.messages, *rest], []
+        return self._feed_reported(ids, emit)
+
+    def _feed_reported(self, ids: list[int], emit: EventSink, whole_cache: bool = False) -> Prefill:
+        """Feeds a rebuild's or a branch's tokens, then reports them: a Prefill of the tokens fed (a rebuild's, with
+        `whole_cache`: of everything the cache then holds) and the context. A stop or failure part-way marks the cache
+        stale, so the next turn starts again."""
         start = time.perf_counter()
         try:
             if ids and self.feed(ids, emit) is None:
-                self._stale = True  # stopped part-way: the next turn starts again
+                self._stale = True
         except BaseException:
             self._stale = True
             raise
-        event = Prefill(len(ids), round((time.perf_counter() - start) * 1e3, 2), self.engine.stats)
+        event = Prefill(self.engine.position if whole_cache else len(ids), round((time.perf_counter() - start) * 1e3, 2),
+                        self.engine.stats)
         emit(event)
         emit(self.context())
         return event
