@@ -22,6 +22,12 @@ from .icons import icon
 from .models import ChatModel, Message
 
 REFRESH_MS = 40
+# A chat of more than LAZY_FROM messages opens with its last EAGER_MESSAGES built at once (more than a screen)
+# and the older ones built above them in slices of about BUILD_SLICE_MS (plus the layout pass that follows each,
+# 5-10 ms): a bubble lays its text out when built, 3-10 ms each, so 200 at once froze the window for seconds.
+LAZY_FROM = 24
+EAGER_MESSAGES = 8
+BUILD_SLICE_MS = 4
 FLASH_MS = 1600  # how long a revealed message (a search hit) stays highlighted
 COPIED_MS = 1500  # how long a code block's button says "Copied"
 # A code block's heading line (language and Copy button) is a block of its own, marked with this property so
@@ -305,7 +311,9 @@ class MarkdownView(QTextBrowser):
 
     def _fit(self, *_: object) -> None:
         doc = self.document()
-        doc.setTextWidth(self.viewport().width())
+        width = self.viewport().width()
+        if doc.textWidth() != width:  # setting it lays the whole document out again, even to the same width
+            doc.setTextWidth(width)
         margins = self.contentsMargins()
         height = math.ceil(doc.size().height()) + margins.top() + margins.bottom()
         if height != self.height():
@@ -384,6 +392,7 @@ class MessageWidget(QFrame):
         self.body.code_copied.connect(self.copy_requested)
         layout.addWidget(self.body)
         self._content = ""
+        self._shown: tuple | None = None  # what set_message last showed
         self.alternatives = (1, 1)
         self.locked = False
         self.set_message(message)
@@ -427,6 +436,12 @@ class MessageWidget(QFrame):
     def set_message(self, message: Message, forgotten: bool = False, partly: bool = False,
                     seen: tuple[int, int] | None = None) -> None:
         """`seen`: for the message the model's window begins inside, (its tokens still seen, all its tokens)."""
+        # Every window change renders every bubble again; most show just what they did (a 200-message chat
+        # spent 30-60 ms of the GUI thread per send on that alone).
+        shown = (message.content, message.streaming, dict(message.meta), message.created, forgotten, partly, seen)
+        if shown == self._shown:
+            return
+        self._shown = shown
         self._content = message.content
         self.forgotten = forgotten
         markdown = message.role == "assistant"
@@ -606,7 +621,20 @@ class ChatView(QScrollArea):
         self.layout_.addWidget(self.marker)
         self.layout_.addStretch(1)
         self.setWidget(self.column)
-        self.widgets: list[MessageWidget] = []
+        self.widgets: list[MessageWidget] = []  # the bubbles of messages[top:], in order
+        self.top = 0  # messages before it have no bubble yet: a long chat's older messages, built a slice a tick
+        self._building = QTimer(self)
+        self._building.setSingleShot(True)
+        self._building.setInterval(0)
+        self._building.timeout.connect(self._build_slice)
+        # While bubbles are built above what is read, the bubble at the view's top stays where it is on screen.
+        self._anchor: tuple[MessageWidget, int] | None = None  # (that bubble, the view's offset from its top)
+        self._anchored = False
+        self._restoring = False  # the view is being put back at the anchor (not the user scrolling)
+        self._unanchor = QTimer(self)  # until the layout has placed the last slice
+        self._unanchor.setSingleShot(True)
+        self._unanchor.setInterval(200)
+        self._unanchor.timeout.connect(lambda: setattr(self, "_anchored", False))
         self.locked = False  # a reply is being written: no switching, editing or forking
         self._dirty: set[int] = set()
         self._refresh = QTimer(self)
@@ -645,30 +673,69 @@ class ChatView(QScrollArea):
     # --- model signals -----------------------------------------------------------------------------------------
 
     def _rebuild(self) -> None:
+        self._building.stop()
         for w in self.widgets:
             self.layout_.removeWidget(w)
             w.deleteLater()
         self.widgets = []
         self._dirty.clear()
         self._end_reveal()
-        for message in self.model.messages:
+        messages = self.model.messages
+        self.top = len(messages) - EAGER_MESSAGES if len(messages) > LAZY_FROM else 0
+        for message in messages[self.top:]:
             self._add_widget(message)
         self._stick = True
         self._place_marker()
-        self.empty.setVisible(not self.widgets)
+        self.empty.setVisible(not messages)
         self._update_jump()
         QTimer.singleShot(0, self.scroll_to_bottom)
+        if self.top:
+            self._anchored = True
+            self._building.start()
 
-    def _add_widget(self, message: Message) -> None:
+    def _build_slice(self) -> None:
+        """Builds the bubbles of older messages above those built, for about BUILD_SLICE_MS."""
+        start = time.perf_counter()
+        while self.top:
+            self.top -= 1
+            self._add_widget(self.model.messages[self.top], front=True)
+            if (time.perf_counter() - start) * 1e3 >= BUILD_SLICE_MS:
+                break
+        if self.top:
+            self._building.start()
+        else:
+            self._unanchor.start()
+        self._place_marker()
+
+    def build_all(self) -> None:
+        """Builds every bubble now (something needs an old message's bubble: a search hit, the marker)."""
+        self._building.stop()
+        while self.top:
+            self.top -= 1
+            self._add_widget(self.model.messages[self.top], front=True)
+        self._place_marker()
+
+    def widget(self, index: int) -> MessageWidget | None:
+        """Message `index`'s bubble (None: not built yet)."""
+        return self.widgets[index - self.top] if self.top <= index < self.top + len(self.widgets) else None
+
+    def _add_widget(self, message: Message, front: bool = False) -> None:
         w = MessageWidget(message)
         w.copy_requested.connect(self.copy_requested)
         # By the widget, not a fixed index: the index is looked up when asked, after any change above it.
-        w.switch_requested.connect(lambda step: self.switch_requested.emit(self.widgets.index(w), step))
-        w.edit_requested.connect(lambda: self.edit_requested.emit(self.widgets.index(w)))
-        w.fork_requested.connect(lambda: self.fork_requested.emit(self.widgets.index(w)))
-        # Messages sit before the stretch at the end; the marker moves between them.
-        self.layout_.insertWidget(self.layout_.count() - 1, w)
-        self.widgets.append(w)
+        w.switch_requested.connect(lambda step: self.switch_requested.emit(self._index(w), step))
+        w.edit_requested.connect(lambda: self.edit_requested.emit(self._index(w)))
+        w.fork_requested.connect(lambda: self.fork_requested.emit(self._index(w)))
+        if front:  # above the others, below the empty-chat label
+            self.layout_.insertWidget(1, w)
+            self.widgets.insert(0, w)
+            w.set_alternatives(*self.model.alternatives(self.top), self.locked)
+        else:  # before the stretch at the end; the marker moves between them
+            self.layout_.insertWidget(self.layout_.count() - 1, w)
+            self.widgets.append(w)
+
+    def _index(self, w: MessageWidget) -> int:
+        return self.top + self.widgets.index(w)
 
     def _on_appended(self, index: int) -> None:
         self._add_widget(self.model.messages[index])
@@ -682,10 +749,12 @@ class ChatView(QScrollArea):
             self._refresh.start()
 
     def _on_truncated(self, index: int) -> None:
-        for w in self.widgets[index:]:
+        if index < self.top:
+            self.build_all()
+        for w in self.widgets[index - self.top:]:
             self.layout_.removeWidget(w)
             w.deleteLater()
-        del self.widgets[index:]
+        del self.widgets[index - self.top:]
         self._dirty = {i for i in self._dirty if i < index}
         self.empty.setVisible(not self.widgets)
         self._place_marker()
@@ -693,10 +762,12 @@ class ChatView(QScrollArea):
     def _on_replaced(self, index: int) -> None:
         # Another branch from `index` on: its bubbles replace those below, rendered once (not once per message),
         # and the view stays where it is, at the message whose alternative was chosen.
-        for w in self.widgets[index:]:
+        if index < self.top:
+            self.build_all()
+        for w in self.widgets[index - self.top:]:
             self.layout_.removeWidget(w)
             w.deleteLater()
-        del self.widgets[index:]
+        del self.widgets[index - self.top:]
         self._dirty = {i for i in self._dirty if i < index}
         for message in self.model.messages[index:]:
             self._add_widget(message)
@@ -707,8 +778,7 @@ class ChatView(QScrollArea):
         dirty, self._dirty = self._dirty, set()
         start = time.perf_counter()
         for i in sorted(dirty):
-            if i < len(self.widgets):
-                self._render(i)
+            self._render(i)
         # A long reply costs more to lay out each time: render less often so the event loop stays free
         # (at most a fifth of the time goes to re-rendering a streaming reply).
         spent_ms = (time.perf_counter() - start) * 1e3
@@ -720,30 +790,35 @@ class ChatView(QScrollArea):
         self._flush()
 
     def _render(self, index: int) -> None:
+        w = self.widget(index)
+        if w is None:
+            return  # built later, from the message as it is then
         forgotten = index < self.model.forgotten()
-        self.widgets[index].set_message(self.model.messages[index], forgotten, self.model.partly_forgotten(index),
-                                        self.model.seen_of(index))
-        self.widgets[index].set_alternatives(*self.model.alternatives(index), self.locked)
+        w.set_message(self.model.messages[index], forgotten, self.model.partly_forgotten(index),
+                      self.model.seen_of(index))
+        w.set_alternatives(*self.model.alternatives(index), self.locked)
 
     def set_locked(self, locked: bool) -> None:
         """While a reply is being written nothing can switch branch, be edited or be forked."""
         self.locked = locked
-        for i in range(len(self.widgets)):
-            self.widgets[i].set_alternatives(*self.model.alternatives(i), locked)
+        for i, w in enumerate(self.widgets, self.top):
+            w.set_alternatives(*self.model.alternatives(i), locked)
 
     def _place_marker(self) -> None:
         n = self.model.forgotten()
         self.layout_.removeWidget(self.marker)
-        if 0 < n <= len(self.widgets):
+        # Above the first bubble only once every bubble above it is built.
+        if 0 < n <= self.top + len(self.widgets) and (n > self.top or not self.top):
             self.marker.set_counts(self.model.evicted, self.model.sinks, self.model.left_out)
             # Index in the layout: the empty label first, then the message widgets.
-            self.layout_.insertWidget(1 + n, self.marker)
+            self.layout_.insertWidget(1 + n - self.top, self.marker)
             self.marker.show()
         else:
             self.marker.set_counts(0, 0, False)
             self.layout_.insertWidget(self.layout_.count() - 1, self.marker)
             self.marker.hide()
-        for i in range(len(self.widgets)):
+        # Cheap for the bubbles whose window state did not change: set_message skips what it already shows.
+        for i in range(self.top, self.top + len(self.widgets)):
             self._render(i)
 
     # --- scrolling -----------------------------------------------------------------------------------------
@@ -751,14 +826,32 @@ class ChatView(QScrollArea):
     def _note_position(self, value: int) -> None:
         bar = self.verticalScrollBar()
         self._stick = value >= bar.maximum() - 24
+        if self._anchored and not self._stick and not self._restoring:
+            w = next((w for w in self.widgets if w.geometry().bottom() >= value), None)
+            self._anchor = (w, value - w.geometry().top()) if w else None
         self._update_jump()
 
     def _follow(self, _min: int, _max: int) -> None:
+        bar = self.verticalScrollBar()
         if self._revealing >= 0:
             self._show_revealed()
         elif self._stick:
-            self.verticalScrollBar().setValue(self.verticalScrollBar().maximum())
+            bar.setValue(bar.maximum())
+        elif self._anchored and self._anchor:
+            # Now, and again once the layout has moved the bubbles (their geometry may not be updated yet).
+            self._restore_anchor()
+            QTimer.singleShot(0, self._restore_anchor)
         self._update_jump()
+
+    def _restore_anchor(self) -> None:
+        if self._stick or not self._anchor or self._anchor[0] not in self.widgets:
+            return
+        w, offset = self._anchor
+        self._restoring = True
+        try:
+            self.verticalScrollBar().setValue(w.geometry().top() + offset)
+        finally:
+            self._restoring = False
 
     def _update_jump(self, *_: object) -> None:
         bar = self.verticalScrollBar()
@@ -790,22 +883,25 @@ class ChatView(QScrollArea):
 
     def reveal(self, index: int) -> None:
         """Scrolls message `index` into view and highlights it for a moment (a search hit was opened)."""
-        if not 0 <= index < len(self.widgets):
+        if not 0 <= index < len(self.model.messages):
             return
+        if index < self.top:
+            self.build_all()
         self._stick = False
         self._revealing = index
         self._reveal_end.start()
         self.flush()
-        self.widgets[index].flash()
+        self.widget(index).flash()
         # Now and once the layout has run: the bubbles' heights settle after they are first shown.
         self._show_revealed()
         QTimer.singleShot(0, self._show_revealed)
 
     def _show_revealed(self) -> None:
-        if 0 <= self._revealing < len(self.widgets):
+        w = self.widget(self._revealing)
+        if w is not None:
             # Its top a little below the view's top (the column is the bubbles' parent): a long message is
             # read from its start, and the one before it shows that this is the middle of a chat.
-            top = self.widgets[self._revealing].geometry().top()
+            top = w.geometry().top()
             self.verticalScrollBar().setValue(max(0, top - min(self.viewport().height() // 4, 80)))
 
     def _end_reveal(self) -> None:
@@ -814,6 +910,7 @@ class ChatView(QScrollArea):
 
     def scroll_to_marker(self) -> None:
         """Shows where the model's view begins: the marker between messages, else the note inside a message."""
+        self.build_all()
         if not self.marker.isHidden():
             self._stick = False
             self.ensureWidgetVisible(self.marker, 0, self.viewport().height() // 3)
@@ -835,7 +932,7 @@ class ChatView(QScrollArea):
         """Where the marker sits: the number of message bubbles above it (-1 when hidden)."""
         if self.marker.isHidden():
             return -1
-        return self.layout_.indexOf(self.marker) - 1
+        return self.top + self.layout_.indexOf(self.marker) - 1
 
 
 def copy_to_clipboard(text: str) -> None:
