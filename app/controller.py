@@ -435,6 +435,7 @@ class ChatController(QObject):
             return False
         copies = [Message(m.role, m.content, meta=dict(m.meta)) for m in self.chat.messages[: index + 1]]
         title = _title_from(f"{self.chat.title} (fork)")
+        prompt = self.prompts.chat_prompt  # the fork keeps the chat's own system prompt (None: the default)
         self._leave_current()
         self.chat.load(None, title, copies)
         self.turns.set_rows([])
@@ -448,7 +449,11 @@ class ChatController(QObject):
 
         self._write(conv_id, write)
         self.conversation_opened.emit()
-        self._sync_engine()
+        before = self.prompts.effective
+        if prompt is not None:
+            self.prompts.set_chat_prompt(prompt)
+        if self.prompts.effective == before:  # else the prompt's change has put the chat into the cache already
+            self._sync_engine()
         return True
 
     def _save_choice(self, node: Node[Message]) -> None:
@@ -684,7 +689,10 @@ class ChatController(QObject):
     # --- export --------------------------------------------------------------------------------------------
 
     def _pairs(self) -> list[tuple[str, str]]:
-        return [(m.role, m.content) for m in self.chat.messages if not m.streaming]
+        """The branch shown, after the system prompt the model is given for it (when there is one)."""
+        system = self.prompts.effective.strip()
+        return [("system", system)] * bool(system) + [(m.role, m.content) for m in self.chat.messages
+                                                      if not m.streaming]
 
     def chat_markdown(self) -> str:
         return to_markdown(self.chat.title, self._pairs())

@@ -178,3 +178,29 @@ def test_the_cache_bar_shows_the_chat_prompt_pinned_in_the_sinks(qtbot, tmp_path
     window.new_button.click()
     wait_idle(qtbot, window)
     assert bar.stats.pinned == 0 and bar.pinned_label() == "" and bar.height() == BAR_PX
+
+
+def test_a_fork_keeps_the_chat_prompt_and_the_export_writes_it(qtbot, tmp_path, tiny_pinning):
+    import json
+
+    data = tmp_path / "data"
+    write_settings(data, pin_system="true")
+    window = open_window(qtbot, data)
+    c = window.controller
+    send_text(qtbot, window, "Pirate chat")
+    c.prompts.set_chat_prompt(PIRATE)
+    wait_idle(qtbot, window)
+    c.export_chat(tmp_path / "chat.md", "markdown")
+    md = (tmp_path / "chat.md").read_text()
+    assert md.index("**System:**") < md.index(PIRATE) < md.index("**You:**")
+    c.export_chat(tmp_path / "chat.json", "json")
+    messages = json.loads((tmp_path / "chat.json").read_text())["messages"]
+    assert messages[0] == {"role": "system", "content": PIRATE} and messages[1]["content"] == "Pirate chat"
+
+    forked_from = c.chat.conversation_id
+    assert c.fork_chat(1)
+    wait_idle(qtbot, window)
+    assert c.chat.conversation_id != forked_from and c.prompts.chat_prompt == PIRATE
+    assert c.store.system_prompt(c.chat.conversation_id) == PIRATE
+    assert c.host.worker.session.messages[0] == {"role": "system", "content": PIRATE}
+    assert [m["content"] for m in c.host.worker.session.messages[1:]] == [m.content for m in c.chat.messages]
