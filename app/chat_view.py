@@ -23,11 +23,14 @@ from .models import ChatModel, Message
 
 REFRESH_MS = 40
 # A chat of more than LAZY_FROM messages opens with its last EAGER_MESSAGES built at once (more than a screen)
-# and the older ones built above them in slices of about BUILD_SLICE_MS (plus the layout pass that follows each,
-# 5-10 ms): a bubble lays its text out when built, 3-10 ms each, so 200 at once froze the window for seconds.
+# and the older ones built above them in slices of about BUILD_SLICE_MS every BUILD_EVERY_MS: a bubble lays its
+# text out when built, 3-10 ms each, so 200 at once froze the window for seconds. Each slice is followed by a
+# layout pass of the whole column (5-10 ms at 200 bubbles), and the gap between slices keeps input and painting
+# flowing (and leaves a core to the engine rebuilding the chat's cache meanwhile): the 200 are built in ~4 s.
 LAZY_FROM = 24
 EAGER_MESSAGES = 8
 BUILD_SLICE_MS = 4
+BUILD_EVERY_MS = 32
 FLASH_MS = 1600  # how long a revealed message (a search hit) stays highlighted
 COPIED_MS = 1500  # how long a code block's button says "Copied"
 # A code block's heading line (language and Copy button) is a block of its own, marked with this property so
@@ -394,6 +397,7 @@ class MessageWidget(QFrame):
         self._content = ""
         self._shown: tuple | None = None  # what set_message last showed
         self.alternatives = (1, 1)
+        self._switcher: tuple[int, int, bool] | None = None  # what set_alternatives last showed
         self.locked = False
         self.set_message(message)
 
@@ -424,6 +428,9 @@ class MessageWidget(QFrame):
     def set_alternatives(self, position: int, count: int, locked: bool) -> None:
         """Which of `count` alternatives this message is (the switcher shows only when there are several);
         `locked`: a reply is being written, so nothing can be switched, edited or forked now."""
+        if (position, count, locked) == self._switcher:
+            return  # every render of every bubble asks again: a long chat's send asked 200 times
+        self._switcher = (position, count, locked)
         self.alternatives, self.locked = (position, count), locked
         several = count > 1
         for w in (self.previous, self.position, self.next):
@@ -625,7 +632,7 @@ class ChatView(QScrollArea):
         self.top = 0  # messages before it have no bubble yet: a long chat's older messages, built a slice a tick
         self._building = QTimer(self)
         self._building.setSingleShot(True)
-        self._building.setInterval(0)
+        self._building.setInterval(BUILD_EVERY_MS)
         self._building.timeout.connect(self._build_slice)
         # While bubbles are built above what is read, the bubble at the view's top stays where it is on screen.
         self._anchor: tuple[MessageWidget, int] | None = None  # (that bubble, the view's offset from its top)
@@ -696,6 +703,7 @@ class ChatView(QScrollArea):
     def _build_slice(self) -> None:
         """Builds the bubbles of older messages above those built, for about BUILD_SLICE_MS."""
         start = time.perf_counter()
+        below = self.top
         while self.top:
             self.top -= 1
             self._add_widget(self.model.messages[self.top], front=True)
@@ -705,7 +713,9 @@ class ChatView(QScrollArea):
             self._building.start()
         else:
             self._unanchor.start()
-        self._place_marker()
+        for i in range(self.top, below):  # the new ones only: those below show their state already
+            self._render(i)
+        self._move_marker()
 
     def build_all(self) -> None:
         """Builds every bubble now (something needs an old message's bubble: a search hit, the marker)."""
@@ -805,6 +815,12 @@ class ChatView(QScrollArea):
             w.set_alternatives(*self.model.alternatives(i), locked)
 
     def _place_marker(self) -> None:
+        self._move_marker()
+        # Cheap for the bubbles whose window state did not change: set_message skips what it already shows.
+        for i in range(self.top, self.top + len(self.widgets)):
+            self._render(i)
+
+    def _move_marker(self) -> None:
         n = self.model.forgotten()
         self.layout_.removeWidget(self.marker)
         # Above the first bubble only once every bubble above it is built.
@@ -817,9 +833,6 @@ class ChatView(QScrollArea):
             self.marker.set_counts(0, 0, False)
             self.layout_.insertWidget(self.layout_.count() - 1, self.marker)
             self.marker.hide()
-        # Cheap for the bubbles whose window state did not change: set_message skips what it already shows.
-        for i in range(self.top, self.top + len(self.widgets)):
-            self._render(i)
 
     # --- scrolling -----------------------------------------------------------------------------------------
 
