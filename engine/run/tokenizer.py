@@ -21,7 +21,7 @@ import jinja2.ext
 import jinja2.utils
 from jinja2.exceptions import SecurityError, TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import Tokenizer as _HFTokenizer
+from tokenizers import Encoding, Tokenizer as _HFTokenizer
 
 from ..errors import ModelError
 from . import template_tail
@@ -467,9 +467,15 @@ class Tokenizer:
         with self._lock:
             self._tok.encode_special_tokens = not specials
             try:
-                return self._tok.encode(text, add_special_tokens=False).ids
+                return self._encode_one(text).ids
             finally:
                 self._tok.encode_special_tokens = False
+
+    def _encode_one(self, text: str) -> Encoding:
+        # encode_batch, not encode: the same pipeline and ids, but it lets go of the GIL while it works. A long
+        # chat's rendering is one ~250k-character run (80-170 ms); encode held the GIL through it, and the GUI
+        # thread stood still that long while the engine thread put the chat back into the cache.
+        return self._tok.encode_batch([text], add_special_tokens=False)[0]
 
     def _encode_pieces(self, pieces: list[tuple[str, bool]]) -> list[int]:
         # Only special tokens found inside template text become control ids. The text between them is encoded
@@ -483,7 +489,7 @@ class Tokenizer:
                 continue
             text = valid_text(text)
             with self._lock:
-                enc = self._tok.encode(text, add_special_tokens=False)
+                enc = self._encode_one(text)
             pos = 0
             for tid, (start, end) in zip(enc.ids, enc.offsets):
                 if tid in self._special_ids:
