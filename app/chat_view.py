@@ -428,10 +428,12 @@ class MessageWidget(QFrame):
     def set_alternatives(self, position: int, count: int, locked: bool) -> None:
         """Which of `count` alternatives this message is (the switcher shows only when there are several);
         `locked`: a reply is being written, so nothing can be switched, edited or forked now."""
-        if (position, count, locked) == self._switcher:
-            return  # every render of every bubble asks again: a long chat's send asked 200 times
-        self._switcher = (position, count, locked)
+        before, self._switcher = self._switcher, (position, count, locked)
         self.alternatives, self.locked = (position, count), locked
+        # Every render of every bubble asks again, and every send locks all of them: a long chat's send asked
+        # 200 times. A bubble without alternatives shows no switcher, so locking changes nothing it shows.
+        if before == self._switcher or (count == 1 and before is not None and before[1] == 1):
+            return
         several = count > 1
         for w in (self.previous, self.position, self.next):
             w.setVisible(several)
