@@ -74,6 +74,10 @@ def converse(base_url: str, model: str, turns: int, max_tokens: int) -> list[dic
                 timings = data.get("timings") or timings
         except Exception as e:  # a peer past its context fails here: count it, go on
             error = f"{type(e).__name__}: {str(e)[:120]}"
+        if error is None and first is None:
+            # llama.cpp's server past its context: 200 OK, then the stream ends without a token (its log has
+            # "Requested tokens exceed context window"); without streaming the same request is a 400.
+            error = "empty stream: no content"
         row_client = client_cost(messages, model) if turn in SHOWN else None
         rows.append({"turn": turn, "ttft_ms": round(((first or time.perf_counter()) - start) * 1e3, 1),
                      "client_ms": row_client,
@@ -150,6 +154,7 @@ def summary(rows: list[dict]) -> dict:
             # The same ratio less what the client spends building each request (see client_cost).
             out["last_over_turn_2_server"] = round((late - client[last]) / (early - client[2]), 2)
     out["errors"] = sum(1 for r in rows if r["error"])
+    out["answered"] = len(rows) - out["errors"]
     out["first_error_turn"] = next((r["turn"] for r in rows if r["error"]), None)
     return out
 
@@ -162,13 +167,18 @@ def main() -> int:
     p.add_argument("--start-timeout", type=float, default=900)
     p.add_argument("--json", default=None)
     p.add_argument("--no-peer", action="store_true")
+    p.add_argument("--peer-only", action="store_true",
+                   help="run only llama.cpp's server, keeping the Eddy rows of the --json file")
     args = p.parse_args()
 
     from engine.build.checkpoint import resolve_model
     from engine.config import BuildSettings
 
     results = {"machine": cpu_info(), "turns": args.turns, "max_tokens": args.max_tokens, "model": args.model}
-    results["eddy"] = {"rows": run_eddy(args)}
+    if args.peer_only:
+        results["eddy"] = json.loads(Path(args.json).read_text())["eddy"]
+    else:
+        results["eddy"] = {"rows": run_eddy(args)}
     results["eddy"]["summary"] = summary(results["eddy"]["rows"])
     source = resolve_model(args.model)
     if not args.no_peer and source.kind == "gguf":
