@@ -725,6 +725,7 @@ class ChatView(QScrollArea):
         while self.top:
             self.top -= 1
             self._add_widget(self.model.messages[self.top], front=True)
+        self._unanchor.start()
         self._place_marker()
 
     def widget(self, index: int) -> MessageWidget | None:
@@ -768,7 +769,7 @@ class ChatView(QScrollArea):
             w.deleteLater()
         del self.widgets[index - self.top:]
         self._dirty = {i for i in self._dirty if i < index}
-        self.empty.setVisible(not self.widgets)
+        self.empty.setVisible(not self.model.messages)
         self._place_marker()
 
     def _on_replaced(self, index: int) -> None:
@@ -783,7 +784,7 @@ class ChatView(QScrollArea):
         self._dirty = {i for i in self._dirty if i < index}
         for message in self.model.messages[index:]:
             self._add_widget(message)
-        self.empty.setVisible(not self.widgets)
+        self.empty.setVisible(not self.model.messages)
         self._place_marker()
 
     def _flush(self) -> None:
