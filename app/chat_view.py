@@ -499,7 +499,7 @@ class MessageWidget(QFrame):
         """Highlights the bubble for a moment (the message a search hit led to)."""
         self.flashing = True
         self.update()
-        QTimer.singleShot(FLASH_MS, self._unflash)
+        QTimer.singleShot(FLASH_MS, self, self._unflash)  # self: not once gone
 
     def _unflash(self) -> None:
         self.flashing = False
@@ -697,7 +697,7 @@ class ChatView(QScrollArea):
         self._place_marker()
         self.empty.setVisible(not messages)
         self._update_jump()
-        QTimer.singleShot(0, self.scroll_to_bottom)
+        QTimer.singleShot(0, self, self.scroll_to_bottom)
         if self.top:
             self._anchored = True
             self._building.start()
@@ -762,19 +762,21 @@ class ChatView(QScrollArea):
             self._refresh.start()
 
     def _on_truncated(self, index: int) -> None:
-        if index < self.top:
-            self.build_all()
-        for w in self.widgets[index - self.top:]:
-            self.layout_.removeWidget(w)
-            w.deleteLater()
-        del self.widgets[index - self.top:]
-        self._dirty = {i for i in self._dirty if i < index}
+        self._drop_from(index)
         self.empty.setVisible(not self.model.messages)
         self._place_marker()
 
     def _on_replaced(self, index: int) -> None:
         # Another branch from `index` on: its bubbles replace those below, rendered once (not once per message),
         # and the view stays where it is, at the message whose alternative was chosen.
+        self._drop_from(index)
+        for message in self.model.messages[index:]:
+            self._add_widget(message)
+        self.empty.setVisible(not self.model.messages)
+        self._place_marker()
+
+    def _drop_from(self, index: int) -> None:
+        """Removes the bubbles of messages `index` on (building those above first if `index` has none yet)."""
         if index < self.top:
             self.build_all()
         for w in self.widgets[index - self.top:]:
@@ -782,10 +784,6 @@ class ChatView(QScrollArea):
             w.deleteLater()
         del self.widgets[index - self.top:]
         self._dirty = {i for i in self._dirty if i < index}
-        for message in self.model.messages[index:]:
-            self._add_widget(message)
-        self.empty.setVisible(not self.model.messages)
-        self._place_marker()
 
     def _flush(self) -> None:
         dirty, self._dirty = self._dirty, set()
@@ -856,7 +854,7 @@ class ChatView(QScrollArea):
         elif self._anchored and self._anchor:
             # Now, and again once the layout has moved the bubbles (their geometry may not be updated yet).
             self._restore_anchor()
-            QTimer.singleShot(0, self._restore_anchor)
+            QTimer.singleShot(0, self, self._restore_anchor)
         self._update_jump()
 
     def _restore_anchor(self) -> None:
@@ -910,7 +908,7 @@ class ChatView(QScrollArea):
         self.widget(index).flash()
         # Now and once the layout has run: the bubbles' heights settle after they are first shown.
         self._show_revealed()
-        QTimer.singleShot(0, self._show_revealed)
+        QTimer.singleShot(0, self, self._show_revealed)
 
     def _show_revealed(self) -> None:
         w = self.widget(self._revealing)
