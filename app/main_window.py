@@ -508,7 +508,7 @@ class MainWindow(QMainWindow):
         s = info["settings"]
         sinks = cache.sinks or s["sinks"]
         pinned = f" ({cache.pinned} pinned)" if cache.pinned else ""
-        self.status_label.setText(f"{info['model']} · {s['dtype']} · {s['device']} · cache {sinks} sinks{pinned} + "
+        self.status_label.setText(f"{info['model']} · {s['dtype']} · {info.get('device', s['device'])} · cache {sinks} sinks{pinned} + "
                                   f"{s['window']} window · loaded in {info['seconds']:.1f} s")
 
     def _update_controls(self, *_: object) -> None:

@@ -14,7 +14,8 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDialog, QDialogButtonBox, 
                                QGroupBox, QHBoxLayout, QLabel, QLineEdit, QPlainTextEdit, QPushButton, QSpinBox,
                                QVBoxLayout, QWidget)
 
-from engine.config import DEVICES, DTYPES, PIN_SLOTS
+from engine.config import DTYPES, PIN_SLOTS
+from engine.gpu import device_choices
 from engine.run.generation import ChatDefaults, SamplingOverrides
 from engine.run.sampling import OPTIONS, Option
 
@@ -99,8 +100,11 @@ class SettingsDialog(QDialog):
         self.dtype.setCurrentText(build.dtype)
         self.dtype.setAccessibleName("Weight type")
         self.device = QComboBox()
-        self.device.addItems(DEVICES)
-        self.device.setCurrentText(build.device)
+        for name, label, available in device_choices():
+            self.device.addItem(label, name)
+            # A device this machine lacks is shown, not offered; a choice made elsewhere is kept.
+            self.device.model().item(self.device.count() - 1).setEnabled(available or name == build.device)
+        self.device.setCurrentIndex(max(0, self.device.findData(build.device)))
         self.device.setAccessibleName("Device")
         self.max_chunk = _spin(1, 4096, build.max_chunk, "Prefill chunk")
         self.max_chunk.setToolTip("Longest prefill call of the compiled module")
@@ -197,7 +201,7 @@ class SettingsDialog(QDialog):
     def value(self) -> AppSettings:
         c = self.current
         build = replace(c.build, sinks=self.sinks.value(), window=self.window.value(),
-                        dtype=self.dtype.currentText(), device=self.device.currentText(),
+                        dtype=self.dtype.currentText(), device=self.device.currentData(),
                         max_chunk=self.max_chunk.value())
         chat = replace(c.chat, max_new_tokens=self.max_new_tokens.value(), seed=self.seed.value(),
                        system_prompt=self.system_prompt.toPlainText().strip(), pin_system=self.pin_system.isChecked(),

@@ -48,7 +48,7 @@ class Origin:
 class EngineWorker(QObject):
     progress = Signal(str, float)
     progress_detail = Signal(str, str)  # stage, what it is at: right after each progress (the dialog shows it)
-    loaded = Signal(object)            # {"model", "folder", "settings", "seconds", "built", "cache", "chat_defaults"}
+    loaded = Signal(object)            # {"model", "folder", "settings", "device", "seconds", "built", "cache", "chat_defaults"}
     prefill = Signal(object, object)   # each engine event kind with its Origin
     prefill_progress = Signal(object, object)
     token = Signal(object, object)
@@ -104,6 +104,7 @@ class EngineWorker(QObject):
     @Slot(int, str, object, object)
     def load(self, seq: int, model: str, build: dict, chat: dict) -> None:
         from engine.config import BuildSettings
+        from engine.gpu import device_name, runnable
         from engine.loader import open_model
 
         def cancelled() -> bool:
@@ -124,7 +125,8 @@ class EngineWorker(QObject):
         start = time.perf_counter()
         try:
             _chat_settings(chat, None)  # a bad value fails before a long build
-            self._model = open_model(model or None, BuildSettings(**build), progress, cancelled)
+            settings, device_note = runnable(BuildSettings(**build))
+            self._model = open_model(model or None, settings, progress, cancelled)
             self._chat_settings = _chat_settings(chat, self._model.chat_defaults)
             self._session = self._model.chat(self._chat_settings)
         except EddyError as e:
@@ -143,6 +145,8 @@ class EngineWorker(QObject):
             "model": self._model.source.name if self._model.source else model,
             "folder": str(self._model.folder),
             "settings": engine.settings.to_dict(),
+            # What the status bar names: the GPU, or why a cuda choice runs on the CPU.
+            "device": device_name(engine.settings) + (f" ({device_note})" if device_note else ""),
             "seconds": round(time.perf_counter() - start, 2),
             "built": built,
             "cache": engine.stats,

@@ -7,6 +7,7 @@ import sys
 import threading
 from typing import TYPE_CHECKING, Sequence
 
+from .devices import CUDA_TARGETS
 from .config import DEVICES, DTYPES, KV_DTYPES, PIN_SLOTS, TARGET_CPUS, BuildSettings
 from .errors import EddyError
 from .events import Done, Error, Event, Prefill, PrefillProgress, Token
@@ -37,6 +38,9 @@ def _build_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default=d.kv_dtype,
                    help=f"KV cache type; 16 bits halve what attention reads over a long window (default {d.kv_dtype})")
     p.add_argument("--device", choices=DEVICES, default=d.device)
+    p.add_argument("--gpu-target", choices=CUDA_TARGETS, default=None,
+                   help="cuda device: the CUDA target to build for (default: this machine's GPU; name one to build "
+                        "for a GPU elsewhere: sm_89 for Ada and Hopper, sm_80 for Ampere)")
     p.add_argument("--target-cpu", choices=TARGET_CPUS, default=d.target_cpu,
                    help="cpu device: the CPU to compile for; host (default) is fastest but runs only on CPUs like "
                         "this one, x86-64-v3 (AVX2) is the portable choice for packages")
@@ -45,7 +49,7 @@ def _build_options(p: argparse.ArgumentParser) -> None:
 def _settings(a: argparse.Namespace) -> BuildSettings:
     max_sinks = a.max_sinks if a.max_sinks is not None else (PIN_SLOTS if getattr(a, "pin_system", False) else 0)
     return BuildSettings(sinks=a.sinks, window=a.window, dtype=a.dtype, device=a.device, target_cpu=a.target_cpu,
-                         max_sinks=max_sinks, kv_dtype=a.kv_dtype)
+                         max_sinks=max_sinks, kv_dtype=a.kv_dtype, gpu_target=a.gpu_target or "")
 
 
 def _progress_printer(quiet: bool) -> "Progress":
@@ -284,7 +288,10 @@ def _chat(args: argparse.Namespace) -> int:
         return 0
     interactive = sys.stdin.isatty()
     if interactive:
-        sys.stderr.write("Eddy — type a message, /reset for a new chat, /quit or Ctrl-D to leave.\n")
+        from .gpu import device_name
+
+        sys.stderr.write(f"Eddy on {device_name(model.engine.settings)} — type a message, /reset for a new chat, "
+                         f"/quit or Ctrl-D to leave.\n")
     while True:
         if interactive:
             sys.stderr.write("\n> ")

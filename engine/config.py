@@ -5,7 +5,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .arch import family
-from .devices import DEVICES
+from .devices import CUDA_TARGETS, DEVICES
 from .errors import ModelError
 
 DTYPES = ("f32", "f16", "bf16", "q8", "q4")
@@ -142,6 +142,8 @@ class BuildSettings:
     # system prompt's tokens all become sinks; slots not used as sinks stay empty.
     max_sinks: int = 0
     kv_dtype: str = "f32"  # see KV_DTYPES
+    # cuda only: the CUDA target (devices.CUDA_TARGETS); "" until engine.gpu.resolve_target takes it from the GPU.
+    gpu_target: str = ""
 
     def __post_init__(self) -> None:
         if self.sinks < 0 or self.window < 1:
@@ -156,6 +158,16 @@ class BuildSettings:
             raise ValueError(f"device must be one of {', '.join(DEVICES)} (got {self.device!r})")
         if self.target_cpu not in TARGET_CPUS:
             raise ValueError(f"target CPU must be one of {', '.join(TARGET_CPUS)} (got {self.target_cpu!r})")
+        if self.gpu_target and self.gpu_target not in CUDA_TARGETS:
+            raise ValueError(f"GPU target must be one of {', '.join(CUDA_TARGETS)} (got {self.gpu_target!r}); "
+                             f"Hopper GPUs (sm_90) run sm_89 code")
+        if self.gpu_target and self.device != "cuda":
+            raise ValueError(f"a GPU target is for the cuda device (got device {self.device!r})")
+
+    @property
+    def target(self) -> str:
+        """What the device's compiler is told to build for: the CPU, or the CUDA target."""
+        return self.gpu_target if self.device == "cuda" else self.target_cpu
 
     @property
     def capacity(self) -> int:

@@ -13,24 +13,37 @@ class Device:
     name: str
     driver: str  # iree.runtime driver that runs the module
     flags: tuple[str, ...]  # iree-compile flags that target it
+    target_flag: str = ""  # the flag that names the chip, its value the build's target (BuildSettings.target)
+    default_target: str = ""  # "": a build must name one
 
 
-_CPU_TARGET_FLAG = "--iree-llvmcpu-target-cpu="
+# The CUDA targets iree-compile 3.13 knows by name: it has no sm_90 or sm_100 (their names give "missing GPU
+# target"). A GPU gets the newest one not newer than itself; its PTX is compiled for the GPU by the driver at
+# load, so Hopper (9.0) runs sm_89 code.
+CUDA_TARGETS = ("sm_60", "sm_61", "sm_62", "sm_70", "sm_72", "sm_75", "sm_80", "sm_86", "sm_87", "sm_89",
+                "sm_120", "sm_121")
+
+
+def cuda_target_for(major: int, minor: int) -> str:
+    """The CUDA target to build for a GPU of compute capability major.minor."""
+    fits = [t for t in CUDA_TARGETS if int(t[3:]) <= major * 10 + minor]
+    if not fits:
+        raise ValueError(f"GPUs of compute capability {major}.{minor} are older than any CUDA target IREE builds for")
+    return fits[-1]
+
 
 TABLE: dict[str, Device] = {d.name: d for d in (
     Device("cpu", "local-task", (
         "--iree-hal-target-device=local",
         "--iree-hal-local-target-device-backends=llvm-cpu",
-        _CPU_TARGET_FLAG + "host",
         # The llvm-cpu defaults prefill ~8x slower: data tiling with microkernels is what makes it fast
         # (data tiling without microkernels is slower than the defaults).
         "--iree-opt-level=O3",
         "--iree-opt-data-tiling",
         "--iree-llvmcpu-enable-ukernels=all",
-    )),
+    ), "--iree-llvmcpu-target-cpu=", "host"),
     Device("vulkan", "vulkan", ("--iree-hal-target-device=vulkan", "--iree-vulkan-target=host")),
-    # iree-compile 3.13 does not know sm_90 by name; sm_89 code runs on Hopper too.
-    Device("cuda", "cuda", ("--iree-hal-target-device=cuda", "--iree-cuda-target=sm_89")),
+    Device("cuda", "cuda", ("--iree-hal-target-device=cuda",), "--iree-cuda-target="),
 )}
 DEVICES = tuple(TABLE)
 
@@ -40,6 +53,12 @@ def driver(device: str) -> str:
     return TABLE[device].driver
 
 
-def compile_flags(device: str, target_cpu: str = "host") -> list[str]:
-    """iree-compile flags for a device; on cpu, `target_cpu` replaces "host" (portable packages)."""
-    return [_CPU_TARGET_FLAG + target_cpu if f.startswith(_CPU_TARGET_FLAG) else f for f in TABLE[device].flags]
+def compile_flags(device: str, target: str = "") -> list[str]:
+    """iree-compile flags for a device and its target: a CPU ("host", "x86-64-v3") or a CUDA target ("sm_89")."""
+    row = TABLE[device]
+    if not row.target_flag:
+        return list(row.flags)
+    target = target or row.default_target
+    if not target:
+        raise ValueError(f"a {device} build needs a target (--gpu-target)")
+    return [*row.flags, row.target_flag + target]

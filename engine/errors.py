@@ -23,3 +23,7 @@ class BuildCancelled(EddyError):
 
 class DiskSpaceError(ArtefactError):
     """The disk lacks room for a build (checked before it starts) or filled up during it."""
+
+
+class DeviceError(EddyError):
+    """The device a model is built or run for is not there (no GPU, or an older one than the build's)."""

@@ -37,7 +37,7 @@ def load_artefacts(folder: Path) -> tuple[CompiledModule, ModelConfig, BuildSett
     """Opens a built artefact folder (checked against its manifest)."""
     manifest = read_manifest(folder)
     settings = BuildSettings(**manifest["settings"])
-    return CompiledModule(folder, settings.device), ModelConfig(**manifest["config"]), settings
+    return CompiledModule(folder, settings), ModelConfig(**manifest["config"]), settings
 
 
 def open_folder(folder: Path, source: ModelSource | None = None) -> LoadedModel:

@@ -262,3 +262,31 @@ def test_a_restarted_window_comes_back_with_its_geometry_splitter_and_chat(qtbot
     assert second.controller.chat.conversation_id == older and second.controller.chat.title == "Older"
     assert second.windowTitle().startswith("Older")
     assert second._selected_conversation() == older  # and highlighted in the list
+
+
+def test_a_cuda_choice_runs_on_the_gpu_or_on_the_cpu_saying_why(qtbot, tmp_path, tiny):
+    from app.settings_dialog import SettingsDialog
+    from engine.gpu import cuda_gpus
+
+    write_settings(tmp_path, device="cuda")
+    window = open_window(qtbot, tmp_path)
+    status = window.status_label.text()
+    gpus = cuda_gpus()
+    if gpus:
+        assert f"cuda · {gpus[0].name}" in status
+    else:
+        # The tests' CPU build answers; the status bar names the CPU and why the GPU was not used.
+        assert " · cpu (cuda chosen, but " in status, status
+        assert window.controller.model_info["settings"]["device"] == "cpu"
+        send_text(qtbot, window, "Hello")
+        assert last_reply(window)
+    dialog = SettingsDialog(window.controller.settings, window)
+    combo = dialog.device
+    cuda = combo.findData("cuda")
+    assert combo.currentIndex() == cuda  # the choice is kept for when a GPU is there
+    assert combo.model().item(cuda).isEnabled()  # (chosen, so still selectable)
+    assert dialog.value().build.device == "cuda"
+    combo.setCurrentIndex(combo.findData("cpu"))
+    assert dialog.value().build.device == "cpu"
+    if not gpus:
+        assert "no NVIDIA GPU" in combo.itemText(cuda)

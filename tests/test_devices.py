@@ -16,7 +16,8 @@ def test_one_device_table_feeds_config_cli_and_runtime():
     assert devices.driver("cpu") == "local-task"
     for name in DEVICES:
         BuildSettings(device=name)  # every row is a valid build setting
-        assert any(f.startswith("--iree-hal-target-device=") for f in devices.compile_flags(name))
+        flags = devices.compile_flags(name, "sm_89" if name == "cuda" else "")
+        assert any(f.startswith("--iree-hal-target-device=") for f in flags)
 
 
 def test_export_code_hash_covers_model_export_and_compile_flags():

@@ -262,7 +262,11 @@ def ensure_artefacts(source: "ModelSource", settings: BuildSettings,
                      should_cancel: Callable[[], bool] | None = None) -> Path:
     """The folder of a valid entry, building it first if it is missing, stale or damaged.
 
-    A build is refused before it starts (DiskSpaceError) when the disk lacks room for it."""
+    A build is refused before it starts (DiskSpaceError) when the disk lacks room for it. A cuda build with no
+    target named is built for this machine's GPU (DeviceError when it has none)."""
+    from ..gpu import resolve_target
+
+    settings = resolve_target(settings)
     folder = artefact_dir(source, settings)
     try:
         read_manifest(folder)

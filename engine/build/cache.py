@@ -71,7 +71,10 @@ def settings_summary(settings: dict) -> str:
         parts.append(f"chunk {s['max_chunk']}")
     if s["kv_dtype"] != d["kv_dtype"]:
         parts.append(f"KV cache {s['kv_dtype']}")
-    parts.append(str(s["device"]) if s["target_cpu"] == "host" or s["device"] != "cpu" else f"cpu {s['target_cpu']}")
+    if s["device"] == "cuda":
+        parts.append(f"cuda {s['gpu_target']}".strip())
+    else:
+        parts.append(str(s["device"]) if s["target_cpu"] == "host" or s["device"] != "cpu" else f"cpu {s['target_cpu']}")
     return ", ".join(parts)
 
 

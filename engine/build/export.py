@@ -97,11 +97,11 @@ def zero_init_cache(mlir: str) -> str:
 
 
 def compile_mlir(mlir_path: Path, vmfb_path: Path, device: str, progress: Progress,
-                 should_cancel: Callable[[], bool], expected_s: float, target_cpu: str = "host") -> None:
+                 should_cancel: Callable[[], bool], expected_s: float, target: str = "") -> None:
     """Runs iree-compile in a subprocess: it can be cancelled, and a crash cannot take the app down."""
     from iree.compiler.tools.binaries import find_tool
 
-    cmd = [find_tool("iree-compile"), str(mlir_path), "-o", str(vmfb_path), *compile_flags(device, target_cpu)]
+    cmd = [find_tool("iree-compile"), str(mlir_path), "-o", str(vmfb_path), *compile_flags(device, target)]
     with tempfile.TemporaryFile() as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         start = time.perf_counter()
@@ -188,7 +188,7 @@ def build(source: "ModelSource", cfg: ModelConfig, settings: BuildSettings, out_
         report(name, fraction, compile_detail(time.perf_counter() - t, expected))
 
     compile_mlir(mlir_path, out_dir / "module.vmfb", settings.device, compiling, cancelled, expected,
-                 settings.target_cpu)
+                 settings.target)
     mlir_path.unlink()
     times["compile"] = time.perf_counter() - t
     report("done", 1.0, "")

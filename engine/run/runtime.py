@@ -16,7 +16,8 @@ from . import rope
 from ..config import BuildSettings, ModelConfig
 from ..events import CacheStats
 from ..devices import driver
-from ..errors import ArtefactError
+from ..errors import ArtefactError, DeviceError
+from ..gpu import check_runnable
 
 EMPTY_SLOT = 2**62  # must equal engine.build.model.EMPTY_SLOT: later than every token, so always masked
 
@@ -24,14 +25,21 @@ EMPTY_SLOT = 2**62  # must equal engine.build.model.EMPTY_SLOT: later than every
 class CompiledModule:
     """The .vmfb and its .irpa loaded into one IREE context; the KV cache lives in the module's globals."""
 
-    def __init__(self, folder: Path, device: str = "cpu") -> None:
+    def __init__(self, folder: Path, settings: BuildSettings | None = None) -> None:
         vmfb, irpa = folder / "module.vmfb", folder / "weights.irpa"
         for f in (vmfb, irpa):
             if not f.is_file():
                 raise ArtefactError(f"compiled artefact missing: {f}")
+        settings = settings or BuildSettings()
+        device = settings.device
+        if device == "cuda":
+            check_runnable(settings)  # a sentence naming what is missing, before IREE's status code
+        try:
+            self.device = rt.get_device(driver(device))
+        except RuntimeError as e:  # a driver IREE cannot start (no Vulkan loader, a CUDA driver too old)
+            raise DeviceError(f"cannot open the {device} device: {e}") from e
         try:
             self.instance = rt.VmInstance()
-            self.device = rt.get_device(driver(device))
             index = rt.ParameterIndex()
             index.load(str(irpa))
             params = rt.create_io_parameters_module(self.instance, index.create_provider(scope="model"))

@@ -1,0 +1,132 @@
+"""Which NVIDIA GPUs this machine has, asked of the CUDA driver library itself. Torch-free, Qt-free.
+
+The build takes its CUDA target from here when none is given (`--gpu-target`), and the runtime checks that a
+module built for a GPU has one to run on before IREE is asked, so a missing GPU gets a sentence, not IREE's
+status code. libcuda ships with the driver: where it cannot be loaded there is no usable GPU either.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+from dataclasses import dataclass, replace
+from functools import lru_cache
+
+from .config import BuildSettings
+from .devices import cuda_target_for
+from .errors import DeviceError
+
+_CC_MAJOR, _CC_MINOR = 75, 76  # CUdevice_attribute: CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR/_MINOR
+
+
+@dataclass(frozen=True)
+class Gpu:
+    name: str
+    major: int  # compute capability
+    minor: int
+    memory: int  # bytes
+
+    @property
+    def compute_capability(self) -> str:
+        return f"{self.major}.{self.minor}"
+
+    @property
+    def target(self) -> str:
+        """The iree-compile CUDA target its code is built for."""
+        return cuda_target_for(self.major, self.minor)
+
+
+@lru_cache(maxsize=1)
+def probe() -> tuple[tuple[Gpu, ...], str]:
+    """The GPUs, and why there are none when there are none. Asked once per process: cuInit is not free."""
+    names = ["libcuda.so.1", "libcuda.so", ctypes.util.find_library("cuda") or ""]
+    lib = None
+    for name in filter(None, names):
+        try:
+            lib = ctypes.CDLL(name)
+            break
+        except OSError:
+            continue
+    if lib is None:
+        return (), "the NVIDIA driver library (libcuda) is not installed"
+    count, device = ctypes.c_int(), ctypes.c_int()
+    status = lib.cuInit(0)
+    if status != 0:
+        return (), f"the NVIDIA driver found no usable GPU (cuInit: error {status})"
+    if lib.cuDeviceGetCount(ctypes.byref(count)) != 0 or count.value == 0:
+        return (), "the NVIDIA driver reports no GPU"
+    gpus = []
+    for index in range(count.value):
+        name, major, minor, memory = ctypes.create_string_buffer(256), ctypes.c_int(), ctypes.c_int(), ctypes.c_size_t()
+        if lib.cuDeviceGet(ctypes.byref(device), index) != 0:
+            continue
+        lib.cuDeviceGetName(name, len(name), device)
+        lib.cuDeviceGetAttribute(ctypes.byref(major), _CC_MAJOR, device)
+        lib.cuDeviceGetAttribute(ctypes.byref(minor), _CC_MINOR, device)
+        lib.cuDeviceTotalMem_v2(ctypes.byref(memory), device)
+        gpus.append(Gpu(name.value.decode(errors="replace"), major.value, minor.value, memory.value))
+    return tuple(gpus), "" if gpus else "the NVIDIA driver reports no GPU"
+
+
+def cuda_gpus() -> tuple[Gpu, ...]:
+    return probe()[0]
+
+
+def resolve_target(settings: BuildSettings) -> BuildSettings:
+    """The settings with the CUDA target filled in from this machine's first GPU when the user gave none.
+
+    The artefact key covers the target, so it must be known before a build is looked up."""
+    if settings.device != "cuda" or settings.gpu_target:
+        return settings
+    gpus, why = probe()
+    if not gpus:
+        raise DeviceError(f"Cannot build for the cuda device: {why}. To build for a GPU on another machine, "
+                          f"name its target, e.g. --gpu-target sm_89 (Ada and Hopper GPUs) or sm_80 (Ampere).")
+    return replace(settings, gpu_target=gpus[0].target)
+
+
+def check_runnable(settings: BuildSettings) -> Gpu:
+    """The GPU a cuda build will run on; DeviceError saying what is missing when it cannot run here."""
+    gpus, why = probe()
+    if not gpus:
+        raise DeviceError(f"This model was built for an NVIDIA GPU (cuda, {settings.gpu_target or 'no target'}), "
+                          f"and this machine cannot run it: {why}. Choose the cpu device in Settings "
+                          f"(or --device cpu) to run it on the processor.")
+    gpu = gpus[0]
+    built_for = int(settings.gpu_target[3:]) if settings.gpu_target.startswith("sm_") else 0
+    if built_for > gpu.major * 10 + gpu.minor:
+        raise DeviceError(f"This model was built for {settings.gpu_target} GPUs, newer than this {gpu.name} "
+                          f"(compute capability {gpu.compute_capability}). Rebuild it with --gpu-target {gpu.target}.")
+    return gpu
+
+
+def device_name(settings: BuildSettings) -> str:
+    """What the status bar calls the device a model runs on: "cpu", or "cuda · NVIDIA H200"."""
+    if settings.device != "cuda":
+        return settings.device
+    gpus = cuda_gpus()
+    return f"cuda · {gpus[0].name}" if gpus else "cuda"
+
+
+def runnable(settings: BuildSettings) -> tuple[BuildSettings, str]:
+    """The settings a chat app runs with here: a cuda choice falls back to the CPU on a machine without a GPU
+    (the choice stays in Settings for when one is there), with the reason to show; other choices are kept."""
+    if settings.device != "cuda":
+        return settings, ""
+    gpus, why = probe()
+    if gpus:
+        return settings, ""
+    return replace(settings, device="cpu", gpu_target=""), f"cuda chosen, but {why}"
+
+
+def device_choices() -> list[tuple[str, str, bool]]:
+    """(device, label, available) for a Settings list: the GPU named where there is one."""
+    from .devices import DEVICES
+
+    gpus, why = probe()
+    out = []
+    for name in DEVICES:
+        if name == "cuda":
+            out.append((name, f"cuda · {gpus[0].name}" if gpus else "cuda (no NVIDIA GPU here)", bool(gpus)))
+        else:
+            out.append((name, name, True))
+    return out
