@@ -346,6 +346,7 @@ class MessageWidget(QFrame):
     copy_requested = Signal(str)
     switch_requested = Signal(int)  # -1: the previous alternative, +1: the next
     edit_requested = Signal()
+    regenerate_requested = Signal()
     fork_requested = Signal()
 
     def __init__(self, message: Message, parent: QWidget | None = None) -> None:
@@ -416,6 +417,9 @@ class MessageWidget(QFrame):
         if self.role == "user":
             edit = menu.addAction("Edit message…", self.edit_requested.emit)
             edit.setEnabled(not self.locked)
+        else:
+            again = menu.addAction("Regenerate reply", self.regenerate_requested.emit)
+            again.setEnabled(not self.locked)
         fork = menu.addAction("Fork chat here", self.fork_requested.emit)
         fork.setEnabled(not self.locked)
 
@@ -605,6 +609,7 @@ class ChatView(QScrollArea):
     copy_requested = Signal(str)
     switch_requested = Signal(int, int)  # message index, step (-1 / +1)
     edit_requested = Signal(int)         # message index
+    regenerate_requested = Signal(int)   # message index of the reply
     fork_requested = Signal(int)         # message index
 
     def __init__(self, model: ChatModel, parent: QWidget | None = None) -> None:
@@ -738,6 +743,7 @@ class ChatView(QScrollArea):
         # By the widget, not a fixed index: the index is looked up when asked, after any change above it.
         w.switch_requested.connect(lambda step: self.switch_requested.emit(self._index(w), step))
         w.edit_requested.connect(lambda: self.edit_requested.emit(self._index(w)))
+        w.regenerate_requested.connect(lambda: self.regenerate_requested.emit(self._index(w)))
         w.fork_requested.connect(lambda: self.fork_requested.emit(self._index(w)))
         if front:  # above the others, below the empty-chat label
             self.layout_.insertWidget(1, w)

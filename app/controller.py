@@ -371,15 +371,21 @@ class ChatController(QObject):
         if seq == self._count_seq:
             self.draft.set_tokens(tokens)
 
-    def regenerate(self) -> bool:
-        """Answers the last user message again: the new reply is shown, the earlier ones stay as its
-        alternatives."""
+    def regenerate(self, index: int | None = None) -> bool:
+        """Answers the user message before reply `index` (default: the last reply) again: the new reply is
+        shown, the earlier ones stay as its alternatives, each with the branch that went on from it."""
         msgs = self.chat.messages
-        if not self.can_send or len(msgs) < 2 or msgs[-1].role != "assistant" or msgs[-2].role != "user":
+        index = len(msgs) - 1 if index is None else index
+        if (not self.can_send or not 1 <= index < len(msgs) or msgs[index].role != "assistant"
+                or msgs[index - 1].role != "user"):
             return False
-        user = len(msgs) - 2
+        user = index - 1
+        text = msgs[user].content
+        # The last reply is decoded again from the cache as it is; an earlier one first takes the cache back
+        # to its user message (a rewind when the cache still holds it, else a rebuild, as a branch switch).
+        ticket = self.host.regenerate() if index == len(msgs) - 1 else self.host.answer_from(self.chat.history(user), text)
         self.chat.update(user, pending=True)
-        self._start_turn(self.host.regenerate(), user, msgs[user].content, regenerate=True)
+        self._start_turn(ticket, user, text, regenerate=True)
         return True
 
     def last_user_text(self) -> str | None:

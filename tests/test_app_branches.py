@@ -177,6 +177,34 @@ def test_editing_a_middle_message_branches_and_the_old_branch_stays(qtbot, tmp_p
     assert [(m.role, m.content) for m in c.store.messages(conv)] == before
 
 
+def test_regenerating_an_earlier_reply_makes_it_an_alternative_with_its_branch_kept(qtbot, tmp_path, tiny):
+    write_settings(tmp_path / "data", max_new_tokens=6, temperature=1.0)  # sampled: a reply of its own
+    window = open_window(qtbot, tmp_path / "data")
+    c = window.controller
+    for text in ("First question", "Second question", "Third question"):
+        send_text(qtbot, window, text)
+    before = shown(window)
+    window.chat_view.flush()
+    menu = QMenu()
+    window.chat_view.widgets[0].fill_menu(menu)
+    assert "Regenerate reply" not in [a.text() for a in menu.actions()]  # a user message has Edit instead
+    with qtbot.waitSignal(c.turn_finished, timeout=TURN_TIMEOUT_MS) as blocker:
+        menu_action(window, 3, "Regenerate reply")  # the second reply
+    again = blocker.args[0]
+    window.chat_view.flush()
+    # The chat now ends with the new second reply; the turn fed the second question again after the first reply.
+    assert shown(window)[:3] == before[:3] and len(c.chat.messages) == 4 and switcher(window, 3) == "2/2"
+    begin, end = c.chat.messages[2].span
+    assert begin == c.chat.messages[1].span[1] and again.prefill_tokens == end - begin
+    assert session_conversation(window) == shown(window)
+    conv = c.chat.conversation_id
+    assert [(m.role, m.content) for m in c.store.messages(conv)] == shown(window)
+    # The old reply is one click away, with the third question and its reply after it.
+    switch(qtbot, window, 3, -1)
+    assert shown(window) == before and switcher(window, 3) == "1/2"
+    assert session_conversation(window) == before[c.host.worker._session.dropped:]  # what fits the tiny window
+
+
 def test_fork_copies_the_chat_up_to_a_message_into_a_new_chat(qtbot, tmp_path, tiny):
     write_settings(tmp_path / "data", max_new_tokens=6)  # two turns that fit the window
     window = open_window(qtbot, tmp_path / "data")
