@@ -3,7 +3,7 @@ client's own clock, as a client that resends the whole conversation every reques
 conversation against llama.cpp's server (llama-cpp-python's `python -m llama_cpp.server`) on the same GGUF
 with a context the size of Eddy's cache, when llama_cpp is installed.
 
-    python bench/serve.py [--turns 200] [--max-tokens 24] [--json docs/benchmarks/serve.json]
+    python bench/serve.py [--turns 200] [--max-tokens 24] [--wire] [--json docs/benchmarks/serve.json]
 
 Each turn is one streamed request with greedy decoding; the TTFT is from sending the request to the first
 content chunk. The table gives turns 1, 2, 10, 50, 100, 200 (the summary: medians of the five turns around each) and the
@@ -50,7 +50,16 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
     raise RuntimeError(f"{url} did not answer in {timeout:.0f} s")
 
 
-def converse(base_url: str, model: str, turns: int, max_tokens: int) -> list[dict]:
+def request_messages(messages: list[dict], wire: bool) -> dict:
+    """The messages argument of `create`. With `wire`, the already wire-format messages go in `extra_body`, which
+    the client merges into the JSON after its request transform: the body is byte for byte the same (the slot
+    stays in place, empty), but the client no longer walks every message against its parameter types with the
+    GIL held, a cost that grows with the conversation (about 150 ms at 400 messages here) and that no server
+    can save. The workaround hermes-agent and litellm use (NousResearch/hermes-agent#111723, BerriAI/litellm#29769)."""
+    return {"messages": [], "extra_body": {"messages": messages}} if wire else {"messages": messages}
+
+
+def converse(base_url: str, model: str, turns: int, max_tokens: int, wire: bool = False) -> list[dict]:
     from openai import OpenAI
 
     client = OpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=600)
@@ -62,8 +71,8 @@ def converse(base_url: str, model: str, turns: int, max_tokens: int) -> list[dic
         first = None
         text, timings, error = [], {}, None
         try:
-            stream = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
-                                                    temperature=0, stream=True)
+            stream = client.chat.completions.create(model=model, max_tokens=max_tokens, temperature=0, stream=True,
+                                                    **request_messages(messages, wire))
             for chunk in stream:
                 data = chunk.to_dict()
                 delta = (data.get("choices") or [{}])[0].get("delta", {}).get("content")
@@ -78,7 +87,7 @@ def converse(base_url: str, model: str, turns: int, max_tokens: int) -> list[dic
             # llama.cpp's server past its context: 200 OK, then the stream ends without a token (its log has
             # "Requested tokens exceed context window"); without streaming the same request is a 400.
             error = "empty stream: no content"
-        row_client = client_cost(messages, model) if turn in SHOWN else None
+        row_client = client_cost(messages, model, wire) if turn in SHOWN else None
         rows.append({"turn": turn, "ttft_ms": round(((first or time.perf_counter()) - start) * 1e3, 1),
                      "client_ms": row_client,
                      "error": error, "prompt_n": timings.get("prompt_n"), "cache_n": timings.get("cache_n"),
@@ -87,9 +96,9 @@ def converse(base_url: str, model: str, turns: int, max_tokens: int) -> list[dic
     return rows
 
 
-def client_cost(messages: list[dict], model: str) -> float:
-    """What the openai client itself spends before a request leaves (it walks every message), timed against a
-    port nobody listens on: the part of the client's TTFT no server can save."""
+def client_cost(messages: list[dict], model: str, wire: bool = False) -> float:
+    """What the openai client itself spends before a request leaves (it walks every message unless `wire`),
+    timed against a port nobody listens on: the part of the client's TTFT no server can save."""
     from openai import OpenAI
 
     dead = OpenAI(base_url=f"http://127.0.0.1:{free_port()}/v1", api_key="none", max_retries=0, timeout=5)
@@ -97,7 +106,8 @@ def client_cost(messages: list[dict], model: str) -> float:
     for _ in range(3):
         start = time.perf_counter()
         try:
-            dead.chat.completions.create(model=model, messages=messages, max_tokens=1, temperature=0, stream=True)
+            dead.chat.completions.create(model=model, max_tokens=1, temperature=0, stream=True,
+                                         **request_messages(messages, wire))
         except Exception:
             pass
         best = min(best, (time.perf_counter() - start) * 1e3)
@@ -110,7 +120,7 @@ def run_eddy(args: argparse.Namespace) -> list[dict]:
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         wait_ready(f"http://127.0.0.1:{port}/health", proc, args.start_timeout)
-        return converse(f"http://127.0.0.1:{port}/v1", args.model, args.turns, args.max_tokens)
+        return converse(f"http://127.0.0.1:{port}/v1", args.model, args.turns, args.max_tokens, args.wire)
     finally:
         proc.terminate()
         proc.wait(30)
@@ -127,7 +137,7 @@ def run_llama(args: argparse.Namespace, gguf: Path, n_ctx: int) -> list[dict] | 
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_ready(f"http://127.0.0.1:{port}/v1/models", proc, args.start_timeout)
-        return converse(f"http://127.0.0.1:{port}/v1", "local", args.turns, args.max_tokens)
+        return converse(f"http://127.0.0.1:{port}/v1", "local", args.turns, args.max_tokens, args.wire)
     finally:
         proc.terminate()
         proc.wait(30)
@@ -167,6 +177,8 @@ def main() -> int:
     p.add_argument("--start-timeout", type=float, default=900)
     p.add_argument("--json", default=None)
     p.add_argument("--no-peer", action="store_true")
+    p.add_argument("--wire", action="store_true",
+                   help="pass the messages through the client's extra_body (the same bytes, without its transform)")
     p.add_argument("--peer-only", action="store_true",
                    help="run only llama.cpp's server, keeping the Eddy rows of the --json file")
     args = p.parse_args()
@@ -174,7 +186,8 @@ def main() -> int:
     from engine.build.checkpoint import resolve_model
     from engine.config import BuildSettings
 
-    results = {"machine": cpu_info(), "turns": args.turns, "max_tokens": args.max_tokens, "model": args.model}
+    results = {"machine": cpu_info(), "turns": args.turns, "max_tokens": args.max_tokens, "model": args.model,
+               "client_messages": "extra_body (no client transform)" if args.wire else "typed"}
     if args.peer_only:
         results["eddy"] = json.loads(Path(args.json).read_text())["eddy"]
     else:
