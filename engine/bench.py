@@ -45,11 +45,15 @@ def _decode_rate(engine, logits: np.ndarray, n: int) -> tuple[float, np.ndarray]
 
 def _cold_start(model: str | None, settings: BuildSettings) -> float:
     """Seconds from spawning `eddy chat --prompt` (artefacts warm) to its first token event."""
+    from .cli import build_arguments
+
     cmd = [sys.executable, "-m", "engine.cli", "chat", "--prompt", "Hi", "--json", "--max-new-tokens", "4",
-           "--sinks", str(settings.sinks), "--window", str(settings.window), "--dtype", settings.dtype]
+           *build_arguments(settings)]
     if model:
         cmd += ["--model", model]
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    # The repository first, and whatever else the caller's path held (a runtime installed with --target).
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
+                                                                  os.environ.get("PYTHONPATH", "")])))
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
     first = None

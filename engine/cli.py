@@ -52,6 +52,14 @@ def _settings(a: argparse.Namespace) -> BuildSettings:
                          max_sinks=max_sinks, kv_dtype=a.kv_dtype, gpu_target=a.gpu_target or "")
 
 
+def build_arguments(settings: BuildSettings) -> list[str]:
+    """The command-line flags that give `settings` (the inverse of _settings), for a child `eddy` of the same build."""
+    args = ["--sinks", str(settings.sinks), "--window", str(settings.window), "--dtype", settings.dtype,
+            "--kv-dtype", settings.kv_dtype, "--device", settings.device, "--target-cpu", settings.target_cpu,
+            "--max-sinks", str(settings.max_sinks)]
+    return args + (["--gpu-target", settings.gpu_target] if settings.gpu_target else [])
+
+
 def _progress_printer(quiet: bool) -> "Progress":
     """A build's progress on stderr: one line rewritten in place on a terminal; into a log or a pipe, where a
     carriage return does not rewind, one line per stage. bench/scale.py reads the "building: STAGE N%" prefix."""

@@ -13,6 +13,7 @@ from .build.checkpoint import DEFAULT_MODEL, TINY_RANDOM, ModelSource, resolve_m
 from .build.progress import Progress
 from .config import BuildSettings, ModelConfig
 from .errors import ArtefactError, ModelError
+from .gpu import resolve_target
 from .run.generation import ChatDefaults, chat_defaults, read_recommended
 from .run.runtime import CompiledModule, StreamingEngine
 from .run.session import ChatSession, ChatSettings
@@ -58,7 +59,8 @@ def open_model(spec: str | None, settings: BuildSettings | None = None,
 
     A precompiled entry under $EDDY_BUNDLED_MODELS (a packaged Eddy) wins: it needs neither the checkpoint
     nor the compiler."""
-    settings = settings or BuildSettings()
+    # A cuda build with no target named is this machine's GPU's, also for a packaged entry built for it.
+    settings = resolve_target(settings or BuildSettings())
     name = DEFAULT_MODEL if spec is None or not spec.strip() else spec.strip()
     bundled = find_bundled(name, settings)
     if bundled is not None:
