@@ -1,0 +1,940 @@
+#!/usr/bin/env python3
+"""Eddy's compiled module on an NVIDIA GPU (IREE's cuda driver): a device check prepared here, run on a lent GPU.
+
+    EDDY_CACHE_DIR=/tmp/gpucheck-cache .venv/bin/python bench/gpu_check.py prepare [--dir .gpu]
+    python3 bench/gpu_check.py run [--dir .gpu] [--out DIR] [--device cuda|cpu]
+
+`prepare` (here, on the CPU, with torch and iree-compile) builds every variant below for cuda and, beside each, the
+CPU build of the same settings; the default model's weights cannot travel (hundreds of MB), so its entries get
+random weights made from a small manifest (name, dtype, shape, seed per entry) that the device regenerates byte
+for byte. It runs the CPU builds on a fixed prefill and greedy decode steps and keeps their logits as the
+reference, then copies what the device needs into .gpu/ and the iree-base-runtime wheel into .whl/.
+
+`run` (on the device, python3 3.12, no torch, no iree.compiler) regenerates the random weights, lays the entries
+out as a bundled-models root ($EDDY_BUNDLED_MODELS), opens each cuda module through the engine, compares its logits
+with the reference, times the default model's shapes, runs `eddy bench --device cuda` once, prints a table last
+and writes everything to $OUT/gpu_check.json. Each variant runs in a child process with a time limit, so a module
+that crashes or hangs is recorded and the rest still runs. `run --device cpu` does the same with the CPU builds
+(a self-test of the script, here).
+
+The device call (a later session, one call; `run` stops itself after --budget seconds, 420 by default):
+
+    run(command="python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit; set -o pipefail; PYTHONUNBUFFERED=1 timeout 470 python3 bench/gpu_check.py run --dir .gpu --out $OUT 2>&1 | tee $OUT/gpu_check.log", carry=[".whl", ".gpu"], timeout_s=480)
+
+docs/GPU.md describes the output (the table's columns, the JSON's keys).
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import hashlib
+import importlib.abc
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+TINY = "tiny-random"
+# (variant, model, dtype, CUDA target, weights that travel, timed). sm_89 is the newest target iree-compile 3.13
+# knows that Hopper runs (the driver compiles its PTX for sm_90 at load); sm_80 (Ampere) is the fallback.
+VARIANTS = (
+    ("tiny-f32-sm_89", TINY, "f32", "sm_89", "real", False),
+    ("tiny-f16-sm_89", TINY, "f16", "sm_89", "real", False),
+    ("tiny-f32-sm_80", TINY, "f32", "sm_80", "real", False),
+    ("smollm2-f16-sm_89", DEFAULT_MODEL, "f16", "sm_89", "random", True),
+    ("smollm2-f32-sm_89", DEFAULT_MODEL, "f32", "sm_89", "random", True),
+    ("smollm2-q8-sm_89", DEFAULT_MODEL, "q8", "sm_89", "random", True),
+)
+BENCH_VARIANT = "smollm2-f16-sm_89"  # the one `eddy bench` runs on
+PREFILL_IDS = 64
+DECODE_STEPS = 8
+# The GPU's targets (issue 17), beside each figure: (key in a timing dict, comparison, value, unit).
+TARGETS = (
+    ("decode_128_tok_s", ">=", 1000.0, "tok/s"),
+    ("decode_1000_tok_s", ">=", 1000.0, "tok/s"),
+    ("turn_30_after_1000_ms", "<=", 5.0, "ms"),
+    ("prefill_1024_tok_s", ">=", 20000.0, "tok/s"),
+)
+# Logits against the CPU build's: f32 to 1e-4 absolute; the narrower types by the relative error of each call's
+# logits (||a - b|| / ||b||). Both sides read the same stored weights and compute in float32, so the narrower
+# types should land far inside theirs; the tolerance leaves room for another order of accumulation.
+TOLERANCES = {"f32": ("max_abs", 1e-4), "f16": ("rel", 1e-2), "bf16": ("rel", 1e-2), "q8": ("rel", 1e-2),
+              "q4": ("rel", 2e-2)}
+# What the device machine does not have: `run` refuses to import them, so a self-test here fails as it would there.
+NOT_ON_DEVICE = ("torch", "iree.compiler", "iree.turbine", "transformers", "gguf", "PySide6", "qasync")
+WHEEL = "iree-base-runtime==3.13.0"
+PIP_PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
+                 "manylinux1_x86_64")
+EXCLUDES = ("/.whl/", "/.gpu/")
+DEVICE_COMMAND = ('python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target '
+                  '/tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit; set -o pipefail; PYTHONUNBUFFERED=1 '
+                  'timeout 470 python3 bench/gpu_check.py run --dir .gpu --out $OUT 2>&1 | tee $OUT/gpu_check.log')
+
+
+# ----------------------------------------------------------------------------------------- random weights
+
+def entry_spec(name: str, length: int, metadata: bytes | str) -> dict[str, Any]:
+    """An .irpa entry's dtype and shape from turbine's metadata ('PYTORCH:{"dtype": "float32", "shape": [..]}')."""
+    text = metadata.decode() if isinstance(metadata, bytes) else metadata
+    meta = json.loads(text.split(":", 1)[1])
+    return {"name": name, "length": int(length), "metadata": text, "dtype": meta["dtype"],
+            "shape": [int(n) for n in meta["shape"]]}
+
+
+def weight_plan(entries: list[dict[str, Any]], seed: int = 17) -> dict[str, Any]:
+    """The random-weights manifest: per entry its name, dtype, shape, metadata, seed and value range.
+
+    Matrices are uniform with standard deviation 0.02 (embeddings included), norm weights 1 +- 0.1, biases small,
+    int8 codes (q8) uniform over -127..127 with positive per-row scales that give the same 0.02 spread: the
+    residual stream stays near unit size over 30 layers, so logits are finite and the greedy token stands out."""
+    plan = []
+    code_std = 73.6  # of int8 codes uniform on -127..127
+    for i, e in enumerate(entries):
+        spec = dict(e, seed=seed * 100_000 + i)
+        name, dtype, shape = e["name"], e["dtype"], e["shape"]
+        if dtype == "int8":
+            spec.update(dist="int8")
+        elif name.endswith(".scale"):
+            c = 0.02 / code_std
+            spec.update(dist="uniform", center=c, half=0.1 * c)
+        elif name.endswith(".offset"):  # q4 group offsets
+            spec.update(dist="uniform", center=0.0, half=0.002)
+        elif name.endswith(".bias"):
+            spec.update(dist="uniform", center=0.0, half=0.02)
+        elif len(shape) == 1:  # RMSNorm weights
+            spec.update(dist="uniform", center=1.0, half=0.1)
+        else:
+            spec.update(dist="uniform", center=0.0, half=0.02 * 3 ** 0.5)
+        plan.append(spec)
+    return {"version": 1, "generator": "numpy default_rng(seed).bit_generator.random_raw: 24-bit uniforms "
+                                        "(float32 math), int8 codes from the top byte", "entries": plan}
+
+
+NP_DTYPES = {"float32": np.float32, "float16": np.float16, "int8": np.int8, "int64": np.int64}
+
+
+def generate(spec: dict[str, Any]) -> np.ndarray:
+    """One entry's values, the same bytes on any machine: only PCG64's raw stream (which numpy keeps stable across
+    versions) and exactly rounded float32 arithmetic go into them."""
+    n = int(np.prod(spec["shape"], dtype=np.int64))
+    raw = np.random.default_rng(spec["seed"]).bit_generator.random_raw(n)
+    if spec["dist"] == "int8":
+        codes = (raw >> np.uint64(56)).astype(np.uint8).view(np.int8)
+        out = np.maximum(codes, np.int8(-127))
+    else:
+        u = (raw >> np.uint64(40)).astype(np.float32) * np.float32(2.0 ** -23) - np.float32(1.0)  # [-1, 1)
+        out = np.float32(spec["center"]) + np.float32(spec["half"]) * u
+        out = out.astype(NP_DTYPES[spec["dtype"]])
+    out = out.reshape(spec["shape"])
+    if out.nbytes != spec["length"]:
+        raise ValueError(f"{spec['name']}: {out.nbytes} bytes generated, the entry holds {spec['length']}")
+    return out
+
+
+def write_irpa(plan: dict[str, Any], path: Path) -> str:
+    """Writes the plan's weights as an .irpa (engine/build/irpa.py's writer, torch-free); returns its sha256."""
+    from engine.build.irpa import ArchiveWriter, Entry
+
+    entries = plan["entries"]
+    with ArchiveWriter(path, [Entry(e["name"], e["length"], e["metadata"].encode()) for e in entries]) as archive:
+        for e in entries:
+            archive.write(e["name"], np.ascontiguousarray(generate(e)).reshape(-1).view(np.uint8))
+    return sha256(path)
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+# ------------------------------------------------------------------------------------------- comparison
+
+def compare(dev: Any, ref: Any, dtype: str) -> dict[str, Any]:
+    """Device logits [calls, vocab] against the reference's: finite, within the dtype's tolerance, same greedy token.
+
+    A different greedy token is forgiven only where the reference itself has the two tokens within the tolerance
+    (a tie no build could be expected to break the same way); such rows are listed as near_ties."""
+    kind, tol = TOLERANCES[dtype]
+    a, b = np.asarray(dev, dtype=np.float64), np.asarray(ref, dtype=np.float64)
+    out: dict[str, Any] = {"rule": f"{'max |a-b|' if kind == 'max_abs' else '||a-b||/||b|| per call'} <= {tol:g}, "
+                                   f"greedy token equal", "tolerance": tol, "rows": int(b.shape[0]) if b.ndim else 0}
+    if a.shape != b.shape:
+        return {**out, "passed": False, "why": f"logits of shape {a.shape}, the reference's {b.shape}"}
+    finite = bool(np.isfinite(a).all())
+    out["finite"] = finite
+    if not finite:
+        bad = int(np.count_nonzero(~np.isfinite(a)))
+        return {**out, "passed": False, "why": f"{bad} non-finite logits (NaN or inf)"}
+    diff = np.abs(a - b)
+    rel = np.linalg.norm(a - b, axis=1) / np.maximum(np.linalg.norm(b, axis=1), 1e-30)
+    out["max_abs"] = float(diff.max())
+    out["rel"] = float(rel.max())
+    top_a, top_b = a.argmax(axis=1), b.argmax(axis=1)
+    rows = np.arange(len(b))
+    margin = b[rows, top_b] - b[rows, top_a]  # how much the reference prefers its token to the device's
+    scale = np.sqrt(np.mean(b * b, axis=1))
+    tie = np.where(kind == "max_abs", tol, tol * scale)
+    mismatch = [int(i) for i in np.nonzero((top_a != top_b) & (margin > tie))[0]]
+    near = [int(i) for i in np.nonzero((top_a != top_b) & (margin <= tie))[0]]
+    second = np.sort(b, axis=1)[:, -2]
+    out.update(greedy_equal=int(np.count_nonzero(top_a == top_b)), greedy_mismatch=mismatch, near_ties=near,
+               ref_margin_min=float((b[rows, top_b] - second).min()))
+    within = out["max_abs"] <= tol if kind == "max_abs" else out["rel"] <= tol
+    why = []
+    if not within:
+        why.append(f"{'max |a-b|' if kind == 'max_abs' else 'relative error'} "
+                   f"{out['max_abs'] if kind == 'max_abs' else out['rel']:.3g} > {tol:g}")
+    if mismatch:
+        why.append(f"greedy token differs at call(s) {mismatch}")
+    out["passed"] = within and not mismatch
+    if why:
+        out["why"] = "; ".join(why)
+    return out
+
+
+def replay(engine: Any, ids: list[int], tokens: list[int] | None, steps: int = DECODE_STEPS) -> tuple[np.ndarray, list[int]]:
+    """A prefill of `ids`, then `steps` decode calls: of `tokens` (the reference's greedy tokens, so an early
+    difference does not change every later input) or, with tokens None, greedy. Returns the last-position logits of
+    every call [1 + steps, vocab] and the tokens decoded."""
+    rows = [np.array(engine.prefill(ids), dtype=np.float32)]
+    fed = []
+    for i in range(steps):
+        token = int(np.argmax(rows[-1])) if tokens is None else int(tokens[i])
+        fed.append(token)
+        rows.append(np.array(engine.decode(token), dtype=np.float32))
+    return np.stack(rows), fed
+
+
+def prefill_ids(n: int, vocab: int, seed: int = 5) -> list[int]:
+    return [int(i) for i in np.random.default_rng(seed).integers(100, min(vocab, 40000), n)]
+
+
+# ------------------------------------------------------------------------------------------------ timing
+
+def time_engine(engine: Any, vocab: int, reps: int) -> dict[str, Any]:
+    """bench/peers.py's workload on one engine: prefill 128/512/1024 into an empty cache, a 30-token turn after 1000
+    tokens of history (the history's cache restored before each), 64 greedy decode steps at 128 and 1000 tokens of
+    context. One untimed run, then medians of `reps`."""
+    ids = prefill_ids(2048, vocab, seed=11)
+    out: dict[str, Any] = {"reps": reps}
+
+    def median_s(fn, setup=None) -> float:
+        times = []
+        for i in range(reps + 1):
+            if setup:
+                setup()
+            start = time.perf_counter()
+            fn()
+            if i:
+                times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    engine.reset()
+    engine.prefill(ids[:64])
+    for n in (128, 512, 1024):
+        out[f"prefill_{n}_tok_s"] = n / median_s(lambda n=n: (engine.reset(), engine.prefill(ids[:n])))
+    engine.reset()
+    engine.prefill(ids[:1000])
+    history = engine.snapshot()
+    turn = ids[1000:1030]
+    out["turn_30_after_1000_ms"] = 1e3 * median_s(lambda: engine.prefill(turn), setup=lambda: engine.restore(history))
+    for ctx in (128, 1000):
+        engine.reset()
+        first = engine.prefill(ids[:ctx])
+        kept = engine.snapshot()
+
+        def decode64() -> None:
+            logits = first
+            for _ in range(64):
+                logits = engine.decode(int(np.argmax(logits)))
+
+        out[f"decode_{ctx}_tok_s"] = 64 / median_s(decode64, setup=lambda kept=kept: engine.restore(kept))
+    return out
+
+
+def meets(value: float | None, op: str, target: float) -> bool | None:
+    if value is None:
+        return None
+    return value >= target if op == ">=" else value <= target
+
+
+# --------------------------------------------------------------------------------------------- prepare
+
+def _slug(model: str) -> str:
+    return "smollm2" if model == DEFAULT_MODEL else "tiny" if model == TINY else model
+
+
+def _group_name(model: str, dtype: str) -> str:
+    return f"{_slug(model)}-{dtype}"
+
+
+def _log(msg: str) -> None:
+    print(f"[gpu_check {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def _write_manifest(folder: Path, model: str, cfg: dict, settings: Any, seconds: dict) -> None:
+    """The manifest ensure_artefacts writes (engine/build/artefacts.py), then sealed as a package's entries are."""
+    from engine.build.artefacts import BUILT_FILES, MANIFEST, file_digest, seal
+
+    manifest = {"model": model, "config": cfg, "settings": settings.to_dict(), "build_seconds": seconds,
+                "files": {n: {"size": (folder / n).stat().st_size, "digest": file_digest(folder / n)}
+                          for n in BUILT_FILES}}
+    (folder / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    seal(folder)
+
+
+def _valid(folder: Path) -> bool:
+    from engine.build.artefacts import read_manifest
+    from engine.errors import ArtefactError
+
+    try:
+        read_manifest(folder)
+        return True
+    except ArtefactError:
+        return False
+
+
+def build_group(model: str, dtype: str, targets: list[str], weights: str, work: Path) -> dict[str, Any]:
+    """One export of (model, dtype), compiled for the CPU and for each CUDA target: {"cpu": folder, target: folder
+    or an error string, "plan": random-weights manifest or None}. Folders already complete are kept (a rerun
+    builds only what is missing). The export and iree-compile calls are the engine's own (engine/build/export.py);
+    the MLIR does not depend on the device, so it is traced once for all of them."""
+    from dataclasses import replace
+
+    from engine.build.checkpoint import open_tensors, read_config, resolve_model, save_tokenizer
+    from engine.config import BuildSettings, ModelConfig
+
+    group = _group_name(model, dtype)
+    base = BuildSettings(dtype=dtype)
+    settings = {"cpu": base, **{t: replace(base, device="cuda", gpu_target=t) for t in targets}}
+    folders = {k: work / f"{group}-{k}" for k in settings}
+    plan_file = work / f"{group}.weights.json"
+    result: dict[str, Any] = {k: folders[k] for k in settings}
+    result["plan"] = json.loads(plan_file.read_text()) if plan_file.is_file() else None
+    if all(_valid(f) for f in folders.values()) and (weights == "real" or result["plan"]):
+        _log(f"{group}: built already ({', '.join(settings)})")
+        return result
+
+    import iree.turbine.aot as aot
+
+    from engine.build import export
+    from engine.build.model import StreamingLlama
+    from engine.build.weights_file import archive_entries, write_weights
+
+    source = resolve_model(model)
+    cfg = ModelConfig.from_hf(read_config(source))
+    cfg.check_build(base)
+    stage = work / f"{group}.staging"
+    shutil.rmtree(stage, ignore_errors=True)
+    stage.mkdir(parents=True)
+    t = time.perf_counter()
+    skeleton = StreamingLlama.skeleton(cfg, base)
+    entries = [entry_spec(e.name, e.length, e.metadata) for e in archive_entries(skeleton)]
+    _log(f"{group}: exporting ({cfg.n_layers} layers)")
+    aot.externalize_module_parameters(skeleton)
+    output = export.export_module(skeleton)
+    mlir = stage / "module.mlir"
+    mlir.write_text(export.zero_init_cache(str(output.mlir_module)))
+    del output
+    export_s = time.perf_counter() - t
+    t = time.perf_counter()
+    irpa = stage / "weights.irpa"
+    if weights == "random":
+        plan = weight_plan(entries)
+        plan["model"], plan["dtype"] = model, dtype
+        plan["sha256"] = write_irpa(plan, irpa)
+        plan_file.write_text(json.dumps(plan))
+        result["plan"] = plan
+    else:
+        write_weights(skeleton, open_tensors(source), irpa)
+    del skeleton
+    save_s = time.perf_counter() - t
+    save_tokenizer(source, stage)
+    for key, s in settings.items():
+        folder = folders[key]
+        if _valid(folder):
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+        _log(f"{group}: compiling for {key}")
+        t = time.perf_counter()
+        try:
+            export.compile_mlir(mlir, folder / "module.vmfb", s.device, lambda *a: None, lambda: False,
+                                5.0 + 1.5 * cfg.n_layers, s.target)
+        except Exception as e:  # noqa: BLE001 - one target that does not compile must not stop the others
+            result[key] = f"{type(e).__name__}: {e}"
+            _log(f"{group}: {key} failed: {e}")
+            shutil.rmtree(folder, ignore_errors=True)
+            continue
+        compile_s = time.perf_counter() - t
+        os.link(stage / "weights.irpa", folder / "weights.irpa")  # one copy of the weights on disk for the group
+        for name in ("tokenizer.json", "chat.json"):
+            shutil.copy(stage / name, folder / name)
+        _write_manifest(folder, source.name, cfg.to_dict(), s,
+                        {"export": export_s, "save": save_s, "compile": compile_s})
+        _log(f"{group}: {key} built in {compile_s:.0f} s (export {export_s:.0f} s)")
+    shutil.rmtree(stage, ignore_errors=True)
+    return result
+
+
+def _blob(store: Path, src: Path, squeeze: bool = True) -> str:
+    """Copies src into the content-addressed store (gzipped where that saves a fifth); returns its name there."""
+    digest = sha256(src)[:24]
+    raw = src.read_bytes()
+    packed = gzip.compress(raw, compresslevel=9, mtime=0) if squeeze else raw
+    name = f"{digest}.gz" if squeeze and len(packed) < 0.8 * len(raw) else digest
+    path = store / name
+    if not path.exists():
+        path.write_bytes(packed if name.endswith(".gz") else raw)
+    return name
+
+
+def _tree_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.exists() else 0
+
+
+def tracked_bytes() -> int:
+    """What travels besides the carried folders: tracked files and untracked ones that are not ignored."""
+    cmd = ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"]
+    names = subprocess.run(cmd, cwd=ROOT, capture_output=True, check=True).stdout.split(b"\0")
+    return sum((ROOT / n.decode()).stat().st_size for n in set(names) if n and (ROOT / n.decode()).is_file())
+
+
+def _exclude() -> None:
+    path = ROOT / ".git" / "info" / "exclude"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    have = path.read_text().splitlines() if path.exists() else []
+    missing = [line for line in EXCLUDES if line not in have]
+    if missing:
+        with path.open("a") as f:
+            if have and not path.read_text().endswith("\n"):
+                f.write("\n")
+            f.write("".join(line + "\n" for line in missing))
+
+
+def fetch_wheel(dest: Path) -> Path:
+    """The iree-base-runtime wheel for the device's python3 (3.12, manylinux x86-64); its needs (numpy, ml_dtypes)
+    are there already."""
+    name = WHEEL.split("==")[0].replace("-", "_")
+    found = sorted(dest.glob(f"{name}-*.whl"))
+    if found:
+        return found[0]
+    dest.mkdir(exist_ok=True)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version", "3.12",
+           "--implementation", "cp", *[a for p in PIP_PLATFORMS for a in ("--platform", p)], "-d", str(dest), WHEEL]
+    subprocess.run(cmd, check=True)
+    return sorted(dest.glob(f"{name}-*.whl"))[0]
+
+
+def prepare(args: argparse.Namespace) -> int:
+    os.environ.setdefault("EDDY_CACHE_DIR", "/tmp/gpucheck-cache")  # private: the builds never land in a user's cache
+    from engine.build.artefacts import export_code_hash
+    from engine.loader import open_folder
+    from engine.paths import cache_dir
+
+    out = (ROOT / args.dir).resolve()
+    # One folder per version of the export code (engine/build/artefacts.py's hash): a rerun after the model, the
+    # export or the compile flags changed builds afresh instead of reusing stale entries.
+    work = cache_dir() / "gpu-check" / export_code_hash()
+    work.mkdir(parents=True, exist_ok=True)
+    _exclude()
+    wheel = fetch_wheel(ROOT / ".whl")
+    _log(f"wheel: {wheel.name} ({wheel.stat().st_size / 2**20:.1f} MiB); builds under {work}")
+
+    groups: dict[tuple[str, str], dict[str, Any]] = {}
+    for _, model, dtype, target, weights, _ in VARIANTS:
+        g = groups.setdefault((model, dtype), {"targets": [], "weights": weights})
+        if target not in g["targets"]:
+            g["targets"].append(target)
+    ids = prefill_ids(PREFILL_IDS, 49152)  # both models have SmolLM2's vocabulary
+    built: dict[tuple[str, str], dict[str, Any]] = {}
+    refs: dict[tuple[str, str], dict[str, Any]] = {}
+    for (model, dtype), g in groups.items():
+        if args.only and _group_name(model, dtype) not in args.only:
+            continue
+        try:
+            built[model, dtype] = b = build_group(model, dtype, g["targets"], g["weights"], work)
+        except Exception as e:  # noqa: BLE001
+            _log(f"{_group_name(model, dtype)}: build failed: {e}")
+            built[model, dtype] = {"error": f"{type(e).__name__}: {e}"}
+            continue
+        ref_file = work / f"{_group_name(model, dtype)}.ref.npz"
+        if not ref_file.is_file():
+            loaded = open_folder(b["cpu"])
+            logits, tokens = replay(loaded.engine, ids, None)
+            np.savez(ref_file, logits=logits, tokens=np.array(tokens), ids=np.array(ids))
+            del loaded
+        ref = np.load(ref_file)
+        refs[model, dtype] = {"logits": ref["logits"], "tokens": [int(t) for t in ref["tokens"]]}
+        _log(f"{_group_name(model, dtype)}: reference greedy tokens {refs[model, dtype]['tokens']}")
+
+    # .gpu/: what the device needs, each file once (the tokenizer and tiny's weights are shared by several entries).
+    shutil.rmtree(out, ignore_errors=True)
+    for sub in ("blobs", "weights", "refs"):
+        (out / sub).mkdir(parents=True)
+    plan: dict[str, Any] = {"version": 1, "created": time.strftime("%Y-%m-%d %H:%M:%S"), "prefill_ids": ids,
+                            "decode_steps": DECODE_STEPS, "bench_variant": BENCH_VARIANT, "cpu_builds": str(work),
+                            "targets": [list(t) for t in TARGETS], "variants": []}
+    for name, model, dtype, target, weights, timed in VARIANTS:
+        b = built.get((model, dtype))
+        if b is None:
+            continue
+        group = _group_name(model, dtype)
+        v: dict[str, Any] = {"name": name, "model": model, "dtype": dtype, "gpu_target": target, "weights": weights,
+                             "timed": timed, "group": group}
+        folder = b.get(target)
+        if not isinstance(folder, Path):
+            v["build_error"] = b.get(target) or b.get("error") or "not built"
+            plan["variants"].append(v)
+            continue
+        v["cpu_entry"] = b["cpu"].name
+        v["files"] = {n: _blob(out / "blobs", folder / n) for n in ("manifest.json", "module.vmfb", "tokenizer.json",
+                                                                      "chat.json")}
+        if weights == "real":
+            v["files"]["weights.irpa"] = _blob(out / "blobs", folder / "weights.irpa")
+        else:
+            (out / "weights" / f"{group}.json").write_text(json.dumps(b["plan"]))
+            v["weights_plan"] = f"weights/{group}.json"
+        ref_name = f"refs/{group}.npy"
+        if not (out / ref_name).exists():
+            np.save(out / ref_name, refs[model, dtype]["logits"].astype(np.float32))
+        v["reference"], v["ref_tokens"] = ref_name, refs[model, dtype]["tokens"]
+        plan["variants"].append(v)
+    (out / "plan.json").write_text(json.dumps(plan, indent=1))
+
+    gpu, whl, tracked = _tree_bytes(out), _tree_bytes(ROOT / ".whl"), tracked_bytes()
+    total = gpu + whl + tracked
+    _log(f"sizes: .gpu {gpu / 2**20:.1f} MiB, .whl {whl / 2**20:.1f} MiB, the working tree (tracked files and "
+         f"untracked ones not ignored) {tracked / 2**20:.1f} MiB: {total / 2**20:.1f} MiB of the 64 MiB a call carries")
+    for v in plan["variants"]:
+        _log(f"  {v['name']}: {'BUILD FAILED: ' + v['build_error'] if 'build_error' in v else 'ready'}")
+    print("\nThe device call:\n  run(command=" + json.dumps(DEVICE_COMMAND) + ', carry=[".whl", ".gpu"], timeout_s=480)')
+    if total > 56 * 2**20:
+        _log("WARNING: close to the 64 MiB limit")
+        return 1
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------- run
+
+class _NotOnDevice(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):  # noqa: D102
+        if any(name == m or name.startswith(m + ".") for m in NOT_ON_DEVICE):
+            raise ImportError(f"gpu_check run: {name} is not on the device machine, and run must not need it")
+        return None
+
+
+def block_compiler() -> None:
+    if not any(isinstance(f, _NotOnDevice) for f in sys.meta_path):
+        sys.meta_path.insert(0, _NotOnDevice())
+
+
+def _guard(record: dict, key: str, fn, *a, **kw) -> Any:
+    """Runs one step; its result or its error (with the traceback's tail) goes into record[key]."""
+    start = time.perf_counter()
+    try:
+        value = fn(*a, **kw)
+        record[key] = {"ok": True, "seconds": round(time.perf_counter() - start, 3), **(value or {})}
+        return value
+    except BaseException as e:  # noqa: BLE001 - every step is recorded, whatever it raises
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        record[key] = {"ok": False, "seconds": round(time.perf_counter() - start, 3), "error": f"{type(e).__name__}: {e}",
+                       "traceback": traceback.format_exc()[-2000:]}
+        _log(f"{key}: FAILED: {type(e).__name__}: {e}")
+        return None
+
+
+def _sh(cmd: list[str], timeout: float = 30) -> str:
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        return (p.stdout.strip() or p.stderr.strip())[:2000]
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"({type(e).__name__}: {e})"
+
+
+def machine_info() -> dict[str, Any]:
+    from importlib import metadata
+
+    import iree.runtime as rt
+
+    info: dict[str, Any] = {"python": sys.version.split()[0], "numpy": np.__version__}
+    info["nvidia_smi"] = _sh(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,compute_cap",
+                              "--format=csv,noheader"])
+    try:
+        info["iree_runtime"] = metadata.version("iree-base-runtime")
+    except metadata.PackageNotFoundError:
+        info["iree_runtime"] = "unknown"
+    try:
+        from iree.runtime import version as v
+
+        info["iree_runtime_build"] = getattr(v, "VERSION", "")
+    except ImportError:
+        pass
+    info["iree_drivers"] = list(rt.query_available_drivers())
+    try:
+        from engine.gpu import probe
+
+        gpus, why = probe()
+        info["engine_gpus"] = [{"name": g.name, "compute_capability": f"{g.major}.{g.minor}", "memory": g.memory}
+                               for g in gpus]
+        info["engine_gpus_why_none"] = why
+    except Exception as e:  # noqa: BLE001
+        info["engine_gpus"] = f"{type(e).__name__}: {e}"
+    return info
+
+
+def lay_out(gpu_dir: Path, plan: dict, v: dict, dest: Path, device: str) -> dict[str, Any]:
+    """One entry of the bundled-models root: the carried files (cuda) or the CPU build of the same settings (cpu),
+    and the weights, regenerated for random ones; then checked in full as a package's entries are."""
+    from engine.build.artefacts import read_manifest
+
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    info: dict[str, Any] = {}
+    if device == "cuda":
+        for name, blob in v["files"].items():
+            data = (gpu_dir / "blobs" / blob).read_bytes()
+            (dest / name).write_bytes(gzip.decompress(data) if blob.endswith(".gz") else data)
+    else:
+        cpu = Path(plan["cpu_builds"]) / v["cpu_entry"]
+        for name in ("manifest.json", "module.vmfb", "tokenizer.json", "chat.json"):
+            shutil.copy(cpu / name, dest / name)
+        if v["weights"] == "real":
+            shutil.copy(cpu / "weights.irpa", dest / "weights.irpa")
+    if v["weights"] == "random":
+        wplan = json.loads((gpu_dir / v["weights_plan"]).read_text())
+        t = time.perf_counter()
+        digest = write_irpa(wplan, dest / "weights.irpa")
+        info.update(regenerate_s=round(time.perf_counter() - t, 2), irpa_bytes=(dest / "weights.irpa").stat().st_size,
+                    irpa_sha256_matches=digest == wplan["sha256"])
+        if digest != wplan["sha256"]:
+            raise RuntimeError(f"the regenerated weights differ from prepare's (sha256 {digest[:12]} against "
+                               f"{wplan['sha256'][:12]}): numpy's generator gave other numbers here")
+    read_manifest(dest, full=True)  # what find_bundled checks: every file's sha256
+    info["checked"] = True
+    return info
+
+
+def variant_child(args: argparse.Namespace) -> int:
+    """One variant in its own process: open through the engine, compare with the reference, time it."""
+    block_compiler()
+    from engine.loader import open_folder
+
+    gpu_dir = Path(args.dir)
+    plan = json.loads((gpu_dir / "plan.json").read_text())
+    v = next(x for x in plan["variants"] if x["name"] == args.name)
+    folder = Path(args.work) / "models" / v["name"]
+    res: dict[str, Any] = {}
+    result_file = Path(args.result)
+
+    def save() -> None:
+        result_file.write_text(json.dumps(res, indent=1))
+
+    held: dict[str, Any] = {}
+
+    def load() -> dict:
+        t = time.perf_counter()
+        held["model"] = open_folder(folder)
+        eng = held["model"].engine
+        try:
+            from engine.gpu import device_name
+
+            where = device_name(eng.settings)
+        except Exception:  # noqa: BLE001
+            where = eng.settings.device
+        return {"open_s": round(time.perf_counter() - t, 3), "device": where, "settings": eng.settings.to_dict()}
+
+    _guard(res, "load", load)
+    save()
+    if not res["load"]["ok"]:
+        return 0
+    eng = held["model"].engine
+
+    def check() -> dict:
+        ref = np.load(gpu_dir / v["reference"])
+        t = time.perf_counter()
+        rows, _ = replay(eng, plan["prefill_ids"], v["ref_tokens"], plan["decode_steps"])
+        c = compare(rows, ref, v["dtype"])
+        c["first_calls_s"] = round(time.perf_counter() - t, 3)
+        c["greedy_device"] = [int(t) for t in rows.argmax(axis=1)]
+        c["greedy_reference"] = [int(t) for t in ref.argmax(axis=1)]
+        return c
+
+    _guard(res, "check", check)
+    save()
+    if v["timed"] and not args.no_time:
+        _guard(res, "timing", lambda: time_engine(eng, eng.cfg.vocab_size, args.reps))
+        save()
+    _log(f"{v['name']}: check {'passed' if res['check'].get('passed') else 'FAILED'}"
+         + (f", timing {'ok' if res.get('timing', {}).get('ok') else 'FAILED'}" if "timing" in res else ""))
+    return 0
+
+
+# `eddy` as the device runs it: torch and the compiler refused, so a bundled entry must be found, never built.
+EDDY_WITHOUT_COMPILER = r'''
+import sys
+from bench.gpu_check import block_compiler
+block_compiler()
+from engine.cli import main
+sys.exit(main(sys.argv[1:]))
+'''
+
+
+def eddy_bench(v: dict, device: str, root: Path, work: Path, runs: int, timeout: float) -> dict[str, Any]:
+    """`eddy bench` once, on the bundled root, in a process of its own (engine.cli's main, without the compiler)."""
+    out = work / "eddy_bench.json"
+    out.unlink(missing_ok=True)
+    args = ["bench", "--model", v["model"], "--device", device, "--dtype", v["dtype"], "--runs", str(runs),
+            "--json", str(out)]
+    if device == "cuda":
+        args += ["--gpu-target", v["gpu_target"]]
+    env = _child_env(root)
+    cmd = [sys.executable, "-c", EDDY_WITHOUT_COMPILER, *args]
+    _log("eddy " + " ".join(args) + f" (EDDY_BUNDLED_MODELS={root}, at most {timeout:.0f} s)")
+    start = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    except subprocess.TimeoutExpired as e:
+        raise RuntimeError(f"eddy bench ran past {timeout:.0f} s; output so far: {(e.stdout or '')[-1500:]}") from None
+    wall = time.perf_counter() - start
+    print(p.stdout, flush=True)
+    if p.returncode or not out.is_file():
+        raise RuntimeError(f"eddy bench exited {p.returncode}: {(p.stderr or p.stdout)[-1500:]}")
+    built = sorted(p.name for p in (Path(os.environ["EDDY_CACHE_DIR"]) / "artefacts").glob("*"))
+    if built:  # it should have found the bundled entry, never built one
+        raise RuntimeError(f"eddy bench built {built} instead of opening the bundled entry")
+    return {"wall_s": round(wall, 1), "command": "eddy " + " ".join(args[:-2]),
+            "result": json.loads(out.read_text())}
+
+
+def bench_estimate_s(result: dict, runs: int) -> float:
+    """About how long `eddy bench` takes, from the variant's own decode speed: it decodes 20,000 tokens for its
+    memory figures and three capacities (3 x 1024) sliding, besides its shorter figures and cold starts."""
+    rate = result.get("timing", {}).get("decode_1000_tok_s")
+    if not rate:
+        return 0.0  # unknown: try, under the time limit
+    return (20_000 + 3 * 1024 + 2 * runs * 64) / rate + 20 + 10 * runs
+
+
+def _child_env(bundled: Path | None = None) -> dict[str, str]:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")  # run() has set EDDY_CACHE_DIR to a folder of its own
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    if bundled is not None:
+        env["EDDY_BUNDLED_MODELS"] = str(bundled)
+    return env
+
+
+def run(args: argparse.Namespace) -> int:
+    block_compiler()
+    start = time.perf_counter()
+    deadline = start + args.budget
+    gpu_dir = Path(args.dir).resolve()
+    out_dir = Path(args.out or os.environ.get("OUT") or "gpu-check-out").resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    work = Path(args.work).resolve()
+    root = work / "models"
+    root.mkdir(parents=True, exist_ok=True)
+    (work / "results").mkdir(exist_ok=True)
+    plan = json.loads((gpu_dir / "plan.json").read_text())
+    report: dict[str, Any] = {"version": 1, "device_mode": args.device, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+                              "plan_created": plan.get("created"), "budget_s": args.budget,
+                              "targets": [{"key": k, "op": op, "value": val, "unit": u} for k, op, val, u in TARGETS],
+                              "tolerances": {k: {"kind": a, "value": b} for k, (a, b) in TOLERANCES.items()},
+                              "machine": {}, "setup": {}, "variants": {}}
+    json_file = out_dir / "gpu_check.json"
+
+    def save() -> None:
+        report["elapsed_s"] = round(time.perf_counter() - start, 1)
+        json_file.write_text(json.dumps(report, indent=1))
+
+    def left() -> float:
+        return deadline - time.perf_counter()
+
+    # An empty cache of its own: nothing is built, and a user's cache is never read or written.
+    os.environ["EDDY_CACHE_DIR"] = str(work / "cache")
+    shutil.rmtree(work / "cache", ignore_errors=True)
+    _guard(report["machine"], "info", machine_info)
+    info = report["machine"]["info"]
+    _log(f"GPU: {info.get('nvidia_smi', '?')}; iree-base-runtime {info.get('iree_runtime', '?')} "
+         f"({info.get('iree_runtime_build', '')}); drivers {info.get('iree_drivers', '?')}; python {info.get('python')}")
+    save()
+
+    variants = [v for v in plan["variants"] if not args.only or v["name"] in args.only]
+    for v in variants:
+        if "build_error" in v:
+            report["setup"][v["name"]] = {"ok": False, "error": "not built: " + v["build_error"]}
+            continue
+        _guard(report["setup"], v["name"], lay_out, gpu_dir, plan, v, root / v["name"], args.device)
+        save()
+    for v in variants:
+        name = v["name"]
+        if not report["setup"].get(name, {}).get("ok"):
+            report["variants"][name] = {"skipped": "its entry could not be laid out"}
+            continue
+        limit = min(args.variant_timeout, left() - 30)
+        if limit < 20:
+            report["variants"][name] = {"skipped": "out of time"}
+            continue
+        result = work / "results" / f"{name}.json"
+        result.unlink(missing_ok=True)
+        cmd = [sys.executable, str(Path(__file__).resolve()), "variant", "--dir", str(gpu_dir), "--work", str(work),
+               "--name", name, "--result", str(result), "--reps", str(args.reps)]
+        cmd += ["--no-time"] if args.no_time else []
+        _log(f"{name}: opening and checking (at most {limit:.0f} s)")
+        t = time.perf_counter()
+        try:  # its log lines go straight to ours; its stderr (IREE's and Python's complaints) is kept
+            p = subprocess.run(cmd, stdout=None, stderr=subprocess.PIPE, text=True, timeout=limit, env=_child_env())
+            rc, tail = p.returncode, (p.stderr or "")[-3000:]
+        except subprocess.TimeoutExpired as e:
+            err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr or ""
+            rc, tail = "timeout", err[-3000:]
+        r = json.loads(result.read_text()) if result.is_file() else {}
+        r["process"] = {"rc": rc, "seconds": round(time.perf_counter() - t, 1)}
+        if rc != 0:
+            r["process"]["stderr_tail"] = tail
+            _log(f"{name}: process ended with {rc}: {tail[-400:]}")
+        report["variants"][name] = r
+        save()
+
+    bench_v = next((v for v in variants if v["name"] == (args.bench_variant or plan["bench_variant"])), None)
+    if args.no_bench or bench_v is None:
+        report["eddy_bench"] = {"skipped": "--no-bench" if args.no_bench else "its variant is not in this run"}
+    elif not report["setup"].get(bench_v["name"], {}).get("ok"):
+        report["eddy_bench"] = {"skipped": "its entry could not be laid out"}
+    elif report["variants"].get(bench_v["name"], {}).get("load", {}).get("ok") is False:
+        report["eddy_bench"] = {"skipped": "its module did not open (see its row)"}
+    elif left() < 60:
+        report["eddy_bench"] = {"skipped": "out of time"}
+    elif (need := bench_estimate_s(report["variants"].get(bench_v["name"], {}), args.bench_runs)) > left() - 20:
+        report["eddy_bench"] = {"skipped": f"it would take about {need:.0f} s at the decode speed measured above, "
+                                           f"and {left():.0f} s are left"}
+    else:
+        # Only the bench's entry in its root: the cold start's `eddy chat` opens the same one.
+        bench_root = work / "bench-root"
+        shutil.rmtree(bench_root, ignore_errors=True)
+        bench_root.mkdir()
+        (bench_root / bench_v["name"]).symlink_to(root / bench_v["name"])
+        runs = args.bench_runs if left() > 200 else 1
+        _guard(report, "eddy_bench", eddy_bench, bench_v, args.device, bench_root, work, runs, left() - 15)
+    save()
+    table = format_table(report)
+    report["table"] = table
+    save()
+    print("\n" + table, flush=True)
+    print(f"\nJSON: {json_file}", flush=True)
+    return 0
+
+
+def _fmt(value: Any, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def format_table(report: dict[str, Any]) -> str:
+    m = report.get("machine", {}).get("info", {})
+    lines = [f"gpu_check ({report['device_mode']}): {m.get('nvidia_smi') or 'no nvidia-smi'} | iree-base-runtime "
+             f"{m.get('iree_runtime', '?')} | {report.get('elapsed_s', 0):.0f} s"]
+    head = ("variant", "open s", "check", "max|d|", "rel", "greedy", "dec@128", "dec@1000", "turn ms", "pf1024 t/s")
+    rows = [head]
+    for name, r in report["variants"].items():
+        if "skipped" in r:
+            rows.append((name, "-", "skip", "-", "-", "-", "-", "-", "-", "-"))
+            continue
+        load, check, timing = r.get("load", {}), r.get("check", {}), r.get("timing", {})
+        if not load.get("ok"):
+            state = "NOLOAD" if load else "CRASH"
+        else:
+            state = "ok" if check.get("passed") else "FAIL" if check else "CRASH"
+        c = check if "max_abs" in check else {}
+        greedy = f"{c['greedy_equal']}/{c['rows']}" if "greedy_equal" in c else "-"
+        rows.append((name, _fmt(load.get("open_s"), ".1f"), state, _fmt(c.get("max_abs"), ".1e"),
+                     _fmt(c.get("rel"), ".1e"), greedy, _fmt(timing.get("decode_128_tok_s"), ".0f"),
+                     _fmt(timing.get("decode_1000_tok_s"), ".0f"), _fmt(timing.get("turn_30_after_1000_ms"), ".2f"),
+                     _fmt(timing.get("prefill_1024_tok_s"), ".0f")))
+    rows.append(("target", "", "", "<=1e-4 f32", "<=1e-2", "all", ">=1000", ">=1000", "<=5", ">=20000"))
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(head))]
+    lines += ["  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
+              for r in rows]
+    hits = []
+    for name, r in report["variants"].items():
+        t = r.get("timing", {})
+        if t.get("ok"):
+            met = [f"{k.replace('_tok_s', '').replace('_ms', '')} {'met' if meets(t.get(k), op, val) else 'MISSED'}"
+                   for k, op, val, _ in TARGETS]
+            hits.append(f"  {name}: " + ", ".join(met))
+    if hits:
+        lines += ["targets:", *hits]
+    for name, r in report["variants"].items():
+        for step in ("load", "check", "timing"):
+            if r.get(step, {}).get("ok") is False:
+                lines.append(f"  {name} {step}: {r[step].get('error', '')[:300]}")
+        if r.get("check", {}).get("passed") is False:
+            lines.append(f"  {name} check: {r['check'].get('why', '')[:300]}")
+        if r.get("process", {}).get("rc") not in (0, None):
+            lines.append(f"  {name} process: {r['process']['rc']}")
+    for name, s in report.get("setup", {}).items():
+        if not s.get("ok"):
+            lines.append(f"  {name} setup: {s.get('error', '')[:300]}")
+    b = report.get("eddy_bench", {})
+    if b.get("ok"):
+        res = b["result"]
+        d, p, t = res["decode_tok_s"], res["prefill_tok_s"], res["ttft_ms_reuse"]
+        lines.append(f"eddy bench ({b['command']}, {b['wall_s']:.0f} s): turn after 1000 {t['1000']:.2f} ms, prefill "
+                     f"1024 {p['1024']:.0f} tok/s, decode 128/1000 {d['128']:.0f}/{d['1000']:.0f} tok/s, rss "
+                     f"{res['rss_mb'].get('2000', 0):.0f} MiB, cold start {res['cold_start_first_token_s']:.2f} s")
+    else:
+        lines.append(f"eddy bench: {b.get('skipped') or 'FAILED: ' + str(b.get('error', ''))[:400]}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    pr = sub.add_parser("prepare", help="build, compute references and fill .gpu/ and .whl/ (here, with torch)")
+    pr.add_argument("--dir", default=".gpu")
+    pr.add_argument("--only", action="append", help="only this group (e.g. tiny-f32); repeatable")
+    ru = sub.add_parser("run", help="on the device: check and time every variant")
+    ru.add_argument("--dir", default=".gpu")
+    ru.add_argument("--out", default=None, help="where gpu_check.json goes (default $OUT)")
+    ru.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                    help="cpu: use the CPU builds instead (a self-test of this script where there is no GPU)")
+    ru.add_argument("--work", default="/tmp/gpu-check", help="the bundled-models root and scratch files go here")
+    ru.add_argument("--budget", type=float, default=420.0, help="seconds for the whole run")
+    ru.add_argument("--variant-timeout", type=float, default=150.0, help="seconds at most per variant")
+    ru.add_argument("--reps", type=int, default=5, help="timed repetitions per figure (medians)")
+    ru.add_argument("--no-time", action="store_true", help="check only")
+    ru.add_argument("--no-bench", action="store_true", help="skip the `eddy bench` run")
+    ru.add_argument("--bench-variant", default=None, help=f"the variant `eddy bench` runs on (default {BENCH_VARIANT})")
+    ru.add_argument("--bench-runs", type=int, default=3)
+    ru.add_argument("--only", action="append", help="only this variant; repeatable")
+    va = sub.add_parser("variant", help=argparse.SUPPRESS)
+    for flag in ("--dir", "--work", "--name", "--result"):
+        va.add_argument(flag, required=True)
+    va.add_argument("--reps", type=int, default=5)
+    va.add_argument("--no-time", action="store_true")
+    args = p.parse_args(argv)
+    if args.command == "prepare":
+        return prepare(args)
+    if args.command == "run":
+        return run(args)
+    return variant_child(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
