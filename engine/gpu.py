@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from .config import BuildSettings
-from .devices import cuda_target_for
+from .devices import DEVICES, cuda_target_for
 from .errors import DeviceError
 
 _CC_MAJOR, _CC_MINOR = 75, 76  # CUdevice_attribute: CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR/_MINOR
@@ -120,9 +120,7 @@ def runnable(settings: BuildSettings) -> tuple[BuildSettings, str]:
 
 def device_choices() -> list[tuple[str, str, bool]]:
     """(device, label, available) for a Settings list: the GPU named where there is one."""
-    from .devices import DEVICES
-
-    gpus, why = probe()
+    gpus, _ = probe()
     out = []
     for name in DEVICES:
         if name == "cuda":

@@ -50,6 +50,16 @@ def shown(window) -> list[tuple[str, str]]:
     return [(m.role, m.content) for m in window.controller.chat.messages]
 
 
+def three_turns(qtbot, data, **settings):
+    """A window whose chat has three short questions answered: (window, controller, the chat as shown)."""
+    write_settings(data, **settings)
+    window = open_window(qtbot, data)
+    for text in ("First question", "Second question", "Third question"):
+        send_text(qtbot, window, text)
+    window.chat_view.flush()
+    return window, window.controller, shown(window)
+
+
 def session_conversation(window) -> list[tuple[str, str]]:
     return [(m["role"], m["content"]) for m in window.controller.host.worker._session.conversation]
 
@@ -140,13 +150,7 @@ def test_a_branch_switch_past_the_window_rebuilds_and_the_marker_follows(qtbot, 
 
 
 def test_editing_a_middle_message_branches_and_the_old_branch_stays(qtbot, tmp_path, tiny):
-    write_settings(tmp_path / "data", max_new_tokens=6)
-    window = open_window(qtbot, tmp_path / "data")
-    c = window.controller
-    for text in ("First question", "Second question", "Third question"):
-        send_text(qtbot, window, text)
-    before = shown(window)
-    window.chat_view.flush()
+    window, c, before = three_turns(qtbot, tmp_path / "data", max_new_tokens=6)
     menu_action(window, 2, "Edit message…")  # the second question
     assert window.editing and window.compose.toPlainText() == "Second question"
     assert "new branch" in window.edit_label.text() and "last" not in window.edit_label.text()
@@ -178,13 +182,8 @@ def test_editing_a_middle_message_branches_and_the_old_branch_stays(qtbot, tmp_p
 
 
 def test_regenerating_an_earlier_reply_makes_it_an_alternative_with_its_branch_kept(qtbot, tmp_path, tiny):
-    write_settings(tmp_path / "data", max_new_tokens=6, temperature=1.0)  # sampled: a reply of its own
-    window = open_window(qtbot, tmp_path / "data")
-    c = window.controller
-    for text in ("First question", "Second question", "Third question"):
-        send_text(qtbot, window, text)
-    before = shown(window)
-    window.chat_view.flush()
+    # Sampled: the regenerated reply is one of its own.
+    window, c, before = three_turns(qtbot, tmp_path / "data", max_new_tokens=6, temperature=1.0)
     menu = QMenu()
     window.chat_view.widgets[0].fill_menu(menu)
     assert "Regenerate reply" not in [a.text() for a in menu.actions()]  # a user message has Edit instead
