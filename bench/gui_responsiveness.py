@@ -599,9 +599,17 @@ if __name__ == "__main__":
     p.add_argument("--turns", type=int, default=3, help="long-chat: replies streamed at the bottom of the chat")
     p.add_argument("--profile", action="append", default=[], metavar="PHASE",
                    help="long-chat: cProfile the GUI thread during this phase (repeatable), e.g. open, chat-decode")
+    p.add_argument("--engine-nice", type=int, default=None,
+                   help="the niceness the app gives IREE's worker threads (default app.worker.ENGINE_NICE; 0: "
+                        "the GUI thread shares the CPU with them as equals), for an A/B in one run of the machine")
     p.add_argument("--json", default=None)
     a = p.parse_args()
     from bench.machine import cpu_info
+
+    import app.worker
+
+    if a.engine_nice is not None:
+        app.worker.ENGINE_NICE = a.engine_nice
 
     load_before = os.getloadavg()
     if a.case == "long-chat":
@@ -613,7 +621,7 @@ if __name__ == "__main__":
     res.update(model=a.model or "smollm2-135m-instruct", probe_ms=PROBE_MS, max_new_tokens=a.max_new_tokens,
                machine=f"{platform.machine()}, {os.cpu_count()} cores", cpu=cpu_info(),
                load_average_before=[round(x, 2) for x in load_before],
-               load_average_after=[round(x, 2) for x in os.getloadavg()],
+               load_average_after=[round(x, 2) for x in os.getloadavg()], engine_nice=app.worker.ENGINE_NICE,
                date=time.strftime("%Y-%m-%d %H:%M"))
     if a.case == "long-chat":
         res.update(turns_asked=a.turns, doc_windows=a.doc_windows)

@@ -290,3 +290,22 @@ def test_a_cuda_choice_runs_on_the_gpu_or_on_the_cpu_saying_why(qtbot, tmp_path,
     assert dialog.value().build.device == "cpu"
     if not gpus:
         assert "no NVIDIA GPU" in combo.itemText(cuda)
+
+
+def test_the_engine_threads_yield_to_the_gui_thread(qtbot, tmp_path, tiny):
+    import os
+
+    from app.worker import ENGINE_NICE
+
+    write_settings(tmp_path)
+    open_window(qtbot, tmp_path)
+
+    def nice(tid: str) -> int:
+        return os.getpriority(os.PRIO_PROCESS, int(tid))
+
+    tasks = os.listdir("/proc/self/task")
+    names = {t: open(f"/proc/self/task/{t}/comm").read().strip() for t in tasks}
+    workers = [t for t in tasks if names[t].startswith("iree-worker")]
+    assert len(workers) >= 2  # the window's module's compute threads (and the fixture's)
+    assert all(nice(t) == ENGINE_NICE for t in workers)
+    assert nice(str(os.getpid())) == 0  # the GUI thread keeps its priority
