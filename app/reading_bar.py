@@ -13,7 +13,9 @@ class ReadingBar(QWidget):
         self.setAccessibleName("Reading the message")
         layout = QHBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
-        self.label = QLabel()
+        # The counts live in the bar, whose text never widens it: a label holding them grew with every step, and
+        # once wider than the chat column the splitter gave it room, re-laying out every bubble of the chat twice.
+        self.label = QLabel("Reading the message into the model")
         self.bar = QProgressBar()
         self.bar.setAccessibleName("Reading progress")
         self.bar.setTextVisible(True)
@@ -27,7 +29,7 @@ class ReadingBar(QWidget):
         self.hide()
 
     def show_progress(self, done: int, total: int) -> None:
-        self.label.setText(f"Reading the message into the model: {done:,} of {total:,} tokens")
+        self.bar.setFormat(f"{done:,} of {total:,} tokens")
         self.bar.setRange(0, max(1, total))
         self.bar.setValue(done)
         self.show()

@@ -38,6 +38,19 @@ def test_text_files_are_read_and_others_refused_with_a_reason(tmp_path):
     assert message == "Document: a.py\n````py\nx = '```'\n````\n\nDocument: b.txt\n```txt\nplain\n```\n\nWhy?"
 
 
+def test_the_reading_bar_keeps_its_width_as_the_counts_grow(qtbot):
+    # Wider than the chat column, it made the splitter widen the column: every bubble laid out again, twice.
+    from app.reading_bar import ReadingBar
+
+    bar = ReadingBar()
+    qtbot.addWidget(bar)
+    bar.show_progress(0, 9)
+    narrow = bar.minimumSizeHint().width()
+    bar.show_progress(1_234_567, 9_876_543)
+    assert bar.minimumSizeHint().width() == narrow
+    assert bar.bar.text() == "1,234,567 of 9,876,543 tokens" and bar.isVisible()
+
+
 def drop(window, path) -> None:
     """What a drop of a file from a file manager on the message box does."""
     mime = QMimeData()
