@@ -13,8 +13,8 @@ class ReadingBar(QWidget):
         self.setAccessibleName("Reading the message")
         layout = QHBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
-        # The counts live in the bar, whose text never widens it: a label holding them grew with every step, and
-        # once wider than the chat column the splitter gave it room, re-laying out every bubble of the chat twice.
+        # The counts live in the bar, whose text does not set its width: in the label they made the bar's minimum
+        # width grow with the numbers (495 -> 601 px at seven digits), pushing on a narrow chat column.
         self.label = QLabel("Reading the message into the model")
         self.bar = QProgressBar()
         self.bar.setAccessibleName("Reading progress")

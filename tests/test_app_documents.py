@@ -39,7 +39,7 @@ def test_text_files_are_read_and_others_refused_with_a_reason(tmp_path):
 
 
 def test_the_reading_bar_keeps_its_width_as_the_counts_grow(qtbot):
-    # Wider than the chat column, it made the splitter widen the column: every bubble laid out again, twice.
+    # Its minimum width must not grow with the numbers it shows (a narrow chat column would have to give way).
     from app.reading_bar import ReadingBar
 
     bar = ReadingBar()
