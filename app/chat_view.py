@@ -340,6 +340,36 @@ def cut_offset(text: str, seen: int, total: int) -> int:
     return space + 1 if space >= 0 and offset - space < 40 else offset
 
 
+class ElidedLabel(QLabel):
+    """One line that asks for no width: where its text is longer than the room it gets, it ends in "…" and
+    the tooltip has the whole text. A reply's meta line ("… partly out of the model's window: it sees the
+    last 848 of 5,338 tokens") as a plain label set the whole chat column's minimum width past the view, so
+    every bubble of a long chat was laid out again at the wider width and back (80-170 ms stalls around a
+    document). Word wrap instead made each streamed token's layout about 1.8x dearer (height for width)."""
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self._full = ""
+        self.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
+
+    def setText(self, text: str) -> None:  # noqa: N802 (Qt API)
+        self._full = text
+        self._elide()
+
+    def text(self) -> str:
+        return self._full
+
+    def resizeEvent(self, event) -> None:  # noqa: N802
+        super().resizeEvent(event)
+        self._elide()
+
+    def _elide(self) -> None:
+        shown = self.fontMetrics().elidedText(self._full, Qt.TextElideMode.ElideRight, max(0, self.width()))
+        if shown != super().text():
+            super().setText(shown)
+        self.setToolTip(self._full if shown != self._full else "")
+
+
 class MessageWidget(QFrame):
     """One message: who, a little meta line, its alternatives (‹ 2/3 ›), a copy button and the text."""
 
@@ -370,7 +400,7 @@ class MessageWidget(QFrame):
         if small.pointSizeF() > 0:
             small.setPointSizeF(small.pointSizeF() * 0.85)
         self.time.setFont(small)
-        self.meta = QLabel()
+        self.meta = ElidedLabel()
         self.meta.setObjectName("meta")
         self.copy = QToolButton()
         self.copy.setAutoRaise(True)
@@ -384,8 +414,7 @@ class MessageWidget(QFrame):
         self.next = self._arrow("›", "Next alternative", +1)
         header.addWidget(self.who)
         header.addWidget(self.time)
-        header.addWidget(self.meta)
-        header.addStretch(1)
+        header.addWidget(self.meta, 1)  # the room between the name and the buttons
         for w in (self.previous, self.position, self.next):
             header.addWidget(w)
         header.addWidget(self.copy)

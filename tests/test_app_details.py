@@ -103,6 +103,28 @@ def test_code_block_buttons_follow_a_reply_as_it_streams(qtbot):
     assert body.codes == [] and not any(b.isVisibleTo(body) for b in body.code_buttons)
 
 
+def test_a_long_meta_line_is_shortened_instead_of_widening_the_chat(qtbot):
+    from app.chat_view import ChatView
+    from app.models import ChatModel, Message
+
+    chat = ChatModel()
+    reply = Message("assistant", "A reply.", meta={"tokens": 400, "tok_s": 55.9, "stop_reason": "length"})
+    chat.load(None, "Meta", [Message("user", "Hi"), reply])
+    view = ChatView(chat)
+    qtbot.addWidget(view)
+    view.resize(420, 500)
+    view.show()
+    bubble = view.widgets[1]
+    bubble.set_message(reply, partly=True, seen=(1_234_567, 7_654_321))
+    assert "partly out of the model's window" in bubble.meta.text()
+    qtbot.wait(50)  # the layout request it posted
+    line = bubble.meta.fontMetrics().horizontalAdvance(bubble.meta.text())
+    assert bubble.minimumSizeHint().width() < view.viewport().width() < line  # a line wider than the view
+    assert bubble.meta.toolTip() == bubble.meta.text()  # shortened on screen, whole on hover
+    # The column (and so every bubble) stays as wide as the view: no horizontal relayout of the whole chat.
+    assert view.column.width() == view.viewport().width()
+
+
 def test_message_time_and_reply_speed_on_hover(qtbot, tmp_path, tiny):
     data = tmp_path / "data"
     write_settings(data)
