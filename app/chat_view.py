@@ -353,6 +353,8 @@ class ElidedLabel(QLabel):
         self.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
 
     def setText(self, text: str) -> None:  # noqa: N802 (Qt API)
+        if text == self._full:  # a streaming reply sets the same "writing…" on every flush
+            return
         self._full = text
         self._elide()
 
