@@ -18,6 +18,7 @@ from PySide6.QtGui import (QBrush, QColor, QDesktopServices, QGuiApplication, QP
 from PySide6.QtWidgets import (QFrame, QHBoxLayout, QLabel, QMenu, QScrollArea, QSizePolicy, QTextBrowser,
                                QToolButton, QVBoxLayout, QWidget)
 
+from .elided_label import ElidedLabel
 from .icons import icon
 from .models import ChatModel, Message
 
@@ -338,38 +339,6 @@ def cut_offset(text: str, seen: int, total: int) -> int:
         return line
     space = text.rfind(" ", 0, offset)
     return space + 1 if space >= 0 and offset - space < 40 else offset
-
-
-class ElidedLabel(QLabel):
-    """One line that asks for no width: where its text is longer than the room it gets, it ends in "…" and
-    the tooltip has the whole text. A reply's meta line ("… partly out of the model's window: it sees the
-    last 848 of 5,338 tokens") as a plain label set the whole chat column's minimum width past the view, so
-    every bubble of a long chat was laid out again at the wider width and back (80-170 ms stalls around a
-    document). Word wrap instead made each streamed token's layout about 1.8x dearer (height for width)."""
-
-    def __init__(self, parent: QWidget | None = None) -> None:
-        super().__init__(parent)
-        self._full = ""
-        self.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
-
-    def setText(self, text: str) -> None:  # noqa: N802 (Qt API)
-        if text == self._full:  # a streaming reply sets the same "writing…" on every flush
-            return
-        self._full = text
-        self._elide()
-
-    def text(self) -> str:
-        return self._full
-
-    def resizeEvent(self, event) -> None:  # noqa: N802
-        super().resizeEvent(event)
-        self._elide()
-
-    def _elide(self) -> None:
-        shown = self.fontMetrics().elidedText(self._full, Qt.TextElideMode.ElideRight, max(0, self.width()))
-        if shown != super().text():
-            super().setText(shown)
-        self.setToolTip(self._full if shown != self._full else "")
 
 
 class MessageWidget(QFrame):

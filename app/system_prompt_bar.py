@@ -6,21 +6,12 @@ in a small dialog.
 """
 from __future__ import annotations
 
-from PySide6.QtCore import Qt, Signal
-from PySide6.QtGui import QMouseEvent
+from PySide6.QtCore import Qt
 from PySide6.QtWidgets import (QComboBox, QDialog, QDialogButtonBox, QHBoxLayout, QInputDialog, QLabel, QListWidget,
-                               QPlainTextEdit, QPushButton, QSizePolicy, QToolButton, QVBoxLayout, QWidget)
+                               QPlainTextEdit, QPushButton, QToolButton, QVBoxLayout, QWidget)
 
+from .elided_label import ClickableElidedLabel
 from .system_prompts import CUSTOM_CHOICE, DEFAULT_CHOICE, SystemPrompts
-
-
-class _ClickableLabel(QLabel):
-    clicked = Signal()
-
-    def mouseReleaseEvent(self, event: QMouseEvent) -> None:  # noqa: N802
-        if event.button() == Qt.MouseButton.LeftButton:
-            self.clicked.emit()
-        super().mouseReleaseEvent(event)
 
 
 class SystemPromptBar(QWidget):
@@ -31,9 +22,8 @@ class SystemPromptBar(QWidget):
         row = QHBoxLayout(self)
         row.setContentsMargins(8, 4, 8, 4)
         row.addWidget(QLabel("<b>System</b>"))
-        self.text_label = _ClickableLabel()
+        self.text_label = ClickableElidedLabel()
         self.text_label.setCursor(Qt.CursorShape.PointingHandCursor)
-        self.text_label.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
         self.text_label.setAccessibleName("The chat's system prompt (click to edit)")
         self.text_label.clicked.connect(self.edit_prompt)
         row.addWidget(self.text_label, 1)
@@ -64,9 +54,8 @@ class SystemPromptBar(QWidget):
         if not text:
             text = "(none)"
         source = "Settings' default" if p.chat_prompt is None else "this chat's own"
-        self.text_label.setToolTip(f"{source} system prompt; click to edit:\n\n{p.effective or '(none)'}")
-        self._full = text
-        self._elide()
+        self.text_label.set_fixed_tooltip(f"{source} system prompt; click to edit:\n\n{p.effective or '(none)'}")
+        self.text_label.setText(text)
         self.picker.blockSignals(True)  # rebuilding the list is not a choice
         self.picker.clear()
         self.picker.addItem(DEFAULT_CHOICE)
@@ -77,14 +66,6 @@ class SystemPromptBar(QWidget):
         self.picker.blockSignals(False)
         self.save_button.setEnabled(bool(p.effective.strip()))
         self.manage_button.setEnabled(bool(p.presets))
-
-    def _elide(self) -> None:
-        width = max(40, self.text_label.width())
-        self.text_label.setText(self.text_label.fontMetrics().elidedText(self._full, Qt.TextElideMode.ElideRight, width))
-
-    def resizeEvent(self, event) -> None:  # noqa: N802
-        super().resizeEvent(event)
-        self._elide()
 
     def _on_picked(self, index: int) -> None:
         choice = self.picker.itemText(index)

@@ -7,6 +7,7 @@ import sqlite3
 from pathlib import Path
 
 from PySide6.QtCore import Qt
+from PySide6.QtWidgets import QLabel
 
 import app.store as store_module
 from app.store import DB_FILE, Store
@@ -204,3 +205,29 @@ def test_a_fork_keeps_the_chat_prompt_and_the_export_writes_it(qtbot, tmp_path, 
     assert c.store.system_prompt(c.chat.conversation_id) == PIRATE
     assert c.host.worker.session.messages[0] == {"role": "system", "content": PIRATE}
     assert [m["content"] for m in c.host.worker.session.messages[1:]] == [m.content for m in c.chat.messages]
+
+
+def test_a_long_prompt_is_elided_in_the_header_and_whole_in_its_tooltip(qtbot, tmp_path):
+    from app.system_prompt_bar import SystemPromptBar
+    from app.system_prompts import SystemPrompts
+
+    long_prompt = "You are a careful assistant. " * 40
+    store = Store.open(tmp_path)
+    prompts = SystemPrompts(store, lambda: long_prompt)
+    bar = SystemPromptBar(prompts)
+    qtbot.addWidget(bar)
+    bar.resize(600, 40)
+    bar.show()
+    qtbot.waitExposed(bar)
+    label = bar.text_label
+    assert label.text() == " ".join(long_prompt.split())  # the whole prompt, on one line
+    shown = QLabel.text(label)  # what is painted
+    assert shown.endswith("…") and len(shown) < len(label.text())
+    assert bar.minimumSizeHint().width() < 600  # the prompt asks for no width: the header never widens the chat
+    assert label.toolTip().startswith("Settings' default system prompt; click to edit:") and long_prompt in label.toolTip()
+    bar.resize(1400, 40)  # a wider window shows more of it
+    qtbot.waitUntil(lambda: len(QLabel.text(label)) > len(shown))
+    label.clicked.disconnect(bar.edit_prompt)  # the editor is modal
+    with qtbot.waitSignal(label.clicked):
+        qtbot.mouseClick(label, Qt.MouseButton.LeftButton)
+    store.close()
