@@ -1,6 +1,7 @@
 """The conversation: one bubble per message (replies rendered as Markdown) and the "left the window" marker.
 A message with alternatives (replies written again, edits) has a ‹ 2/3 › switcher; its context menu edits it
-or forks the chat there. What those do is the controller's: the view only asks.
+or forks the chat there, and one of several alternatives can be deleted. What those do is the controller's: the view
+only asks.
 
 Renders a ChatModel and nothing else. Streaming text is coalesced: a reply is re-rendered at most every
 REFRESH_MS, so a fast model (1000 tokens/s) costs the event loop a few renders a second, not a thousand.
@@ -349,6 +350,7 @@ class MessageWidget(QFrame):
     edit_requested = Signal()
     regenerate_requested = Signal()
     fork_requested = Signal()
+    delete_requested = Signal()
 
     def __init__(self, message: Message, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -422,6 +424,9 @@ class MessageWidget(QFrame):
             again.setEnabled(not self.locked)
         fork = menu.addAction("Fork chat here", self.fork_requested.emit)
         fork.setEnabled(not self.locked)
+        if self.alternatives[1] > 1:  # with nothing to show in its place, a delete would end the chat here
+            delete = menu.addAction("Delete this alternative…", self.delete_requested.emit)
+            delete.setEnabled(not self.locked)
 
     def contextMenuEvent(self, event) -> None:  # noqa: N802 (Qt API)
         menu = QMenu(self)
@@ -611,6 +616,7 @@ class ChatView(QScrollArea):
     edit_requested = Signal(int)         # message index
     regenerate_requested = Signal(int)   # message index of the reply
     fork_requested = Signal(int)         # message index
+    delete_requested = Signal(int)       # message index (one of several alternatives)
 
     def __init__(self, model: ChatModel, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -745,6 +751,7 @@ class ChatView(QScrollArea):
         w.edit_requested.connect(lambda: self.edit_requested.emit(self._index(w)))
         w.regenerate_requested.connect(lambda: self.regenerate_requested.emit(self._index(w)))
         w.fork_requested.connect(lambda: self.fork_requested.emit(self._index(w)))
+        w.delete_requested.connect(lambda: self.delete_requested.emit(self._index(w)))
         if front:  # above the others, below the empty-chat label
             self.layout_.insertWidget(1, w)
             self.widgets.insert(0, w)

@@ -432,6 +432,23 @@ class ChatController(QObject):
         self._sync_engine()
         return True
 
+    def delete_alternative(self, index: int) -> bool:
+        """Deletes message `index`, one of several alternatives, and the branch that went on from it; the
+        alternative chosen before it is shown and put into the model's cache. Refused while a reply is being
+        written, and for a message without alternatives (nothing would be left to show in its place)."""
+        if self.busy or self._closing:
+            self.notice.emit("info", "Wait for the reply to finish, or stop it, before deleting an alternative.", "")
+            return False
+        if not 0 <= index < len(self.chat.messages) or self.chat.alternatives(index)[1] < 2:
+            return False
+        conv_id, message = self.chat.conversation_id, self.chat.messages[index]
+        self.chat.remove(index)
+        if conv_id is not None and message.id is not None:
+            # The rows under it go with it (parent_id ON DELETE CASCADE), and so do their search entries.
+            self._write(conv_id, lambda: self.store.delete_message(message.id))
+        self._sync_engine()
+        return True
+
     def fork_chat(self, index: int) -> bool:
         """Copies the chat as shown, up to and with message `index`, into a new chat, and opens it."""
         if self.busy or self._closing:

@@ -107,6 +107,7 @@ class MainWindow(QMainWindow):
         self.chat_view.switch_requested.connect(c.switch_alternative)
         self.chat_view.edit_requested.connect(self.start_edit)
         self.chat_view.fork_requested.connect(c.fork_chat)
+        self.chat_view.delete_requested.connect(self._confirm_delete_alternative)
         self.chat_view.regenerate_requested.connect(c.regenerate)
         c.busy_changed.connect(lambda: self.chat_view.set_locked(c.busy))
         self.compose.recall_requested.connect(self.start_edit)
@@ -420,6 +421,15 @@ class MainWindow(QMainWindow):
     def delete_current(self) -> None:
         if self.controller.chat.conversation_id is not None:
             self._confirm_delete(self.controller.chat.conversation_id)
+
+    def _confirm_delete_alternative(self, index: int) -> None:
+        position, count = self.controller.chat.alternatives(index)
+        what = "reply" if self.controller.chat.messages[index].role == "assistant" else "message"
+        answer = QMessageBox.question(self, "Delete alternative",
+                                      f"Delete this {what} (alternative {position} of {count}) and everything that "
+                                      "followed it in its branch? This cannot be undone.")
+        if answer == QMessageBox.StandardButton.Yes:
+            self.controller.delete_alternative(index)
 
     def _confirm_delete(self, conv_id: int) -> None:
         row = self.controller.conversations.row_of(conv_id)

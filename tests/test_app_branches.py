@@ -41,6 +41,12 @@ def menu_action(window, index: int, text: str) -> None:
     action.trigger()
 
 
+def menu_texts(window, index: int) -> list[str]:
+    menu = QMenu()
+    window.chat_view.widgets[index].fill_menu(menu)
+    return [a.text() for a in menu.actions()]
+
+
 def switcher(window, index: int) -> str:
     w = window.chat_view.widgets[index]
     return w.position.text() if w.position.isVisibleTo(w) else ""
@@ -202,6 +208,46 @@ def test_regenerating_an_earlier_reply_makes_it_an_alternative_with_its_branch_k
     switch(qtbot, window, 3, -1)
     assert shown(window) == before and switcher(window, 3) == "1/2"
     assert session_conversation(window) == before[c.host.worker._session.dropped:]  # what fits the tiny window
+
+
+def test_deleting_an_alternative_takes_its_branch_and_the_cache_follows(qtbot, tmp_path, tiny, monkeypatch):
+    from PySide6.QtWidgets import QMessageBox
+
+    data = tmp_path / "data"
+    window, c, before = three_turns(qtbot, data, max_new_tokens=6)
+    assert "Delete this alternative…" not in menu_texts(window, 2)  # nothing to show in its place
+    with qtbot.waitSignal(c.turn_finished, timeout=TURN_TIMEOUT_MS):
+        assert c.edit_message(2, "Second question about zebras")
+    window.chat_view.flush()
+    conv = c.chat.conversation_id
+    assert switcher(window, 2) == "2/2" and len(c.store.tree(conv)) == 8
+    gone = {c.chat.messages[2].id, c.chat.messages[3].id}  # the edited question and its reply
+    assert None not in gone
+    asked: list[str] = []
+
+    def answer(parent, title, text, *args):
+        asked.append(text)
+        return QMessageBox.StandardButton.Yes
+
+    monkeypatch.setattr(QMessageBox, "question", answer)
+    menu_action(window, 2, "Delete this alternative…")  # the edited question: its reply goes with it
+    wait_idle(qtbot, window)
+    window.chat_view.flush()
+    assert asked and "alternative 2 of 2" in asked[0]
+    # The branch chosen before it is shown again, with all of its messages, and the engine took it.
+    assert shown(window) == before and switcher(window, 2) == ""
+    assert session_conversation(window) == before[c.host.worker._session.dropped:]
+    assert [(m.role, m.content) for m in c.store.messages(conv)] == before and len(c.store.tree(conv)) == 6
+    # The deleted rows left the search index too: nothing finds them, and the index matches the table.
+    assert not [h for h in c.store.search("zebras") if h.message_id is not None]
+    c.store.conn.execute("INSERT INTO messages_fts(messages_fts) VALUES ('integrity-check')")
+    assert not gone & {m.id for m in c.store.tree(conv)}
+
+    with qtbot.waitSignal(window.closed, timeout=TURN_TIMEOUT_MS):
+        window.close()
+    again = open_window(qtbot, data)
+    again.chat_view.flush()
+    assert shown(again) == before and switcher(again, 2) == ""
 
 
 def test_fork_copies_the_chat_up_to_a_message_into_a_new_chat(qtbot, tmp_path, tiny):
