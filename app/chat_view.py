@@ -33,6 +33,11 @@ LAZY_FROM = 24
 EAGER_MESSAGES = 8
 BUILD_SLICE_MS = 4
 BUILD_EVERY_MS = 32
+# A send appends two messages (the user's, the reply being written) in one slot; their two bubbles, built and
+# laid out and painted in that one pass of the event loop, stalled it 20-30 ms. Appended messages get their
+# bubbles a pass later, one bubble a pass, and the bubbles come from spares (one per role) built ahead,
+# SPARE_AFTER_MS after the last was used, when the reply is streaming or done: a send fills them in.
+SPARE_AFTER_MS = 1000
 FLASH_MS = 1600  # how long a revealed message (a search hit) stays highlighted
 COPIED_MS = 1500  # how long a code block's button says "Copied"
 # A code block's heading line (language and Copy button) is a block of its own, marked with this property so
@@ -656,6 +661,14 @@ class ChatView(QScrollArea):
         self._unanchor.setInterval(200)
         self._unanchor.timeout.connect(lambda: setattr(self, "_anchored", False))
         self.locked = False  # a reply is being written: no switching, editing or forking
+        self._spares: dict[str, MessageWidget] = {}  # role -> a hidden bubble built ahead for the next append
+        self._tail = QTimer(self)  # builds the bubbles of messages appended since, one a pass of the event loop
+        self._tail.setSingleShot(True)
+        self._tail.setInterval(0)
+        self._tail.timeout.connect(self._build_tail)
+        self._restock = QTimer(self)
+        self._restock.setSingleShot(True)
+        self._restock.timeout.connect(self._build_spares)
         self._dirty: set[int] = set()
         self._refresh = QTimer(self)
         self._refresh.setSingleShot(True)
@@ -694,6 +707,7 @@ class ChatView(QScrollArea):
 
     def _rebuild(self) -> None:
         self._building.stop()
+        self._tail.stop()
         for w in self.widgets:
             self.layout_.removeWidget(w)
             w.deleteLater()
@@ -709,6 +723,8 @@ class ChatView(QScrollArea):
         self.empty.setVisible(not messages)
         self._update_jump()
         QTimer.singleShot(0, self, self.scroll_to_bottom)
+        if len(self._spares) < 2:
+            self._restock.start(SPARE_AFTER_MS)
         if self.top:
             self._anchored = True
             self._building.start()
@@ -732,6 +748,7 @@ class ChatView(QScrollArea):
 
     def build_all(self) -> None:
         """Builds every bubble now (something needs an old message's bubble: a search hit, the marker)."""
+        self._catch_up()
         self._building.stop()
         while self.top:
             self.top -= 1
@@ -739,12 +756,50 @@ class ChatView(QScrollArea):
         self._unanchor.start()
         self._place_marker()
 
+    def _built_to(self) -> int:
+        """Messages from here on were appended and have no bubble yet (a pass of the event loop later)."""
+        return self.top + len(self.widgets)
+
+    def _build_tail(self) -> None:
+        index = self._built_to()
+        if index >= len(self.model.messages):
+            return
+        self._add_widget(self.model.messages[index])
+        # Only the new bubble: a message added at the end moves nobody else in or out of the window (the engine
+        # reports that with window_changed), and rendering all 200 bubbles of a long chat cost a send 6 ms each.
+        self._move_marker()
+        self._render(index)
+        if index + 1 < len(self.model.messages):
+            self._tail.start()
+
+    def _catch_up(self) -> None:
+        """Builds the bubbles of appended messages now (before a change that counts on every bubble)."""
+        while self._built_to() < len(self.model.messages):
+            self._build_tail()
+        self._tail.stop()
+
     def widget(self, index: int) -> MessageWidget | None:
         """Message `index`'s bubble (None: not built yet)."""
         return self.widgets[index - self.top] if self.top <= index < self.top + len(self.widgets) else None
 
     def _add_widget(self, message: Message, front: bool = False) -> None:
-        w = MessageWidget(message)
+        spare = self._spares.pop(message.role, None)
+        w = spare or self._new_bubble(message)
+        if front:  # above the others, below the empty-chat label
+            self.layout_.insertWidget(1, w)
+            self.widgets.insert(0, w)
+        else:  # before the stretch at the end; the marker moves between them
+            self.layout_.insertWidget(self.layout_.count() - 1, w)
+            self.widgets.append(w)
+        if spare is not None:
+            spare.set_message(message)
+            spare.show()  # after the layout has it: never shown where it sat outside it
+            self._restock.start(SPARE_AFTER_MS)
+        if front:
+            w.set_alternatives(*self.model.alternatives(self.top), self.locked)
+
+    def _new_bubble(self, message: Message) -> MessageWidget:
+        w = MessageWidget(message, self.column)
         w.copy_requested.connect(self.copy_requested)
         # By the widget, not a fixed index: the index is looked up when asked, after any change above it.
         w.switch_requested.connect(lambda step: self.switch_requested.emit(self._index(w), step))
@@ -752,25 +807,31 @@ class ChatView(QScrollArea):
         w.regenerate_requested.connect(lambda: self.regenerate_requested.emit(self._index(w)))
         w.fork_requested.connect(lambda: self.fork_requested.emit(self._index(w)))
         w.delete_requested.connect(lambda: self.delete_requested.emit(self._index(w)))
-        if front:  # above the others, below the empty-chat label
-            self.layout_.insertWidget(1, w)
-            self.widgets.insert(0, w)
-            w.set_alternatives(*self.model.alternatives(self.top), self.locked)
-        else:  # before the stretch at the end; the marker moves between them
-            self.layout_.insertWidget(self.layout_.count() - 1, w)
-            self.widgets.append(w)
+        return w
+
+    def _build_spares(self) -> None:
+        """Builds one missing spare bubble (5-7 ms), and the next one a little later: one would be a stall."""
+        missing = [role for role in ("user", "assistant") if role not in self._spares]
+        if not missing:
+            return
+        w = self._new_bubble(Message(missing[0], ""))
+        # Shown once, where nothing sees it, and hidden: a first show polishes and lays out every child (2-3 ms a
+        # bubble). Hidden, a child of the column outside its layout takes no room.
+        w.setGeometry(0, -10 * self.column.height() - 1000, self.viewport().width(), 100)
+        w.show()
+        w.hide()
+        self._spares[missing[0]] = w
+        if len(missing) > 1:
+            self._restock.start(BUILD_EVERY_MS)
 
     def _index(self, w: MessageWidget) -> int:
         return self.top + self.widgets.index(w)
 
     def _on_appended(self, index: int) -> None:
-        self._add_widget(self.model.messages[index])
         self.empty.hide()
         self._stick = True
-        # Only the new bubble: a message added at the end moves nobody else in or out of the window (the engine
-        # reports that with window_changed), and rendering all 200 bubbles of a long chat cost a send 6 ms each.
-        self._move_marker()
-        self._render(index)
+        if not self._tail.isActive():
+            self._tail.start()
 
     def _on_changed(self, index: int) -> None:
         self._dirty.add(index)
@@ -778,6 +839,7 @@ class ChatView(QScrollArea):
             self._refresh.start()
 
     def _on_truncated(self, index: int) -> None:
+        self._catch_up()
         self._drop_from(index)
         self.empty.setVisible(not self.model.messages)
         self._place_marker()
@@ -785,6 +847,7 @@ class ChatView(QScrollArea):
     def _on_replaced(self, index: int) -> None:
         # Another branch from `index` on: its bubbles replace those below, rendered once (not once per message),
         # and the view stays where it is, at the message whose alternative was chosen.
+        self._catch_up()
         self._drop_from(index)
         for message in self.model.messages[index:]:
             self._add_widget(message)
@@ -813,6 +876,7 @@ class ChatView(QScrollArea):
 
     def flush(self) -> None:
         """Renders pending changes now (tests and screenshots call this instead of waiting a tick)."""
+        self._catch_up()
         self._refresh.stop()
         self._flush()
 

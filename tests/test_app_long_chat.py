@@ -85,3 +85,33 @@ def test_a_window_change_renders_again_only_what_changed(qtbot, monkeypatch):
     laid_out.clear()
     chat.update(19, meta={"tokens": 7, "tok_s": 3.5}, span=(190, 200))  # a reply's stats arrive with its place
     assert laid_out == [19] and "7 tokens" in view.widget(19).meta.text()
+
+
+def test_a_send_fills_bubbles_built_ahead_which_then_show_just_that_message(qtbot):
+    chat, view = _open(qtbot, _messages(20))
+    view.resize(700, 400)
+    view.build_all()
+    qtbot.waitUntil(lambda: set(view._spares) == {"user", "assistant"}, timeout=5_000)
+    spares = dict(view._spares)
+    assert not any(w.isVisible() for w in spares.values()) and not set(spares.values()) & set(view.widgets)
+    built = len(view.widgets)
+    passes: list[int] = []  # the bubbles there are after each pass that builds one
+    view._tail.timeout.connect(lambda: passes.append(len(view.widgets)))
+    chat.append(Message("user", "A new question, answered below."))
+    chat.append(Message("assistant", "", streaming=True))
+    # Not in the send's slot: a bubble a pass of the event loop, each one a spare built ahead, filled in.
+    assert len(view.widgets) == built and view.widget(21) is None
+    qtbot.waitUntil(lambda: len(view.widgets) == built + 2)
+    assert passes == [built + 1, built + 2]
+    assert view.widgets[-2:] == [spares["user"], spares["assistant"]]
+    question, reply = view.widgets[-2:]
+    assert question.body.toPlainText() == "A new question, answered below." and question.who.text() == "You"
+    assert reply.who.text() == "Eddy" and reply.meta.text() == "writing…"
+    bar = view.verticalScrollBar()
+    qtbot.waitUntil(lambda: reply.isVisible() and bar.value() == bar.maximum(), timeout=5_000)
+    # Laid out in the column, under the bubbles before them, as a bubble built for them would be.
+    assert view.widgets[-3].geometry().bottom() < question.geometry().top() < reply.geometry().top()
+    assert question.width() == view.widgets[-3].width() and not question.position.isVisible()
+    # A new pair is built ahead for the next send; the ones in use stay.
+    qtbot.waitUntil(lambda: len(view._spares) == 2, timeout=5_000)
+    assert not set(view._spares.values()) & set(view.widgets)
