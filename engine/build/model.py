@@ -31,8 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..arch import Family, family
-from ..config import BuildSettings, ModelConfig
-from .q4 import Q4_GROUP, dequantise_q4, packable, q4_linear, quantise_q4
+from ..config import Q4_TILE, BuildSettings, ModelConfig
+from .q4 import Q4_GROUP, dequantise_q4, packable, q4_linear, quantise_q4, tile_q4
 
 TORCH_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 EMPTY_SLOT = 2**62  # slot_pos of an empty slot: later than any token, so masked for every query
@@ -61,15 +61,24 @@ class Linear(nn.Module):
     skeleton that never receives its weights (StreamingLlama.skeleton) exports exactly as one holding them.
     """
 
-    def __init__(self, out_features: int, in_features: int, dtype: str, bias: bool = False) -> None:
+    def __init__(self, out_features: int, in_features: int, dtype: str, bias: bool = False,
+                 lookup: bool = False) -> None:
         super().__init__()
-        self.dtype = dtype = matrix_dtype(dtype, in_features)
+        # A q4 matrix that is multiplied is stored tiled (engine/build/q4.py); one only looked up by row (an
+        # untied embedding) keeps its rows whole.
+        self.tiled = not lookup
+        self.dtype = dtype = matrix_dtype(dtype, in_features, None if lookup else out_features)
         self.offset = None
         if dtype == "q4":
             groups = in_features // Q4_GROUP
-            self.weight = _frozen(torch.empty(out_features, in_features // 2, dtype=torch.int8))
-            self.scale = _frozen(torch.empty(out_features, groups))
-            self.offset = _frozen(torch.empty(out_features, groups))
+            if lookup:
+                shapes = (out_features, in_features // 2), (out_features, groups)
+            else:
+                tiles = out_features // Q4_TILE
+                shapes = (tiles, in_features, Q4_TILE // 2), (tiles, groups, Q4_TILE)
+            self.weight = _frozen(torch.empty(shapes[0], dtype=torch.int8))
+            self.scale = _frozen(torch.empty(shapes[1]))
+            self.offset = _frozen(torch.empty(shapes[1]))
         else:
             stored = torch.int8 if dtype == "q8" else TORCH_DTYPES[dtype]
             self.weight = _frozen(torch.empty(out_features, in_features, dtype=stored))
@@ -88,6 +97,7 @@ class Linear(nn.Module):
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows as float32 (the embedding lookup of a tied matrix)."""
         if self.dtype == "q4":
+            assert not self.tiled, "a tiled q4 matrix has no whole rows to look up"
             return dequantise_q4(*(F.embedding(ids, t) for t in (self.weight, self.scale, self.offset)))
         r = F.embedding(ids, self.weight).float()
         return r if self.scale is None else r * F.embedding(ids, self.scale.unsqueeze(1))
@@ -97,10 +107,11 @@ def _frozen(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t, requires_grad=False)
 
 
-def matrix_dtype(dtype: str, in_features: int) -> str:
-    """The type a matrix is stored in: the build's, except that q4 needs whole groups along a row and a matrix
-    whose rows are not (no family Eddy knows has one) is stored in q8 instead."""
-    return "q8" if dtype == "q4" and not packable(in_features) else dtype
+def matrix_dtype(dtype: str, in_features: int, out_features: int | None = None) -> str:
+    """The type a matrix is stored in: the build's, except that q4 needs whole groups along a row (and, for a
+    matrix that is multiplied, `out_features` in whole tiles of rows), and a matrix without them (no family Eddy
+    knows has one) is stored in q8 instead."""
+    return "q8" if dtype == "q4" and not packable(in_features, out_features) else dtype
 
 
 # Rows converted at a time by stored_matrix: its float32 temporaries stay a few MB whatever the matrix (a
@@ -108,15 +119,15 @@ def matrix_dtype(dtype: str, in_features: int) -> str:
 CONVERT_ROWS = 4096
 
 
-def stored_matrix(w: torch.Tensor, dtype: str) -> dict[str, torch.Tensor]:
+def stored_matrix(w: torch.Tensor, dtype: str, tiled: bool = False) -> dict[str, torch.Tensor]:
     """A weight matrix (float32, or the checkpoint's own 16-bit type) as Linear stores it: {"weight"} in the build's
     type, plus a per-row float32 {"scale"} for q8 (symmetric: the row's largest magnitude maps to 127), or the
     packed codes with group {"scale", "offset"} for q4 (engine/build/q4.py).
 
     Each block of rows is widened to float32 and converted on its own: a 16-bit matrix is never widened whole,
     and since rows are independent (and widening 16-bit floats is exact) the bytes are those of converting the
-    float32 matrix at once."""
-    dtype = matrix_dtype(dtype, w.shape[1])
+    float32 matrix at once. `tiled`: a multiplied matrix, whose q4 is stored in tiles of rows (q4.tile_q4)."""
+    dtype = matrix_dtype(dtype, w.shape[1], w.shape[0] if tiled else None)
     if dtype in TORCH_DTYPES and w.dtype == TORCH_DTYPES[dtype]:
         return {"weight": w.contiguous()}
     out: dict[str, torch.Tensor] = {}
@@ -126,7 +137,7 @@ def stored_matrix(w: torch.Tensor, dtype: str) -> dict[str, torch.Tensor]:
             if name not in out:  # allocated once: a second copy of a 1 GB embedding is what this avoids
                 out[name] = torch.empty((w.shape[0], *t.shape[1:]), dtype=t.dtype)
             out[name][start:start + len(t)] = t
-    return out
+    return tile_q4(out) if dtype == "q4" and tiled else out
 
 
 def _convert_rows(block: torch.Tensor, dtype: str) -> dict[str, torch.Tensor]:
@@ -147,13 +158,14 @@ class Piece:
     sources: tuple[str, ...]  # concatenated along the rows (q|k|v, gate|up)
     kind: str  # "matrix": a Linear's weight (and scale); "bias" or "norm": one float32 vector
     dtype: str = "f32"  # a matrix's stored type (its Linear's)
+    tiled: bool = False  # a matrix that is multiplied (its Linear's `tiled`)
 
     def convert(self, tensors: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         """The module's parameters by full name, from its source tensors (in `sources` order; float32, or the
         checkpoint's own floating type, which converts to the same bytes)."""
         w = tensors[0] if len(tensors) == 1 else torch.cat(tensors)
         if self.kind == "matrix":
-            return {f"{self.module}.{name}": t for name, t in stored_matrix(w, self.dtype).items()}
+            return {f"{self.module}.{name}": t for name, t in stored_matrix(w, self.dtype, self.tiled).items()}
         return {f"{self.module}.{'bias' if self.kind == 'bias' else 'weight'}": w.float().contiguous()}
 
 
@@ -327,7 +339,8 @@ class StreamingLlama(nn.Module):
         self.embed_scale = cfg.dim ** 0.5 if fam.embed_scale else None
         # Like llama.cpp's 4-bit types, q4 keeps the LM head in 8 bits: every logit goes through it.
         head = "q8" if settings.dtype == "q4" else settings.dtype
-        self.tok_embeddings = Linear(cfg.vocab_size, cfg.dim, head if cfg.tie_embeddings else settings.dtype)
+        self.tok_embeddings = (Linear(cfg.vocab_size, cfg.dim, head) if cfg.tie_embeddings
+                               else Linear(cfg.vocab_size, cfg.dim, settings.dtype, lookup=True))
         # Local layers with their own ring leave the shared cache to the others; each layer writes its own
         # row (`index`) of the buffer it uses.
         self.ring = ring = cfg.local_ring(settings)
@@ -456,8 +469,9 @@ class StreamingLlama(nn.Module):
                      "post_ffn": "post_ffn_norm"}
             for role, name in fam.norms.items():
                 out.append(Piece(m + roles[role], (p + name,), "norm"))
-        return [replace(piece, dtype=self.get_submodule(piece.module).dtype) if piece.kind == "matrix" else piece
-                for piece in out]
+        matrix = lambda piece: self.get_submodule(piece.module)  # noqa: E731
+        return [replace(piece, dtype=matrix(piece).dtype, tiled=matrix(piece).tiled) if piece.kind == "matrix"
+                else piece for piece in out]
 
     def load_hf(self, state: dict[str, torch.Tensor]) -> None:
         """Copies a Hugging Face state dict of this family in, casting matrices to the build's weight dtype: the
