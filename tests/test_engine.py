@@ -150,7 +150,7 @@ def test_q4_module_computes_exactly_its_dequantised_weights(tiny_reference):
 
     def as_stored(name: str, w: torch.Tensor) -> torch.Tensor:
         # q4 keeps the (tied) LM head in q8, as llama.cpp's 4-bit types do.
-        dtype = "q8" if name == "model.embed_tokens.weight" else matrix_dtype("q4", w.shape[1])
+        dtype = "q8" if name == "model.embed_tokens.weight" else matrix_dtype("q4", w.shape[1], w.shape[0])
         s = stored_matrix(w, dtype)
         return dequantise_q4(*s.values()) if dtype == "q4" else s["weight"].float() * s["scale"].unsqueeze(1)
 
