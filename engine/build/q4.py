@@ -53,9 +53,10 @@ def pack_q4(codes: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_q4(packed: torch.Tensor) -> torch.Tensor:
-    """int8 [..., n/2] of packed codes -> int64 [..., n] codes 0..15."""
+    """int8 [..., n/2] of packed codes -> uint8 [..., n] codes 0..15 (a byte a code: tile_q4 moves an 8B model's
+    largest matrix, whose codes in int64 would add ~2 GB to the build's peak)."""
     low, high = packed & 15, (packed >> 4) & 15
-    return torch.stack([low, high], dim=-1).reshape(*packed.shape[:-1], -1).long()
+    return torch.stack([low, high], dim=-1).reshape(*packed.shape[:-1], -1).to(torch.uint8)
 
 
 def tile_q4(rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
