@@ -14,9 +14,9 @@ DTYPES = ("f32", "f16", "bf16", "q8", "q4")
 KV_DTYPES = ("f32", "f16")
 # q4's group: weights per scale and offset along a row (GGUF Q4_0/Q4_1's block, so their codes pass through).
 Q4_GROUP = 32
-# q4 matrices that are multiplied are stored in tiles of this many rows, interleaved along each row (engine/build/
-# q4.py): decode's product keeps one output row per vector lane, with no horizontal sums.
-Q4_TILE = 32
+# Quantised (q4, q8) matrices that are multiplied are stored in tiles of this many rows, interleaved along each
+# row (engine/build/kernels.py): decode's product keeps one output row per vector lane, with no horizontal sums.
+TILE_ROWS = 32
 # llvm-cpu targets: "host" (this machine's CPU, fastest, for local builds) or a portable one for packages
 # that run on other machines (a module built for "host" can die of illegal instructions elsewhere).
 # x86-64-v3 = AVX2 + FMA (Intel Haswell 2013+, AMD Zen 1+); x86-64 = any 64-bit x86 (slow: no AVX).

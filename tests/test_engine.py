@@ -139,9 +139,12 @@ def test_narrow_weight_builds_stay_close(hf_model, dtype, tol):
     assert got.argmax() == want.argmax()
 
 
-def test_q4_module_computes_exactly_its_dequantised_weights(tiny_reference):
-    """The fused 4-bit kernel (engine/build/q4.py) against transformers on the weights q4 stores, dequantised:
-    float32 parity, so any error left is the quantiser's, never the kernel's or the packing's."""
+@pytest.mark.parametrize("dtype", ["q4", "q8"])
+def test_quantised_module_computes_exactly_its_dequantised_weights(tiny_reference, dtype):
+    """The quantised kernels (engine/build/kernels.py: q4's fused product, q8's tiled one, the tied embedding
+    looked up in its tiles) against transformers on the weights the build stores, dequantised: float32 parity in
+    prefill, decode and scoring (each product's one-row and many-row forms), so any error left is the
+    quantiser's, never the kernels' or the tiling's."""
     from dataclasses import replace
 
     from engine.build.model import matrix_dtype, stored_matrix
@@ -150,20 +153,24 @@ def test_q4_module_computes_exactly_its_dequantised_weights(tiny_reference):
 
     def as_stored(name: str, w: torch.Tensor) -> torch.Tensor:
         # q4 keeps the (tied) LM head in q8, as llama.cpp's 4-bit types do.
-        dtype = "q8" if name == "model.embed_tokens.weight" else matrix_dtype("q4", w.shape[1], w.shape[0])
-        s = stored_matrix(w, dtype)
-        return dequantise_q4(*s.values()) if dtype == "q4" else s["weight"].float() * s["scale"].unsqueeze(1)
+        stored = "q8" if name == "model.embed_tokens.weight" else matrix_dtype(dtype, w.shape[1], w.shape[0])
+        s = stored_matrix(w, stored)
+        return dequantise_q4(*s.values()) if stored == "q4" else s["weight"].float() * s["scale"].unsqueeze(1)
 
     cfg, state = tiny_reference
     stored = {name: as_stored(name, w) if w.ndim == 2 else w for name, w in state.items()}
     assert any(not torch.equal(stored[n], state[n]) for n in state)  # the reference really is quantised
-    eng = open_model("tiny-random", replace(TINY_SETTINGS, dtype="q4")).engine
+    eng = open_model("tiny-random", replace(TINY_SETTINGS, dtype=dtype)).engine
     eng.reset()
     ids = random_ids(30, 5)
     got = [eng.prefill(ids[:29]), eng.decode(ids[29])]  # the prefill and the decode programs
     want = hf_logits(transformers_model(cfg, stored), ids)
     for g, w in zip(got, (want[28], want[29])):
         assert np.abs(g - w).max() < 1e-4 * np.abs(w).max()
+    eng.reset()
+    logp = eng.score(ids[:29], ids[1:30])
+    want_logp = torch.log_softmax(torch.from_numpy(want[:29]).double(), -1).numpy()[np.arange(29), ids[1:30]]
+    assert np.abs(logp - want_logp).max() < 1e-3
 
 
 def test_16_bit_kv_cache_stays_close_to_float32(tiny):

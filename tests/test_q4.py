@@ -5,6 +5,7 @@ quantiser itself, with no build."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from engine.build.q4 import Q4_GROUP, dequantise_q4, quantise_q4, unpack_q4
@@ -54,47 +55,57 @@ def test_every_weight_lands_within_half_a_step_and_the_extremes_exactly():
 
 
 def test_a_multiplied_matrix_is_tiled_with_the_same_codes_and_numbers():
-    """tile_q4 moves the codes of Q4_TILE consecutive rows next to each other at each input position (decode's
+    """tile_q4 moves the codes of TILE_ROWS consecutive rows next to each other at each input position (decode's
     product keeps a row per vector lane), and untile_q4 gives back the rows layout exactly."""
-    from engine.build.q4 import Q4_TILE, tile_q4, untile_q4
+    from engine.build.q4 import TILE_ROWS, tile_q4, untile_q4
 
-    rows_n, cols = 2 * Q4_TILE, 4 * Q4_GROUP
+    rows_n, cols = 2 * TILE_ROWS, 4 * Q4_GROUP
     w = torch.from_numpy(np.random.RandomState(2).standard_normal((rows_n, cols)).astype(np.float32))
     rows = quantise_q4(w)
     tiled = tile_q4(rows)
-    assert tiled["weight"].shape == (2, cols, Q4_TILE // 2) and tiled["scale"].shape == (2, cols // Q4_GROUP, Q4_TILE)
+    assert tiled["weight"].shape == (2, cols, TILE_ROWS // 2)
+    assert tiled["scale"].shape == (2, cols // Q4_GROUP, TILE_ROWS)
     codes, tiled_codes = unpack_q4(rows["weight"]), unpack_q4(tiled["weight"])
-    for r, k in ((0, 0), (1, 5), (Q4_TILE + 3, cols - 1), (rows_n - 1, 77)):
-        assert tiled_codes[r // Q4_TILE, k, r % Q4_TILE] == codes[r, k]
-        assert tiled["scale"][r // Q4_TILE, k // Q4_GROUP, r % Q4_TILE] == rows["scale"][r, k // Q4_GROUP]
-        assert tiled["offset"][r // Q4_TILE, k // Q4_GROUP, r % Q4_TILE] == rows["offset"][r, k // Q4_GROUP]
+    for r, k in ((0, 0), (1, 5), (TILE_ROWS + 3, cols - 1), (rows_n - 1, 77)):
+        assert tiled_codes[r // TILE_ROWS, k, r % TILE_ROWS] == codes[r, k]
+        assert tiled["scale"][r // TILE_ROWS, k // Q4_GROUP, r % TILE_ROWS] == rows["scale"][r, k // Q4_GROUP]
+        assert tiled["offset"][r // TILE_ROWS, k // Q4_GROUP, r % TILE_ROWS] == rows["offset"][r, k // Q4_GROUP]
     back = untile_q4(tiled)
     assert all(torch.equal(back[name], rows[name]) for name in rows)
 
 
 def test_a_matrix_without_whole_tiles_or_groups_is_stored_in_q8():
-    from engine.build.model import matrix_dtype, stored_matrix
+    from engine.build.kernels import untile_rows
+    from engine.build.model import TILE_ROWS, matrix_dtype, stored_matrix
 
     assert matrix_dtype("q4", 4 * Q4_GROUP, 64) == "q4"
     assert matrix_dtype("q4", 4 * Q4_GROUP, 48) == "q8"  # rows not in whole tiles: only if it is multiplied
     assert matrix_dtype("q4", 4 * Q4_GROUP) == "q4"  # an embedding, looked up by row
     assert matrix_dtype("q4", 100, 64) == "q8"
-    assert set(stored_matrix(torch.ones(48, 4 * Q4_GROUP), "q4", tiled=True)) == {"weight", "scale"}
+    fallback = stored_matrix(torch.ones(48, 4 * Q4_GROUP), "q4", tiled=True)
+    assert set(fallback) == {"weight", "scale"} and fallback["weight"].shape == (48, 4 * Q4_GROUP)  # q8, in rows
+    # q8 tiles a multiplied matrix whose rows make whole tiles, as q4 does: the same bytes moved, the scales per
+    # row in row order.
+    w = torch.from_numpy(np.random.RandomState(3).standard_normal((64, 4 * Q4_GROUP)).astype(np.float32))
+    tiled, rows = stored_matrix(w, "q8", tiled=True), stored_matrix(w, "q8")
+    assert tiled["weight"].shape == (2, 4 * Q4_GROUP, TILE_ROWS) and torch.equal(tiled["scale"], rows["scale"])
+    assert torch.equal(untile_rows(tiled["weight"]), rows["weight"])
 
 
-def test_decode_gets_the_vectorised_product_on_cpu_and_prefill_the_widening_one():
-    """The op's one-row form carries the llvm-cpu lowering that keeps a vector accumulator per lane (only in a
-    cpu export: the attribute names llvm-cpu's pipeline), and any other row count the form that widens the tile
-    for the data-tiled matmul. Their numbers are held to float32 parity by test_engine.py."""
+@pytest.mark.parametrize("dtype,op", [("q4", "q4"), ("q8", "i8")])
+def test_decode_gets_the_vectorised_product_on_cpu_and_prefill_the_widening_one(dtype, op):
+    """A quantised matrix's product, in one row, carries the llvm-cpu lowering that keeps a vector accumulator per
+    lane (only in a cpu export: the attribute names llvm-cpu's pipeline), and any other row count the form that
+    widens the tile for the data-tiled matmul. Their numbers are held to float32 parity by test_engine.py."""
     import iree.turbine.aot as aot
 
+    from engine.build.kernels import lowering_for
     from engine.build.model import Linear
-    from engine.build.q4 import lowering_for
 
     class Two(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.lin = Linear(64, 2 * Q4_GROUP, "q4")
+            self.lin = Linear(64, 2 * Q4_GROUP, dtype)
 
         def forward(self, x):
             return self.lin(x)
@@ -110,7 +121,8 @@ def test_decode_gets_the_vectorised_product_on_cpu_and_prefill_the_widening_one(
         with lowering_for(device):
             return str(aot.export(fxb).mlir_module)
 
-    assert "compilation_info" in exported("cpu", 1) and "@eddy_mv_q4" in exported("cpu", 1)
+    assert Two().lin.in_tiles
+    assert "compilation_info" in exported("cpu", 1) and f"@eddy_mv_{op}" in exported("cpu", 1)
     assert "compilation_info" not in exported("cuda", 1)
     prefill = exported("cpu", None)
-    assert "@eddy_mm_q4" in prefill and "compilation_info" not in prefill
+    assert f"@eddy_mm_{op}" in prefill and "compilation_info" not in prefill

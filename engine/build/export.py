@@ -15,7 +15,7 @@ import iree.turbine.aot as aot
 from ..config import BuildSettings, ModelConfig
 from ..devices import compile_flags
 from ..errors import ArtefactError, BuildCancelled
-from . import q4
+from . import kernels
 from .model import StreamingLlama
 
 if TYPE_CHECKING:
@@ -83,7 +83,7 @@ def export_module(model: StreamingLlama) -> "aot.ExportOutput":
     def restore(m, *saved):
         return m.restore(*saved)
 
-    with q4.lowering_for(settings.device):  # the custom ops are expanded as the programs are imported
+    with kernels.lowering_for(settings.device):  # the custom ops are expanded as the programs are imported
         return aot.export(fxb)
 
 

@@ -31,8 +31,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..arch import Family, family
-from ..config import Q4_TILE, BuildSettings, ModelConfig
-from .q4 import Q4_GROUP, dequantise_q4, packable, q4_linear, quantise_q4, tile_q4
+from ..config import TILE_ROWS, BuildSettings, ModelConfig
+from .kernels import i8_linear, q4_linear, tileable, tile_rows, tiled_rows
+from .q4 import Q4_GROUP, dequantise_q4, packable, quantise_q4, tile_q4
 
 TORCH_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 EMPTY_SLOT = 2**62  # slot_pos of an empty slot: later than any token, so masked for every query
@@ -57,31 +58,35 @@ class Linear(nn.Module):
 
     Stored weights are widened inside the graph: IREE fuses the widening into the matrix-vector products, so
     decode reads 2 (16-bit), 1 (q8) or about 0.75 (q4: half a byte and 8 bytes per 32) bytes per weight while
-    activations and accumulation stay float32. The parameters have their stored type from the start, so a
-    skeleton that never receives its weights (StreamingLlama.skeleton) exports exactly as one holding them.
+    activations and accumulation stay float32. A quantised matrix that is multiplied is stored in tiles of rows
+    and multiplied by a custom op (engine/build/kernels.py) whose decode form keeps a row per vector lane. The
+    parameters have their stored type from the start, so a skeleton that never receives its weights
+    (StreamingLlama.skeleton) exports exactly as one holding them.
     """
 
     def __init__(self, out_features: int, in_features: int, dtype: str, bias: bool = False,
                  lookup: bool = False) -> None:
         super().__init__()
-        # A q4 matrix that is multiplied is stored tiled (engine/build/q4.py); one only looked up by row (an
-        # untied embedding) keeps its rows whole.
+        # One only looked up by row (an untied embedding) keeps its rows whole.
         self.tiled = not lookup
         self.dtype = dtype = matrix_dtype(dtype, in_features, None if lookup else out_features)
+        self.in_tiles = in_tiles(dtype, out_features, self.tiled)
         self.offset = None
         if dtype == "q4":
             groups = in_features // Q4_GROUP
             if lookup:
                 shapes = (out_features, in_features // 2), (out_features, groups)
             else:
-                tiles = out_features // Q4_TILE
-                shapes = (tiles, in_features, Q4_TILE // 2), (tiles, groups, Q4_TILE)
+                tiles = out_features // TILE_ROWS
+                shapes = (tiles, in_features, TILE_ROWS // 2), (tiles, groups, TILE_ROWS)
             self.weight = _frozen(torch.empty(shapes[0], dtype=torch.int8))
             self.scale = _frozen(torch.empty(shapes[1]))
             self.offset = _frozen(torch.empty(shapes[1]))
         else:
             stored = torch.int8 if dtype == "q8" else TORCH_DTYPES[dtype]
-            self.weight = _frozen(torch.empty(out_features, in_features, dtype=stored))
+            tiles = (out_features // TILE_ROWS, in_features, TILE_ROWS)
+            self.weight = _frozen(torch.empty(tiles if self.in_tiles else (out_features, in_features), dtype=stored))
+            # Per row, in row order whatever the layout (a tile's rows are consecutive).
             self.scale = _frozen(torch.empty(out_features)) if dtype == "q8" else None
         # float32 whatever the weights' type: it is tiny.
         self.bias = _frozen(torch.empty(out_features)) if bias else None
@@ -90,7 +95,7 @@ class Linear(nn.Module):
         if self.dtype == "q4":
             y = q4_linear(x, self.weight, self.scale, self.offset)
         else:
-            y = F.linear(x, self.weight.float())
+            y = i8_linear(x, self.weight) if self.in_tiles else F.linear(x, self.weight.float())
             y = y if self.scale is None else y * self.scale
         return y if self.bias is None else y + self.bias
 
@@ -99,7 +104,7 @@ class Linear(nn.Module):
         if self.dtype == "q4":
             assert not self.tiled, "a tiled q4 matrix has no whole rows to look up"
             return dequantise_q4(*(F.embedding(ids, t) for t in (self.weight, self.scale, self.offset)))
-        r = F.embedding(ids, self.weight).float()
+        r = (tiled_rows(self.weight, ids) if self.in_tiles else F.embedding(ids, self.weight)).float()
         return r if self.scale is None else r * F.embedding(ids, self.scale.unsqueeze(1))
 
 
@@ -114,6 +119,12 @@ def matrix_dtype(dtype: str, in_features: int, out_features: int | None = None) 
     return "q8" if dtype == "q4" and not packable(in_features, out_features) else dtype
 
 
+def in_tiles(dtype: str, out_features: int, multiplied: bool) -> bool:
+    """Whether a matrix (of its stored type) is stored in tiles of rows: a quantised one that is multiplied, if
+    its rows make whole tiles (q4's always do: matrix_dtype)."""
+    return multiplied and dtype in ("q4", "q8") and tileable(out_features)
+
+
 # Rows converted at a time by stored_matrix: its float32 temporaries stay a few MB whatever the matrix (a
 # 128k-row embedding is 1-2 GB in float32, and q8 would otherwise hold three copies of it at once).
 CONVERT_ROWS = 4096
@@ -126,7 +137,7 @@ def stored_matrix(w: torch.Tensor, dtype: str, tiled: bool = False) -> dict[str,
 
     Each block of rows is widened to float32 and converted on its own: a 16-bit matrix is never widened whole,
     and since rows are independent (and widening 16-bit floats is exact) the bytes are those of converting the
-    float32 matrix at once. `tiled`: a multiplied matrix, whose q4 is stored in tiles of rows (q4.tile_q4)."""
+    float32 matrix at once. `tiled`: a multiplied matrix, whose q4 and q8 are stored in tiles of rows (in_tiles)."""
     dtype = matrix_dtype(dtype, w.shape[1], w.shape[0] if tiled else None)
     if dtype in TORCH_DTYPES and w.dtype == TORCH_DTYPES[dtype]:
         return {"weight": w.contiguous()}
@@ -137,7 +148,9 @@ def stored_matrix(w: torch.Tensor, dtype: str, tiled: bool = False) -> dict[str,
             if name not in out:  # allocated once: a second copy of a 1 GB embedding is what this avoids
                 out[name] = torch.empty((w.shape[0], *t.shape[1:]), dtype=t.dtype)
             out[name][start:start + len(t)] = t
-    return tile_q4(out) if dtype == "q4" and tiled else out
+    if not in_tiles(dtype, w.shape[0], tiled):
+        return out
+    return tile_q4(out) if dtype == "q4" else {**out, "weight": tile_rows(out["weight"])}
 
 
 def _convert_rows(block: torch.Tensor, dtype: str) -> dict[str, torch.Tensor]:

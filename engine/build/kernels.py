@@ -1,0 +1,335 @@
+"""The matrix products of quantised weights as custom ops, written as MLIR (needs torch and turbine at export).
+
+Two ops, each with two forms chosen by the number of rows multiplied:
+  * `q4_linear`: 4-bit codes with group scales and offsets, in the tiled layout (engine/build/q4.py);
+  * `i8_linear`: int8 weights tiled the same way (`tile_rows`), the products of q8's tiled matrices before their
+    per-row scale (which the caller applies: it is one multiply of the output).
+
+Tiles. A matrix that is multiplied is stored in tiles of TILE rows interleaved at each input position ([out/T,
+in, T]), so that decode's product (one row: a matrix-vector product) keeps one output row per vector lane and
+needs no horizontal sum. With whole rows IREE's default reduced each group (q4) or each vector of positions (q8)
+to a scalar inside the loop. The one-row form carries an llvm-cpu lowering (`lowering_for`) that sets this up;
+any other row count (prefill, scoring) widens the tile back to float32 rows inside the dispatch that packs the
+data-tiled matmul, then multiplies.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+
+from ..config import TILE_ROWS as TILE
+
+
+def tileable(out_features: int) -> bool:
+    """Whether a multiplied matrix's rows make whole tiles."""
+    return out_features % TILE == 0
+
+
+def tile_rows(w: torch.Tensor) -> torch.Tensor:
+    """[out, in] -> [out/T, in, T]: the rows of each tile interleaved at each input position."""
+    out, cols = w.shape
+    return w.reshape(out // TILE, TILE, cols).transpose(1, 2).contiguous()
+
+
+def untile_rows(t: torch.Tensor) -> torch.Tensor:
+    """tile_rows' inverse."""
+    return t.transpose(1, 2).reshape(-1, t.shape[1]).contiguous()
+
+
+def tiled_rows(tiled: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` [n] of a tiled matrix [out/T, in, T], as [n, in] (a tied embedding's lookup): the tile of each,
+    then its lane."""
+    tiles, cols, _ = tiled.shape
+    tile = torch.nn.functional.embedding(torch.div(ids, TILE, rounding_mode="floor"), tiled.reshape(tiles, -1))
+    lane = torch.remainder(ids, TILE).reshape(-1, 1, 1).expand(-1, cols, 1)
+    return torch.gather(tile.reshape(-1, cols, TILE), 2, lane).squeeze(2)
+
+
+def q4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """x [..., in] @ W.T for a tiled q4 matrix W [out, in]: the fused custom op in an export, plain torch otherwise."""
+    lead = x.shape[:-1]
+    return _ops()["q4"](x.reshape(-1, x.shape[-1]), packed, scale, offset).reshape(*lead, packed.shape[0] * TILE)
+
+
+def i8_linear(x: torch.Tensor, tiled: torch.Tensor) -> torch.Tensor:
+    """x [..., in] @ W.T for a tiled int8 matrix W [out, in] (no scale): the custom op in an export."""
+    lead = x.shape[:-1]
+    return _ops()["i8"](x.reshape(-1, x.shape[-1]), tiled).reshape(*lead, tiled.shape[0] * TILE)
+
+
+_cpu_tuned = False
+
+
+@contextlib.contextmanager
+def lowering_for(device: str) -> Iterator[None]:
+    """Within it, the ops' decode forms carry the llvm-cpu lowering that keeps a vector accumulator per lane of
+    output rows (IREE's default for these reductions tiles the reduction into the vector and sums it
+    horizontally, or, with unit reduction tiles, lowers the multiply-add as one scalar per lane). Other devices
+    get IREE's own choice: the attribute names llvm-cpu's pipeline."""
+    global _cpu_tuned
+    before, _cpu_tuned = _cpu_tuned, device == "cpu"
+    try:
+        yield
+    finally:
+        _cpu_tuned = before
+
+
+# q4, prefill (any number of rows): the tile is widened back to float32 rows in one generic, which IREE fuses
+# with the packing of the data-tiled matmul, then a contraction over the groups and their weights.
+_MM_Q4 = r"""
+module {{
+util.func private @{name}(%a: tensor<?x{k}xf32>, %qs: tensor<{nb}x{k}x{half}xi8>, %d: tensor<{nb}x{groups}x{t}xf32>,
+                          %m: tensor<{nb}x{groups}x{t}xf32>) -> tensor<?x{n}xf32> {{
+  %c0 = arith.constant 0 : index
+  %rows = tensor.dim %a, %c0 : tensor<?x{k}xf32>
+  %q = flow.tensor.bitcast %qs : tensor<{nb}x{k}x{half}xi8> -> tensor<{nb}x{k}x{t}xi4>
+  %q4 = tensor.expand_shape %q [[0], [1, 2], [3]] output_shape [{nb}, {groups}, {g}, {t}] : tensor<{nb}x{k}x{t}xi4> into tensor<{nb}x{groups}x{g}x{t}xi4>
+  %a3 = tensor.expand_shape %a [[0], [1, 2]] output_shape [%rows, {groups}, {g}] : tensor<?x{k}xf32> into tensor<?x{groups}x{g}xf32>
+  %e = tensor.empty() : tensor<{nb}x{t}x{groups}x{g}xf32>
+  %w4 = linalg.generic {{
+      indexing_maps = [affine_map<(b, r, c, k) -> (b, c, k, r)>, affine_map<(b, r, c, k) -> (b, c, r)>,
+                       affine_map<(b, r, c, k) -> (b, c, r)>, affine_map<(b, r, c, k) -> (b, r, c, k)>],
+      iterator_types = ["parallel", "parallel", "parallel", "parallel"]}}
+      ins(%q4, %d, %m : tensor<{nb}x{groups}x{g}x{t}xi4>, tensor<{nb}x{groups}x{t}xf32>, tensor<{nb}x{groups}x{t}xf32>)
+      outs(%e : tensor<{nb}x{t}x{groups}x{g}xf32>) {{
+  ^bb0(%qv: i4, %dv: f32, %mv: f32, %o: f32):
+    %0 = arith.extui %qv : i4 to i32
+    %1 = arith.uitofp %0 : i32 to f32
+    %2 = arith.mulf %1, %dv : f32
+    %3 = arith.addf %2, %mv : f32
+    linalg.yield %3 : f32
+  }} -> tensor<{nb}x{t}x{groups}x{g}xf32>
+  %w = tensor.collapse_shape %w4 [[0, 1], [2], [3]] : tensor<{nb}x{t}x{groups}x{g}xf32> into tensor<{n}x{groups}x{g}xf32>
+  %zero = arith.constant 0.000000e+00 : f32
+  %oe = tensor.empty(%rows) : tensor<?x{n}xf32>
+  %acc = linalg.fill ins(%zero : f32) outs(%oe : tensor<?x{n}xf32>) -> tensor<?x{n}xf32>
+  %r = linalg.generic {{
+      indexing_maps = [affine_map<(d0, d1, d2, d3) -> (d0, d2, d3)>, affine_map<(d0, d1, d2, d3) -> (d1, d2, d3)>,
+                       affine_map<(d0, d1, d2, d3) -> (d0, d1)>],
+      iterator_types = ["parallel", "parallel", "reduction", "reduction"]}}
+      ins(%a3, %w : tensor<?x{groups}x{g}xf32>, tensor<{n}x{groups}x{g}xf32>) outs(%acc : tensor<?x{n}xf32>) {{
+  ^bb0(%x: f32, %y: f32, %o: f32):
+    %0 = arith.mulf %x, %y : f32
+    %1 = arith.addf %0, %o : f32
+    linalg.yield %1 : f32
+  }} -> tensor<?x{n}xf32>
+  util.return %r : tensor<?x{n}xf32>
+}}
+}}
+"""
+
+# q4, decode (one row): out[b, r] = sum over groups c and positions k of (code * d + m) * x, vectorised along the
+# tile's rows r. The product is math.fma(w, x, 0) and not a mulf: IREE turns a reduction of a mulf into a
+# vector.contract, which it lowers here as one scalar multiply-add per lane.
+_MV_Q4 = r"""
+module {{
+util.func private @{name}(%a: tensor<1x{k}xf32>, %qs: tensor<{nb}x{k}x{half}xi8>, %d: tensor<{nb}x{groups}x{t}xf32>,
+                          %m: tensor<{nb}x{groups}x{t}xf32>) -> tensor<1x{n}xf32> {{
+  %a1 = tensor.collapse_shape %a [[0, 1]] : tensor<1x{k}xf32> into tensor<{k}xf32>
+  %a2 = tensor.expand_shape %a1 [[0, 1]] output_shape [{groups}, {g}] : tensor<{k}xf32> into tensor<{groups}x{g}xf32>
+  %q = flow.tensor.bitcast %qs : tensor<{nb}x{k}x{half}xi8> -> tensor<{nb}x{k}x{t}xi4>
+  %q4 = tensor.expand_shape %q [[0], [1, 2], [3]] output_shape [{nb}, {groups}, {g}, {t}] : tensor<{nb}x{k}x{t}xi4> into tensor<{nb}x{groups}x{g}x{t}xi4>
+  %zero = arith.constant 0.000000e+00 : f32
+  %oe = tensor.empty() : tensor<{nb}x{t}xf32>
+  %acc = linalg.fill ins(%zero : f32) outs(%oe : tensor<{nb}x{t}xf32>) -> tensor<{nb}x{t}xf32>
+  %r = linalg.generic {{
+      indexing_maps = [affine_map<(b, r, c, k) -> (c, k)>, affine_map<(b, r, c, k) -> (b, c, k, r)>,
+                       affine_map<(b, r, c, k) -> (b, c, r)>, affine_map<(b, r, c, k) -> (b, c, r)>,
+                       affine_map<(b, r, c, k) -> (b, r)>],
+      iterator_types = ["parallel", "parallel", "reduction", "reduction"]}}
+      ins(%a2, %q4, %d, %m : tensor<{groups}x{g}xf32>, tensor<{nb}x{groups}x{g}x{t}xi4>, tensor<{nb}x{groups}x{t}xf32>,
+                             tensor<{nb}x{groups}x{t}xf32>)
+      outs(%acc : tensor<{nb}x{t}xf32>) {attrs} {{
+  ^bb0(%x: f32, %qv: i4, %dv: f32, %mv: f32, %o: f32):
+    %0 = arith.uitofp %qv : i4 to f32
+    %1 = arith.mulf %0, %dv : f32
+    %2 = arith.addf %1, %mv : f32
+    %3 = math.fma %2, %x, %zero : f32
+    %4 = arith.addf %3, %o : f32
+    linalg.yield %4 : f32
+  }} -> tensor<{nb}x{t}xf32>
+  %r1 = tensor.collapse_shape %r [[0, 1]] : tensor<{nb}x{t}xf32> into tensor<{n}xf32>
+  %r2 = tensor.expand_shape %r1 [[0, 1]] output_shape [1, {n}] : tensor<{n}xf32> into tensor<1x{n}xf32>
+  util.return %r2 : tensor<1x{n}xf32>
+}}
+}}
+"""
+
+# int8, any number of rows: the tile widened back to float32 rows, then the contraction.
+_MM_I8 = r"""
+module {{
+util.func private @{name}(%a: tensor<?x{k}xf32>, %w: tensor<{nb}x{k}x{t}xi8>) -> tensor<?x{n}xf32> {{
+  %c0 = arith.constant 0 : index
+  %rows = tensor.dim %a, %c0 : tensor<?x{k}xf32>
+  %e = tensor.empty() : tensor<{nb}x{t}x{k}xf32>
+  %w3 = linalg.generic {{
+      indexing_maps = [affine_map<(b, r, k) -> (b, k, r)>, affine_map<(b, r, k) -> (b, r, k)>],
+      iterator_types = ["parallel", "parallel", "parallel"]}}
+      ins(%w : tensor<{nb}x{k}x{t}xi8>) outs(%e : tensor<{nb}x{t}x{k}xf32>) {{
+  ^bb0(%q: i8, %o: f32):
+    %0 = arith.sitofp %q : i8 to f32
+    linalg.yield %0 : f32
+  }} -> tensor<{nb}x{t}x{k}xf32>
+  %wf = tensor.collapse_shape %w3 [[0, 1], [2]] : tensor<{nb}x{t}x{k}xf32> into tensor<{n}x{k}xf32>
+  %zero = arith.constant 0.000000e+00 : f32
+  %oe = tensor.empty(%rows) : tensor<?x{n}xf32>
+  %acc = linalg.fill ins(%zero : f32) outs(%oe : tensor<?x{n}xf32>) -> tensor<?x{n}xf32>
+  %r = linalg.generic {{
+      indexing_maps = [affine_map<(d0, d1, d2) -> (d0, d2)>, affine_map<(d0, d1, d2) -> (d1, d2)>,
+                       affine_map<(d0, d1, d2) -> (d0, d1)>],
+      iterator_types = ["parallel", "parallel", "reduction"]}}
+      ins(%a, %wf : tensor<?x{k}xf32>, tensor<{n}x{k}xf32>) outs(%acc : tensor<?x{n}xf32>) {{
+  ^bb0(%x: f32, %y: f32, %o: f32):
+    %0 = arith.mulf %x, %y : f32
+    %1 = arith.addf %0, %o : f32
+    linalg.yield %1 : f32
+  }} -> tensor<?x{n}xf32>
+  util.return %r : tensor<?x{n}xf32>
+}}
+}}
+"""
+
+# int8, decode (one row): out[b, r] = sum over positions k of w * x, a lane per row of the tile (math.fma as in
+# _MV_Q4).
+_MV_I8 = r"""
+module {{
+util.func private @{name}(%a: tensor<1x{k}xf32>, %w: tensor<{nb}x{k}x{t}xi8>) -> tensor<1x{n}xf32> {{
+  %a1 = tensor.collapse_shape %a [[0, 1]] : tensor<1x{k}xf32> into tensor<{k}xf32>
+  %zero = arith.constant 0.000000e+00 : f32
+  %oe = tensor.empty() : tensor<{nb}x{t}xf32>
+  %acc = linalg.fill ins(%zero : f32) outs(%oe : tensor<{nb}x{t}xf32>) -> tensor<{nb}x{t}xf32>
+  %r = linalg.generic {{
+      indexing_maps = [affine_map<(b, r, k) -> (k)>, affine_map<(b, r, k) -> (b, k, r)>,
+                       affine_map<(b, r, k) -> (b, r)>],
+      iterator_types = ["parallel", "parallel", "reduction"]}}
+      ins(%a1, %w : tensor<{k}xf32>, tensor<{nb}x{k}x{t}xi8>) outs(%acc : tensor<{nb}x{t}xf32>) {attrs} {{
+  ^bb0(%x: f32, %q: i8, %o: f32):
+    %0 = arith.sitofp %q : i8 to f32
+    %1 = math.fma %0, %x, %zero : f32
+    %2 = arith.addf %1, %o : f32
+    linalg.yield %2 : f32
+  }} -> tensor<{nb}x{t}xf32>
+  %r1 = tensor.collapse_shape %r [[0, 1]] : tensor<{nb}x{t}xf32> into tensor<{n}xf32>
+  %r2 = tensor.expand_shape %r1 [[0, 1]] output_shape [1, {n}] : tensor<{n}xf32> into tensor<1x{n}xf32>
+  util.return %r2 : tensor<1x{n}xf32>
+}}
+}}
+"""
+
+
+def _cpu_lowering(tiles: int, reduction_dims: int) -> str:
+    """The decode product's compilation_info for llvm-cpu: workgroups of a few tiles (at least ~16 workgroups for
+    the threads to share once a matrix has the tiles for it), one tile of rows per vector, the reduction one
+    step at a time, accumulated per lane."""
+    per_group = max(1, min(16, tiles // 16))
+    zeros, ones = ", ".join(["0"] * reduction_dims), ", ".join(["1"] * reduction_dims)
+    return ("attrs = {compilation_info = #iree_codegen.compilation_info<lowering_config = #iree_cpu.lowering_config<"
+            f"distribution = [{per_group}, {TILE}, {zeros}], vector_common_parallel = [1, {TILE}, {zeros}], "
+            f"vector_reduction = [0, 0, {ones}]>, translation_info = #iree_codegen.translation_info<"
+            "pipeline = #iree_cpu.pipeline<DoubleTilingExpert>>>}")
+
+
+_registered: dict | None = None
+
+
+def _ops() -> dict:
+    """The registered custom ops (registered on first use: they need turbine, and once per process)."""
+    global _registered
+    if _registered is None:
+        _registered = _register()
+    return _registered
+
+
+def _register() -> dict:
+    from iree.turbine.runtime.op_reg import CustomOp, KernelBuilder, KernelSelection, def_library
+    from iree.turbine.runtime.op_reg.impl_helper import TemplateLoader, call_function
+    from iree.turbine.support.ir_imports import RankedTensorType
+
+    from .q4 import dequantise_q4, untile_q4
+
+    _mlir_isinstance_shim()
+
+    class Template(TemplateLoader):
+        def load_template(self, kb: KernelBuilder, name: str, asm: str):
+            return self._parse_module_asm(kb, asm)
+
+    template = Template()
+    library = def_library("eddy_quant")
+
+    def select(ksel: KernelSelection, arity: int) -> None:
+        a, *weights = (ksel.arg_tensor(i) for i in range(arity))
+        for t in weights:
+            t.specialize_all_dims()
+        # One row (decode's call, whose shapes are static) selects the matrix-vector form.
+        if isinstance(a.t.shape[0], int) and a.t.shape[0] == 1:
+            a.specialize_all_dims()
+        else:
+            a.specialize_dims(1)
+        ksel.return_new_tensor([a.t.shape[0], weights[0].t.shape[0] * TILE], dtype=torch.float32)
+
+    def emit(kb: KernelBuilder, name: str, asm: str) -> None:
+        fn = template.inline_template_function(kb, name, name, asm=asm)
+        kb.yield_results(*call_function(fn, *kb.arg_bindings))
+
+    def shape(kb: KernelBuilder, i: int) -> list:
+        return RankedTensorType(kb.arg_value(i).type).shape
+
+    @CustomOp.register(library=library)
+    class mmt_q4(CustomOp):
+        signature = "mmt_q4(Tensor a, Tensor qs, Tensor d, Tensor m) -> (Tensor)"
+
+        def select(self, ksel: KernelSelection) -> None:
+            select(ksel, 4)
+
+        def eager_execute(self, a, qs, d, m):
+            return a @ dequantise_q4(*untile_q4({"weight": qs, "scale": d, "offset": m}).values()).T
+
+        def generate(self, ksel: KernelSelection, kb: KernelBuilder) -> None:
+            (rows, _), (nb, k, half), groups = shape(kb, 0), shape(kb, 1), shape(kb, 2)[1]
+            sizes = dict(nb=nb, n=nb * TILE, k=k, half=half, t=TILE, groups=groups, g=k // groups)
+            tag = f"{nb * TILE}x{k}_g{k // groups}"
+            if rows == 1:
+                name = f"eddy_mv_q4_{tag}{'_cpu' if _cpu_tuned else ''}"
+                emit(kb, name, _MV_Q4.format(name=name, attrs=_cpu_lowering(nb, 2) if _cpu_tuned else "", **sizes))
+            else:
+                name = f"eddy_mm_q4_{tag}"
+                emit(kb, name, _MM_Q4.format(name=name, **sizes))
+
+    @CustomOp.register(library=library)
+    class mmt_i8(CustomOp):
+        signature = "mmt_i8(Tensor a, Tensor w) -> (Tensor)"
+
+        def select(self, ksel: KernelSelection) -> None:
+            select(ksel, 2)
+
+        def eager_execute(self, a, w):
+            return a @ untile_rows(w).float().T
+
+        def generate(self, ksel: KernelSelection, kb: KernelBuilder) -> None:
+            (rows, _), (nb, k, _) = shape(kb, 0), shape(kb, 1)
+            sizes = dict(nb=nb, n=nb * TILE, k=k, t=TILE)
+            if rows == 1:
+                name = f"eddy_mv_i8_{nb * TILE}x{k}{'_cpu' if _cpu_tuned else ''}"
+                emit(kb, name, _MV_I8.format(name=name, attrs=_cpu_lowering(nb, 1) if _cpu_tuned else "", **sizes))
+            else:
+                name = f"eddy_mm_i8_{nb * TILE}x{k}"
+                emit(kb, name, _MM_I8.format(name=name, **sizes))
+
+    return {"q4": mmt_q4, "i8": mmt_i8}
+
+
+def _mlir_isinstance_shim() -> None:
+    """iree-turbine 3.9's custom-op expansion calls `IrType.isinstance(x)`, which the MLIR Python bindings of
+    iree-base-compiler 3.13 no longer have (Python's isinstance works on them now): give the classes that static
+    method back. Only the export (a build's child process) loads this."""
+    import iree.compiler.ir as ir
+
+    for name in dir(ir):
+        cls = getattr(ir, name)
+        if isinstance(cls, type) and not name.startswith("_") and not hasattr(cls, "isinstance"):
+            try:
+                cls.isinstance = staticmethod(lambda value, cls=cls: isinstance(value, cls))
+            except (AttributeError, TypeError):
+                pass  # a class the bindings seal; turbine asks none of those
