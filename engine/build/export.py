@@ -95,7 +95,12 @@ def zero_init_cache(mlir: str) -> str:
     else here (the weights are external parameters).
     """
     body = mlir.split("\n{-#", 1)[0]
-    return re.sub(r"dense_resource<__auto\.constant[^>]*> : (tensor<[^>]*>)", r"dense<0.000000e+00> : \1", body)
+
+    def zero(m: re.Match) -> str:  # an integer cache (bfloat16 kept as int16 bits) takes an integer zero
+        integer = re.search(r"xi\d+>$", m.group(1))
+        return f"dense<{'0' if integer else '0.000000e+00'}> : {m.group(1)}"
+
+    return re.sub(r"dense_resource<__auto\.constant[^>]*> : (tensor<[^>]*>)", zero, body)
 
 
 def compile_mlir(mlir_path: Path, vmfb_path: Path, device: str, progress: Progress,

@@ -36,6 +36,9 @@ from .kernels import i8_linear, q4_linear, tileable, tile_rows, tiled_rows
 from .q4 import Q4_GROUP, dequantise_q4, packable, quantise_q4, tile_q4
 
 TORCH_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+# The KV cache buffers' element type per --kv-dtype. bfloat16 is kept as its bits in int16: turbine 3.9 cannot make
+# a bfloat16 global (it goes through numpy, which has no such type), so the graph bitcasts on every write and read.
+KV_STORAGE = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.int16}
 EMPTY_SLOT = 2**62  # slot_pos of an empty slot: later than any token, so masked for every query
 
 
@@ -240,7 +243,7 @@ class Attention(nn.Module):
             keys, values = self.ring_kv(step, k, v)
             mask = step.local_mask
         else:
-            keys, values = self.write_cache(step, k.to(step.cache.dtype), v.to(step.cache.dtype))
+            keys, values = self.write_cache(step, to_kv(k, step.cache), to_kv(v, step.cache))
             mask = step.local_mask if self.local else step.mask
         if step.single:
             # One query: multiply-and-sum reads the cache in place (a matmul would repack it every step).
@@ -273,12 +276,12 @@ class Attention(nn.Module):
         earliest queries still see. Keys are rotated by absolute position, so nothing is re-rotated.
         """
         ring, i = step.ring, self.index
-        k, v = k.to(ring.dtype), v.to(ring.dtype)
+        k, v = to_kv(k, ring), to_kv(v, ring)
         if step.single:
             self._put(ring, step.ring_slots, k, v)
-            return ring[i, 0].float(), ring[i, 1].float()
-        keys = torch.cat([ring[i, 0].float(), k.float().transpose(0, 1)], dim=1)
-        values = torch.cat([ring[i, 1].float(), v.float().transpose(0, 1)], dim=1)
+            return from_kv(ring[i, 0]), from_kv(ring[i, 1])
+        keys = torch.cat([from_kv(ring[i, 0]), from_kv(k).transpose(0, 1)], dim=1)
+        values = torch.cat([from_kv(ring[i, 1]), from_kv(v).transpose(0, 1)], dim=1)
         self._put(ring, step.ring_slots, k, v)
         return keys, values
 
@@ -297,13 +300,23 @@ class Attention(nn.Module):
             layer = torch.full((1, 1), i, dtype=torch.int64)
             heads = torch.arange(self.cfg.n_kv_heads).view(-1, 1)
             kept = torch.where(slots < sinks, slots, torch.full_like(slots, sinks))
-            sink_keys.index_put_((layer, heads, kept.view(1, -1)), k.transpose(0, 1).to(sink_keys.dtype))
+            sink_keys.index_put_((layer, heads, kept.view(1, -1)), from_kv(k).transpose(0, 1))
             originals = sink_keys[i, :, :sinks].float()  # [kvh, S, d]
             shift = step.shift[self.table]
             shifted = rotate(originals.transpose(0, 1), shift[0:1], shift[1:2]).transpose(0, 1)
             cache.index_put_((layer, torch.zeros_like(layer), heads, torch.arange(sinks).view(1, -1)),
-                             shifted.to(cache.dtype))
-        return cache[i, 0].float(), cache[i, 1].float()
+                             to_kv(shifted, cache))
+        return from_kv(cache[i, 0]), from_kv(cache[i, 1])
+
+
+def to_kv(t: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
+    """Keys or values as `buffer` stores them (rounded to its type; bfloat16 as int16 bits: KV_STORAGE)."""
+    return t.to(torch.bfloat16).view(torch.int16) if buffer.dtype == torch.int16 else t.to(buffer.dtype)
+
+
+def from_kv(t: torch.Tensor) -> torch.Tensor:
+    """Stored keys or values back as float32."""
+    return (t.view(torch.bfloat16) if t.dtype == torch.int16 else t).float()
 
 
 ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
@@ -368,7 +381,7 @@ class StreamingLlama(nn.Module):
         # zero-splat initialiser gave wrong logits in IREE. Their type is the build's kv_dtype (values are written
         # rounded to it and read back widened to float32); the sinks' original keys stay float32: they are
         # rotated again on every call, and there are only a few.
-        kvh, d, kv = cfg.n_kv_heads, cfg.head_dim, TORCH_DTYPES[settings.kv_dtype]
+        kvh, d, kv = cfg.n_kv_heads, cfg.head_dim, KV_STORAGE[settings.kv_dtype]
         self.register_buffer("cache", torch.zeros(len(shared), 2, kvh, settings.slots, d, dtype=kv), persistent=False)
         sinks = torch.zeros(len(shared), kvh, settings.sink_slots + 1, d) if settings.sink_slots else None
         self.register_buffer("sink_keys", sinks, persistent=False)
@@ -453,9 +466,9 @@ class StreamingLlama(nn.Module):
 
     def restore(self, *saved: torch.Tensor) -> torch.Tensor:
         for buffer, value in zip(self.state(), saved):
-            # `+ 0.0`: turbine drops a buffer mutation whose new value is an argument as it stands (no global
+            # `+ 0`: turbine drops a buffer mutation whose new value is an argument as it stands (no global
             # store is emitted and restore silently does nothing).
-            buffer.copy_(value + 0.0)
+            buffer.copy_(value + 0)
         return self.cache[0, 0, 0, 0, :1] + 0.0
 
     def pieces(self) -> list[Piece]:
