@@ -16,9 +16,17 @@ child process and the iree-compile it starts; each process's own peak is its VmH
 mark, exact between samples).
 
 Each build is then run in a child process of its own: the warm start (opening the artefacts), prefill of 512
-tokens and decode at 1000 tokens of context (medians of 3). Decode is also given as a fraction of its floor:
-bench/bandwidth.py's 2-thread read, measured in the same run, over every byte a decode step reads (the weights
-file less an untied embedding, of which a step reads one row, plus the KV cache slots attended).
+tokens and decode at 1000 tokens of context (medians of `--runs`, default 3). Decode is also given as a fraction of
+its floor: bench/bandwidth.py's 2-thread read, measured in the same run, over every byte a decode step reads (the
+weights file less an untied embedding, of which a step reads one row, plus the KV cache slots attended).
+
+`--llama-cpp Q4_K_M` (repeatable: any llama.cpp quantisation type) adds llama.cpp on the same checkpoint, in the
+same run: llama.cpp's own converter (`--convert`: convert_hf_to_gguf.py from llama.cpp's source, e.g. the
+vendor/llama.cpp folder of the llama-cpp-python sdist) writes a bf16 GGUF, llama-cpp-python's
+`llama_model_quantize` quantises it, and the same token ids are run through llama-cpp-python (2 threads,
+n_batch = n_ubatch = 512) as through Eddy. Its floor counts its own bytes: the GGUF less an untied embedding, plus
+its float16 KV cache. The bandwidth is read again before each run, and each row keeps its own floor: on a shared
+host it moves.
 
 Results are appended to the JSON (default bench/results/scale.json) after every build, and a rerun skips the
 (size, dtype, code) rows it already holds: the 8B builds are long.
@@ -218,7 +226,7 @@ eng = open_folder(Path(sys.argv[1])).engine
 start = time.perf_counter() - t
 ids = np.random.RandomState(0).randint(0, eng.cfg.vocab_size, 1000).tolist()
 prefill, decode = [], []
-for _ in range(3):
+for _ in range(int(sys.argv[2])):
     eng.reset()
     t = time.perf_counter(); eng.prefill(ids[:512]); prefill.append(512 / (time.perf_counter() - t))
     eng.prefill(ids[512:1000])
@@ -229,6 +237,75 @@ for _ in range(3):
 print(json.dumps({"warm_start_s": round(start, 2), "prefill_512_tok_s": round(float(np.median(prefill)), 1),
                   "decode_1000_tok_s": round(float(np.median(decode)), 2)}))
 """
+
+
+# The same measurement through llama-cpp-python on a GGUF: the same ids (the vocabulary is the checkpoint's, which
+# the converter pads the tokenizer to), the same prefills and the same 16 decode steps.
+LLAMA_RUN_SCRIPT = r"""
+import json, sys, time
+import numpy as np
+import llama_cpp
+t = time.perf_counter()
+llm = llama_cpp.Llama(sys.argv[1], n_ctx=2048, n_threads=2, n_threads_batch=2, n_batch=512, n_ubatch=512,
+                      verbose=False)
+start = time.perf_counter() - t
+sync = lambda: llama_cpp.llama_synchronize(llm._ctx.ctx)
+ids = np.random.RandomState(0).randint(0, int(sys.argv[2]), 1000).tolist()
+prefill, decode = [], []
+for _ in range(int(sys.argv[3])):
+    llm.reset()
+    t = time.perf_counter(); llm.eval(ids[:512]); sync(); prefill.append(512 / (time.perf_counter() - t))
+    llm.eval(ids[512:1000]); sync()
+    t = time.perf_counter()
+    for i in range(16):
+        llm.eval([ids[i]])
+    sync()
+    decode.append(16 / (time.perf_counter() - t))
+print(json.dumps({"warm_start_s": round(start, 2), "prefill_512_tok_s": round(float(np.median(prefill)), 1),
+                  "decode_1000_tok_s": round(float(np.median(decode)), 2), "llama_cpp_version": llama_cpp.__version__,
+                  "llama_cpp_system_info": llama_cpp.llama_print_system_info().decode(errors="replace")}))
+"""
+
+
+def build_gguf(model: Path, quant: str, convert: Path, out: Path) -> dict:
+    """The checkpoint through llama.cpp's converter (bf16, exact) and llama-cpp-python's quantiser."""
+    import llama_cpp
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    full = out.with_suffix(".bf16.gguf")
+    subprocess.run([sys.executable, str(convert), str(model), "--outtype", "bf16", "--outfile", str(full)],
+                   cwd=convert.parent, check=True, capture_output=True)
+    converted = time.perf_counter()
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{quant.upper()}")
+    params.nthread = 2
+    if llama_cpp.llama_model_quantize(str(full).encode(), str(out).encode(), params):
+        raise SystemExit(f"llama.cpp could not quantise {full} to {quant}")
+    full.unlink()
+    wall = time.perf_counter() - start
+    return {"folder": str(out), "wall_s": round(wall, 1),
+            "stages_s": {"convert": round(converted - start, 1), "quantise": round(wall - (converted - start), 1)},
+            "artefact_bytes": {out.name: out.stat().st_size}}
+
+
+def gguf_decode_bytes(cfg: dict, path: Path, context: int = 1000) -> int:
+    """Bytes one llama.cpp decode step reads: the GGUF's tensors, less an untied embedding, plus its float16 KV
+    cache slots attended."""
+    from gguf import GGUFReader
+
+    tensors = {t.name: int(t.n_bytes) for t in GGUFReader(path).tensors}
+    embed = 0 if cfg["tie_word_embeddings"] else tensors["token_embd.weight"]
+    kv = context * cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * 2
+    return sum(tensors.values()) - embed + kv
+
+
+def measure_llama_run(gguf: Path, cfg: dict, runs: int) -> dict:
+    out = subprocess.run([sys.executable, "-c", LLAMA_RUN_SCRIPT, str(gguf), str(cfg["vocab_size"]), str(runs)],
+                         capture_output=True, text=True, timeout=3600)
+    if out.returncode:
+        raise SystemExit(f"running {gguf} failed:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def decode_bytes(cfg: dict, irpa_bytes: int, dtype: str, context: int = 1000) -> int:
@@ -242,10 +319,10 @@ def decode_bytes(cfg: dict, irpa_bytes: int, dtype: str, context: int = 1000) ->
     return irpa_bytes - embed + kv
 
 
-def measure_run(folder: Path, code: Path, cache: Path) -> dict:
+def measure_run(folder: Path, code: Path, cache: Path, runs: int) -> dict:
     env = {**os.environ, "EDDY_CACHE_DIR": str(cache), "PYTHONPATH": str(code)}
-    out = subprocess.run([sys.executable, "-c", RUN_SCRIPT, str(folder)], cwd=code, env=env, capture_output=True,
-                         text=True, timeout=3600)
+    out = subprocess.run([sys.executable, "-c", RUN_SCRIPT, str(folder), str(runs)], cwd=code, env=env,
+                         capture_output=True, text=True, timeout=3600)
     if out.returncode:
         raise SystemExit(f"running {folder} failed:\n{out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -256,9 +333,16 @@ def main() -> None:
     p.add_argument("--size", action="append", choices=sorted(SIZES), help="repeatable (default llama-3.2-1b)")
     p.add_argument("--dtype", action="append", help="repeatable (default q4 and q8)")
     p.add_argument("--before", type=Path, help="a checkout of the code to compare with (built first)")
+    p.add_argument("--llama-cpp", action="append", default=[], metavar="QUANT",
+                   help="repeatable: also llama.cpp on a GGUF of the checkpoint in this type (e.g. Q4_K_M)")
+    p.add_argument("--convert", type=Path, default=os.environ.get("LLAMA_CPP_CONVERT"),
+                   help="llama.cpp's convert_hf_to_gguf.py (default: $LLAMA_CPP_CONVERT)")
+    p.add_argument("--runs", type=int, default=3, help="prefill and decode samples per build, medians (default 3)")
     p.add_argument("--label", default="", help="free text stored with the figures")
     p.add_argument("--json", default=str(ROOT / "bench" / "results" / "scale.json"))
     a = p.parse_args()
+    if a.llama_cpp and not (a.convert and Path(a.convert).is_file()):
+        p.error("--llama-cpp needs --convert (llama.cpp's convert_hf_to_gguf.py)")
     codes = ([("before", a.before.resolve())] if a.before else []) + [("after", ROOT)]
     out = Path(a.json)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -273,21 +357,33 @@ def main() -> None:
                                    "results": rows}, indent=1) + "\n")
 
     for size in a.size or ["llama-3.2-1b"]:
-        todo = [(d, label, code) for d in a.dtype or ["q4", "q8"] for label, code in codes
-                if (size, d, label) not in done]
+        cfg = SIZES[size]
+        todo = [(d, label, code) for d in a.dtype or ["q4", "q8"] for label, code in codes]
+        todo += [(q, "llama.cpp", None) for q in a.llama_cpp]
+        todo = [t for t in todo if (size, t[0], t[1]) not in done]
         if not todo:
             continue
         work = Path(tempfile.mkdtemp(prefix=f"eddy-scale-{size}-"))
         try:
             t = time.perf_counter()
-            nbytes = write_checkpoint(work / size, SIZES[size])
+            nbytes = write_checkpoint(work / size, cfg)
             print(f"{size}: random checkpoint {nbytes / 1e9:.2f} GB in {time.perf_counter() - t:.0f} s", flush=True)
             for dtype, label, code in todo:
                 cache = work / f"cache-{label}"
-                result = measure_build(work / size, dtype, code, cache)
-                result.update(measure_run(Path(result.pop("folder")), code, cache))
-                step = decode_bytes(SIZES[size], result["artefact_bytes"].get("weights.irpa", 0), dtype)
-                floor = bandwidth["gb_per_s"] * 1e9 / step
+                if code is None:
+                    result = build_gguf(work / size, dtype, Path(a.convert), cache / f"{size}-{dtype}.gguf")
+                else:
+                    result = measure_build(work / size, dtype, code, cache)
+                # The bandwidth of the moment: on a shared host it moves between runs.
+                result["bandwidth_gb_per_s"] = round(read_bandwidth()["gb_per_s"], 2)
+                folder = Path(result.pop("folder"))
+                if code is None:
+                    result.update(measure_llama_run(folder, cfg, a.runs))
+                    step = gguf_decode_bytes(cfg, folder)
+                else:
+                    result.update(measure_run(folder, code, cache, a.runs))
+                    step = decode_bytes(cfg, result["artefact_bytes"].get("weights.irpa", 0), dtype)
+                floor = result["bandwidth_gb_per_s"] * 1e9 / step
                 result.update(decode_bytes_per_token=step, floor_tok_s=round(floor, 2),
                               decode_fraction_of_floor=round(result["decode_1000_tok_s"] / floor, 3))
                 shutil.rmtree(cache)  # the artefacts, before the next build
@@ -297,13 +393,15 @@ def main() -> None:
         finally:
             shutil.rmtree(work, ignore_errors=True)
 
-    print(f"\n{'size':14} {'dtype':5} {'code':6} {'wall s':>7} {'tree GB':>7} {'at stage':>15} {'irpa GB':>7} "
-          f"{'start s':>7} {'pf512/s':>7} {'dec/s':>6} {'floor':>6} {'of floor':>8}")
+    print(f"\n{'size':14} {'dtype':6} {'code':9} {'wall s':>7} {'tree GB':>7} {'at stage':>15} {'file GB':>7} "
+          f"{'start s':>7} {'pf512/s':>7} {'dec/s':>6} {'GB/s':>5} {'floor':>6} {'of floor':>8}")
     for r in rows:
-        print(f"{r['size']:14} {r['dtype']:5} {r['code']:6} {r['wall_s']:7.1f} {r['tree_peak_rss_gb']:7.2f} "
-              f"{str(r['tree_peak_stage']):>15} {r['artefact_bytes'].get('weights.irpa', 0) / 1e9:7.2f} "
-              f"{r.get('warm_start_s', 0):7.2f} {r.get('prefill_512_tok_s', 0):7.1f} {r.get('decode_1000_tok_s', 0):6.2f} "
-              f"{r.get('floor_tok_s', 0):6.2f} {r.get('decode_fraction_of_floor', 0):8.0%}")
+        weights = r["artefact_bytes"].get("weights.irpa") or sum(r["artefact_bytes"].values())
+        print(f"{r['size']:14} {r['dtype']:6} {r['code']:9} {r['wall_s']:7.1f} {r.get('tree_peak_rss_gb', 0):7.2f} "
+              f"{str(r.get('tree_peak_stage', '')):>15} {weights / 1e9:7.2f} {r.get('warm_start_s', 0):7.2f} "
+              f"{r.get('prefill_512_tok_s', 0):7.1f} {r.get('decode_1000_tok_s', 0):6.2f} "
+              f"{r.get('bandwidth_gb_per_s', bandwidth['gb_per_s']):5.1f} {r.get('floor_tok_s', 0):6.2f} "
+              f"{r.get('decode_fraction_of_floor', 0):8.0%}")
     save()
     print(f"wrote {out}")
 
