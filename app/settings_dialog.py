@@ -14,7 +14,7 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDialog, QDialogButtonBox, 
                                QGroupBox, QHBoxLayout, QLabel, QLineEdit, QPlainTextEdit, QPushButton, QSpinBox,
                                QVBoxLayout, QWidget)
 
-from engine.config import DTYPES, PIN_SLOTS
+from engine.config import AUTO_DTYPE, DTYPE_CHOICES, PIN_SLOTS
 from engine.gpu import device_choices
 from engine.run.generation import ChatDefaults, SamplingOverrides
 from engine.run.sampling import OPTIONS, Option
@@ -25,6 +25,7 @@ from .settings import AppSettings
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 DEFAULT_MODEL_LABEL = f"{DEFAULT_MODEL_NAME} (default)"
+AUTO_LABEL = "auto (q4 for a 4-bit GGUF, else q8)"
 
 
 def _spin(lo: int, hi: int, value: int, name: str, special: str | None = None) -> QSpinBox:
@@ -96,8 +97,10 @@ class SettingsDialog(QDialog):
         self.window = _spin(16, 32768, build.window, "Window")
         self.window.setToolTip("Most recent tokens the model keeps")
         self.dtype = QComboBox()
-        self.dtype.addItems(DTYPES)
-        self.dtype.setCurrentText(build.dtype)
+        for name in DTYPE_CHOICES:
+            self.dtype.addItem(AUTO_LABEL if name == AUTO_DTYPE else name, name)
+        self.dtype.setCurrentIndex(max(0, self.dtype.findData(build.dtype)))
+        self.dtype.setToolTip("Bits a weight is stored in: fewer make a smaller, faster model, at some quality")
         self.dtype.setAccessibleName("Weight type")
         self.device = QComboBox()
         for name, label, available in device_choices():
@@ -201,7 +204,7 @@ class SettingsDialog(QDialog):
     def value(self) -> AppSettings:
         c = self.current
         build = replace(c.build, sinks=self.sinks.value(), window=self.window.value(),
-                        dtype=self.dtype.currentText(), device=self.device.currentData(),
+                        dtype=self.dtype.currentData(), device=self.device.currentData(),
                         max_chunk=self.max_chunk.value())
         chat = replace(c.chat, max_new_tokens=self.max_new_tokens.value(), seed=self.seed.value(),
                        system_prompt=self.system_prompt.toPlainText().strip(), pin_system=self.pin_system.isChecked(),

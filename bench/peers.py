@@ -84,11 +84,11 @@ def cpu_slug(info: dict) -> str:
 class EddyPeer:
     name = "eddy"
 
-    def __init__(self, window: int | None = None) -> None:
+    def __init__(self, dtype: str = "auto", window: int | None = None) -> None:
         from engine.config import BuildSettings
         from engine.loader import open_model
 
-        settings = BuildSettings() if window is None else BuildSettings(window=window)
+        settings = BuildSettings(dtype=dtype) if window is None else BuildSettings(dtype=dtype, window=window)
         self.loaded = open_model(None, settings, progress=lambda s, f: None)
         self.eng = self.loaded.engine
         self.settings = settings
@@ -371,7 +371,7 @@ def worker(kind: str, spec_file: str, out_file: str) -> int:
 
     start = time.perf_counter()
     if kind == "eddy":
-        peer = EddyPeer()
+        peer = EddyPeer(spec["dtype"])
         result["info"] = peer.info()
         result["open_s"] = time.perf_counter() - start
         result["figures"] = figures(run_workload(peer, gate, ids, sizes, sampling))
@@ -382,7 +382,7 @@ def worker(kind: str, spec_file: str, out_file: str) -> int:
         peer.close()
         if not spec.get("skip_slots"):
             big = max(sizes["windows"])
-            peer = EddyPeer(window=big)
+            peer = EddyPeer(spec["dtype"], window=big)
             result["info_window_" + str(big)] = peer.info()
             slots[f"window_{big}_turn_{sizes['slots_turn']}_at_{h}_ms"] = slots_turn(peer, gate, ids, sizes, h, f"eddy w{big}")
             far = sizes["slots_far_history"]
@@ -458,18 +458,19 @@ print(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
 """
 
 
-def oneshot_cmd(kind: str) -> list[str]:
+def oneshot_cmd(kind: str, dtype: str = "auto") -> list[str]:
     py = sys.executable
     if kind == "eddy":
-        return [py, "-m", "engine.cli", "chat", "--prompt", QUESTION, "--max-new-tokens", str(ONESHOT_TOKENS), "--json"]
+        return [py, "-m", "engine.cli", "chat", "--prompt", QUESTION, "--max-new-tokens", str(ONESHOT_TOKENS), "--json",
+                "--dtype", dtype]
     if kind == "llama.cpp":
         return [py, "-c", ONESHOT_LLAMA, QUESTION, str(ONESHOT_TOKENS)]
     return [py, "-c", ONESHOT_HF, QUESTION, str(ONESHOT_TOKENS), kind[3:]]
 
 
-def oneshot_once(kind: str) -> dict:
+def oneshot_once(kind: str, dtype: str = "auto") -> dict:
     """Start to exit of one process answering QUESTION; its peak RSS and CPU from wait4's rusage."""
-    proc = subprocess.Popen(oneshot_cmd(kind), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+    proc = subprocess.Popen(oneshot_cmd(kind, dtype), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                             env=dict(os.environ, PYTHONPATH=str(ROOT)))
     text = proc.stdout.read().decode(errors="replace") if proc.stdout else ""
     _, status, usage = os.wait4(proc.pid, 0)
@@ -486,9 +487,9 @@ def oneshot_once(kind: str) -> dict:
             "rc": proc.returncode, "answer": answer.strip()[:120], "tokens": tokens}
 
 
-def oneshot(kind: str, gate: Gate) -> dict:
-    oneshot_once(kind)  # warm the page cache (and any artefact check) before the timed runs
-    fig = gate.figure(f"{kind} one-shot", lambda: oneshot_once(kind))
+def oneshot(kind: str, gate: Gate, dtype: str = "auto") -> dict:
+    oneshot_once(kind, dtype)  # warm the page cache (and any artefact check) before the timed runs
+    fig = gate.figure(f"{kind} one-shot", lambda: oneshot_once(kind, dtype))
     d = fig.to_dict()
     rss = sorted(e["rss_peak_mb"] for e in d["extra"])
     d["rss_peak_mb_median"] = rss[len(rss) // 2]
@@ -736,6 +737,8 @@ def main() -> int:
                    help="seconds of thrown-away tries per peer (and for the one-shots) before samples are kept as "
                         "they come, counted noisy")
     p.add_argument("--worker-timeout", type=float, default=3600)
+    p.add_argument("--dtype", default="auto", help="Eddy's weight type (default auto: q4 for the default model's "
+                   "Q4_1 GGUF, which is also what llama.cpp runs)")
     p.add_argument("--json", default=None)
     p.add_argument("--markdown", metavar="JSON", help="print a run's table as Markdown and exit")
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -776,9 +779,9 @@ def main() -> int:
     results["sampling"] = app_sampling()
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as fh:
         json.dump({"ids": ids, "sizes": sizes, "sampling": results["sampling"], "gate": gate_cfg, "gguf": str(gguf),
-                   "skip_slots": a.no_slots, "flash_attn": a.flash_attn}, fh)
+                   "skip_slots": a.no_slots, "flash_attn": a.flash_attn, "dtype": a.dtype}, fh)
         spec = fh.name
-    out = a.json or str(ROOT / "bench" / "results" / f"peers-{cpu_slug(machine)}-q8{'-quick' if a.quick else ''}.json")
+    out = a.json or str(ROOT / "bench" / "results" / f"peers-{cpu_slug(machine)}-{a.dtype}{'-quick' if a.quick else ''}.json")
     try:
         # The compiled and native peers first, then the one-shots, then transformers (the slowest): each stage
         # writes what is done so far, so a run cut short keeps its figures.
@@ -791,7 +794,7 @@ def main() -> int:
                 results["oneshot"] = {}
                 for k in [x.strip() for x in a.oneshot_peers.split(",") if x.strip() in peers]:
                     log(f"== one-shot {k}")
-                    results["oneshot"][k] = oneshot(k, gate)
+                    results["oneshot"][k] = oneshot(k, gate, a.dtype)
             else:
                 results["peers"][kind] = run_worker(kind, spec, a.worker_timeout)
             finish(results, peers, out, partial=kind != order[-1])

@@ -74,7 +74,7 @@ def run_bench(model: str | None, settings: BuildSettings, runs: int = 3, json_fi
     eng = loaded.engine
     cap = settings.capacity
     r: dict[str, Any] = {
-        "model": loaded.source.name, "settings": settings.to_dict(), "runs": runs,
+        "model": loaded.source.name, "settings": eng.settings.to_dict(), "runs": runs,
         "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()},
         "open_s": time.perf_counter() - start_load,
     }

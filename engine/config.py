@@ -1,7 +1,7 @@
 """Model and build settings shared by the export side (torch) and the runtime side (numpy only)."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from .arch import family
@@ -9,6 +9,10 @@ from .devices import CUDA_TARGETS, DEVICES
 from .errors import ModelError
 
 DTYPES = ("f32", "f16", "bf16", "q8", "q4")
+# The weight type a build takes when none is named: the checkpoint's own choice (ModelSource.auto_dtype), so a
+# 4-bit GGUF builds at q4 and everything else at q8. Resolved before anything is keyed or built (for_source).
+AUTO_DTYPE = "auto"
+DTYPE_CHOICES = (AUTO_DTYPE, *DTYPES)
 # The KV cache's element type: 16 bits halve what attention reads per token over a long window (bf16 keeps f32's
 # range with 8 bits of precision, f16 11 bits with a narrower range).
 KV_DTYPES = ("f32", "f16", "bf16")
@@ -137,7 +141,7 @@ class BuildSettings:
 
     sinks: int = 4  # the sink count when no system prompt is pinned
     window: int = 1020
-    dtype: str = "q8"
+    dtype: str = AUTO_DTYPE  # see DTYPE_CHOICES
     device: str = "cpu"
     max_chunk: int = 512
     target_cpu: str = "host"  # llvm-cpu only; see TARGET_CPUS
@@ -153,8 +157,8 @@ class BuildSettings:
             raise ValueError(f"need sinks >= 0 and window >= 1 (got sinks={self.sinks}, window={self.window})")
         if self.max_sinks < 0:
             raise ValueError(f"need max sinks >= 0 (got {self.max_sinks})")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)} (got {self.dtype!r})")
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)} (got {self.dtype!r})")
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"KV cache dtype must be one of {', '.join(KV_DTYPES)} (got {self.kv_dtype!r})")
         if self.device not in DEVICES:
@@ -166,6 +170,10 @@ class BuildSettings:
                              f"Hopper GPUs (sm_90) run sm_89 code")
         if self.gpu_target and self.device != "cuda":
             raise ValueError(f"a GPU target is for the cuda device (got device {self.device!r})")
+
+    def for_source(self, source: Any) -> "BuildSettings":
+        """These settings with "auto" replaced by the weight type `source` (a ModelSource) takes by default."""
+        return replace(self, dtype=source.auto_dtype()) if self.dtype == AUTO_DTYPE else self
 
     @property
     def target(self) -> str:

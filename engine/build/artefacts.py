@@ -19,7 +19,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from ..config import BuildSettings, ModelConfig
+from ..config import AUTO_DTYPE, BuildSettings, ModelConfig
 from ..errors import ArtefactError, ModelError
 from ..paths import cache_dir
 
@@ -60,7 +60,7 @@ def export_code_hash() -> str:
 def artefact_key(source: "ModelSource", settings: BuildSettings) -> str:
     parts = {
         "model": source.fingerprint(),
-        "settings": settings.to_dict(),
+        "settings": settings.for_source(source).to_dict(),  # "auto" and what it picks share one entry
         "compiler": _version("iree-base-compiler"),
         "export": export_code_hash(),
     }
@@ -73,6 +73,7 @@ def artefacts_root() -> Path:
 
 
 def artefact_dir(source: "ModelSource", settings: BuildSettings) -> Path:
+    settings = settings.for_source(source)
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in source.name)[-40:]
     return artefacts_root() / f"{safe}-{settings.dtype}-{settings.sinks}+{settings.window}-{artefact_key(source, settings)}"
 
@@ -198,7 +199,7 @@ def find_bundled(name: str, settings: BuildSettings) -> Path | None:
     supports wins. ArtefactError naming the file if that entry is damaged; ModelError if this CPU runs none."""
     matches = [(folder, manifest) for folder, manifest in bundled_entries()
                if str(manifest.get("model", "")).lower() == name.lower()
-               and _same_build(manifest.get("settings", {}), settings.to_dict())]
+               and _same_build(manifest.get("settings", {}), _as_built(settings, manifest))]
     if not matches:
         return None
     runnable = [(folder, m) for folder, m in matches if not _missing_cpu_flags(_target_of(m))]
@@ -210,6 +211,15 @@ def find_bundled(name: str, settings: BuildSettings) -> Path | None:
     except ArtefactError as e:
         raise ArtefactError(f"The installed Eddy package is damaged: {e}. Reinstall Eddy.") from None
     return folder
+
+
+def _as_built(settings: BuildSettings, manifest: dict) -> dict:
+    """`settings` as the entry's build would have resolved them: "auto" is the entry's auto_dtype (q8 for an
+    entry from before it was recorded, when q8 was every build's default)."""
+    wanted = settings.to_dict()
+    if settings.dtype == AUTO_DTYPE:
+        wanted["dtype"] = manifest.get("auto_dtype", "q8")
+    return wanted
 
 
 def _target_of(manifest: dict) -> str:
@@ -266,7 +276,7 @@ def ensure_artefacts(source: "ModelSource", settings: BuildSettings,
     target named is built for this machine's GPU (DeviceError when it has none)."""
     from ..gpu import resolve_target
 
-    settings = resolve_target(settings)
+    settings = resolve_target(settings).for_source(source)
     folder = artefact_dir(source, settings)
     try:
         read_manifest(folder)
@@ -295,6 +305,8 @@ def ensure_artefacts(source: "ModelSource", settings: BuildSettings,
             "model": source.name,
             "config": built["config"],
             "settings": settings.to_dict(),
+            # What "auto" picks for this checkpoint: a packaged entry is found for it without the checkpoint.
+            "auto_dtype": source.auto_dtype(),
             "build_seconds": built["seconds"],
             "files": {n: {"size": (staging / n).stat().st_size, "digest": file_digest(staging / n)} for n in BUILT_FILES},
         }

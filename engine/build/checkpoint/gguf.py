@@ -184,6 +184,21 @@ def read_gguf(path: Path) -> _GGUFInfo:
     return _read_gguf(path)
 
 
+def main_code_bits(info: _GGUFInfo) -> float:
+    """Bits a weight of the type that holds most of the file's matrix weights (Q4_K_M: Q4_K's 4.5, beside its
+    Q6_K tensors; the default model's Q4_1: 5.0, beside its Q8_0 embedding)."""
+    weights: dict[int, int] = {}
+    bits: dict[int, float] = {}
+    for t in info.tensors.values():
+        if len(t.shape) >= 2:
+            n = math.prod(t.shape)
+            weights[t.ggml_type] = weights.get(t.ggml_type, 0) + n
+            bits[t.ggml_type] = 8 * t.nbytes / n
+    if not weights:
+        raise ModelError(f"{info.path.name}: the file holds no weight matrices.")
+    return bits[max(weights, key=weights.__getitem__)]
+
+
 def family_of(source: "ModelSource", info: _GGUFInfo) -> arch.Family:
     return arch.for_gguf(source.name, info.fields.get("general.architecture"))
 

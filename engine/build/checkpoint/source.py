@@ -30,6 +30,10 @@ HF_TOKENIZER_EXTRAS = (
 )
 
 
+# Bits a weight of the narrowest 5-bit GGUF types (Q5_0, Q5_K): below it a GGUF counts as 4-bit (Q4_1 takes 5.0).
+FIVE_BIT = 5.5
+
+
 @dataclass(frozen=True)
 class ModelSource:
     """A resolved model: what it is called, what kind of checkpoint it is, and where it lives."""
@@ -59,6 +63,17 @@ class ModelSource:
                     found.append(folder / name)
             return found
         raise ModelError(f'Model "{self.name}": unknown checkpoint kind "{self.kind}".')
+
+    def auto_dtype(self) -> str:
+        """The weight type a build takes when none is named: q4 for a GGUF of 4-bit codes (or fewer), which
+        Eddy's q4 holds as they are (Q4_0/Q4_1) or close to (K-quants), so the build is about the size of the
+        file the user chose; q8 for everything else (5-bit and wider GGUFs, 16-bit checkpoints)."""
+        if self.kind != "gguf":
+            return "q8"
+        from .gguf import main_code_bits, read_gguf
+
+        assert self.path is not None
+        return "q4" if main_code_bits(read_gguf(self.path)) < FIVE_BIT else "q8"
 
     def fingerprint(self) -> str:
         """sha256 hex identifying the model's content; file hashes are memoised on disk."""
