@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import psutil
 import pytest
 
@@ -52,6 +53,36 @@ def test_cancel_stops_the_build_at_once_in_any_stage(tmp_path: Path, monkeypatch
     assert not _children(), "a build process outlived the cancel"
     folder = artefact_dir(source, SETTINGS)
     assert not folder.exists() and not list(folder.parent.glob("*.building-*")), "a partial entry was left"
+
+
+def test_builds_that_differ_only_in_the_cpu_share_one_export(tmp_path: Path, monkeypatch) -> None:
+    """The package builds the default model for two CPU levels, and the suite builds it for this one: one export
+    (minutes for a real model) serves them all, and each build still compiles for its own CPU."""
+    from engine.build.artefacts import ensure_artefacts, read_manifest
+    from engine.build.checkpoint import resolve_model
+    from engine.build.progress import REUSED_EXPORT
+
+    monkeypatch.setenv("EDDY_CACHE_DIR", str(tmp_path))
+    source = resolve_model("tiny-random")
+    folders, details = [], []
+    for target in ("host", "x86-64-v3", "host"):
+        seen: list[str] = []
+        settings = BuildSettings(sinks=2, window=22, dtype="f32", max_chunk=8, target_cpu=target)
+        folders.append(ensure_artefacts(source, settings, lambda s, f, d: seen.append(d) if s == "exporting" else None))
+        details.append(seen)
+    assert details[0] and REUSED_EXPORT not in details[0]  # the first build exported
+    assert REUSED_EXPORT in details[1]  # the second, for another CPU, copied that export
+    assert details[2] == [] and folders[2] == folders[0]  # the first entry found again: nothing built
+    assert len(list((tmp_path / "exports").glob("*.mlir"))) == 1
+    assert folders[0] != folders[1]
+    assert [read_manifest(f)["settings"]["target_cpu"] for f in folders[:2]] == ["host", "x86-64-v3"]
+    from engine.loader import open_folder
+
+    host, portable = (open_folder(f, source).engine for f in folders[:2])
+    assert np.allclose(host.prefill([5, 6, 7]), portable.prefill([5, 6, 7]), atol=1e-4)
+    # Another shape or other settings are another export.
+    ensure_artefacts(source, BuildSettings(sinks=2, window=30, dtype="f32", max_chunk=8))
+    assert len(list((tmp_path / "exports").glob("*.mlir"))) == 2
 
 
 def test_an_engine_error_in_the_child_arrives_as_the_same_class(tmp_path: Path) -> None:

@@ -1,10 +1,15 @@
 """Checkpoint → StreamingLlama → iree-turbine export → IREE compile → .vmfb + .irpa (needs torch)."""
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import re
+import shutil
 import subprocess
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -15,6 +20,7 @@ import iree.turbine.aot as aot
 from ..config import BuildSettings, ModelConfig
 from ..devices import compile_flags
 from ..errors import ArtefactError, BuildCancelled
+from ..paths import cache_dir
 from . import kernels
 from .model import StreamingLlama
 
@@ -103,6 +109,51 @@ def zero_init_cache(mlir: str) -> str:
     return re.sub(r"dense_resource<__auto\.constant[^>]*> : (tensor<[^>]*>)", zero, body)
 
 
+# Exports kept for reuse (each a few MB: the weights are external parameters), the least recently used dropped.
+EXPORTS_KEPT = 8
+
+
+def export_key(cfg: ModelConfig, settings: BuildSettings) -> str:
+    """What the exported MLIR depends on: the model's shape and the build settings, but neither its weights (they
+    are external parameters) nor the CPU or GPU it is then compiled for (only iree-compile sees those). Builds
+    that differ in just those share one export: the package's two CPU levels, a test suite's models of one shape."""
+    from .artefacts import export_code_hash
+    from .checkpoint.source import dist_version
+
+    parts = {"config": cfg.to_dict(), "settings": replace(settings, target_cpu="host", gpu_target="").to_dict(),
+             "export": export_code_hash(),
+             "versions": [dist_version(d) for d in ("torch", "iree-turbine", "iree-base-compiler")]}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def kept_export(cfg: ModelConfig, settings: BuildSettings) -> Path:
+    """Where the export for this shape and these settings is kept (it may not be there yet)."""
+    return cache_dir() / "exports" / f"{export_key(cfg, settings)}.mlir"
+
+
+def write_export(model: StreamingLlama, path: Path, kept: Path) -> None:
+    """Writes the model's module as MLIR to `path`: a copy of `kept` if it is there, else a new export, which is
+    then kept (written under a temporary name and renamed, so a reader never sees half a file)."""
+    if kept.is_file():
+        shutil.copyfile(kept, path)
+        os.utime(kept)  # recently used: pruned last
+        return
+    aot.externalize_module_parameters(model)
+    output = export_module(model)
+    path.write_text(zero_init_cache(str(output.mlir_module)))
+    del output
+    try:
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        part = kept.with_name(f"{kept.name}.{os.getpid()}.part")
+        shutil.copyfile(path, part)
+        part.replace(kept)
+        old = sorted(kept.parent.glob("*.mlir"), key=lambda f: f.stat().st_mtime, reverse=True)[EXPORTS_KEPT:]
+        for f in old:
+            f.unlink(missing_ok=True)
+    except OSError:
+        pass  # a cache that cannot be written costs the next build its export, nothing else
+
+
 def compile_mlir(mlir_path: Path, vmfb_path: Path, device: str, progress: Progress,
                  should_cancel: Callable[[], bool], expected_s: float, target: str = "") -> None:
     """Runs iree-compile in a subprocess: it can be cancelled, and a crash cannot take the app down."""
@@ -135,7 +186,7 @@ def build(source: "ModelSource", cfg: ModelConfig, settings: BuildSettings, out_
     written (they are external parameters), and weights.irpa is written straight from the checkpoint one
     tensor at a time (engine/build/weights_file.py). progress is an engine.build.progress.Progress."""
     from .checkpoint import open_tensors
-    from .progress import compile_detail, ignore, weights_detail
+    from .progress import REUSED_EXPORT, compile_detail, ignore, weights_detail
     from .weights_file import write_weights
 
     report = progress or ignore
@@ -155,12 +206,10 @@ def build(source: "ModelSource", cfg: ModelConfig, settings: BuildSettings, out_
     tensors = open_tensors(source)
     model = StreamingLlama.skeleton(cfg, settings)
     times["load"] = time.perf_counter() - t
-    t = stage("exporting", 0.1, f"tracing {cfg.n_layers} layers")
-    aot.externalize_module_parameters(model)
-    output = export_module(model)
+    kept = kept_export(cfg, settings)
+    t = stage("exporting", 0.1, REUSED_EXPORT if kept.is_file() else f"tracing {cfg.n_layers} layers")
     mlir_path = out_dir / "module.mlir"
-    mlir_path.write_text(zero_init_cache(str(output.mlir_module)))
-    del output
+    write_export(model, mlir_path, kept)
     times["export"] = time.perf_counter() - t
 
     # Bytes per piece, from the skeleton's parameters (a piece makes its module's weight and q8 scale, or its

@@ -19,6 +19,11 @@ def ignore(stage: str, fraction: float, detail: str = "") -> None:
     """A Progress for callers that show nothing."""
 
 
+# The exporting stage's detail when the build copies an export kept from a build of the same model shape and
+# settings (engine.build.export.kept_export): seconds instead of minutes.
+REUSED_EXPORT = "reusing the export of a model of the same shape"
+
+
 def megabytes(n: float) -> str:
     if n >= 1e9:
         return f"{n / 1e9:,.2f} GB"
