@@ -98,7 +98,7 @@ class EddyPeer:
         import iree.runtime as rt
 
         manifest = json.loads((self.loaded.folder / "manifest.json").read_text())
-        return {"settings": self.settings.to_dict(), "artefacts": str(self.loaded.folder),
+        return {"settings": self.eng.settings.to_dict(), "artefacts": str(self.loaded.folder),
                 "compiler": manifest.get("compiler") or manifest.get("versions"),
                 "iree_runtime": getattr(rt, "__version__", None), "prefill_chunk": self.eng.chunk,
                 "threads": "IREE local-task default (one worker per core)"}
@@ -691,7 +691,8 @@ def markdown(results: dict) -> str:
     summary = results["summary"]
     table = summary["table"]
     peers = [p for p in ("eddy", "llama.cpp", "hf-f32", "hf-bf16") if any(p in row for row in table.values())]
-    names = {"eddy": "Eddy (q8)", "llama.cpp": "llama.cpp", "hf-f32": "transformers f32", "hf-bf16": "transformers bf16"}
+    eddy = results.get("peers", {}).get("eddy", {}).get("info", {}).get("settings", {}).get("dtype", "q8")
+    names = {"eddy": f"Eddy ({eddy})", "llama.cpp": "llama.cpp", "hf-f32": "transformers f32", "hf-bf16": "transformers bf16"}
     head = ["", *[names[p] for p in peers], *[f"Eddy / {names[p]}" for p in peers if p != "eddy"]]
     lines = ["| " + " | ".join(head) + " |", "|---" + "|---:" * (len(head) - 1) + "|"]
     for key, row in table.items():
