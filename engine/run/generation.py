@@ -125,22 +125,19 @@ def _from_generation_config(path: Path) -> dict[str, Any]:
 
 
 def _from_gguf(path: Path) -> dict[str, Any]:
-    try:
-        from gguf import GGUFReader
+    # The checkpoint's own header walk (memoised, and already done by resolve): gguf.GGUFReader took 6.7 s of
+    # a 7.4 s start here, building numpy views of every tokenizer string.
+    from ..build.checkpoint.gguf import read_gguf
 
-        reader = GGUFReader(str(path), "r")
+    try:
+        fields = read_gguf(path).fields
     except Exception:  # the checkpoint reader reports a damaged file with a proper message elsewhere
         return {}
     out = {}
     for key, name in _GGUF_KEYS.items():
-        f = reader.fields.get(key)
-        if f is None:
+        if key not in fields:
             continue
-        try:
-            raw = f.contents()
-        except Exception:
-            continue
-        value = _number(raw, OPTIONS[name].kind)
+        value = _number(fields[key], OPTIONS[name].kind)
         if value is not None:
             out[name] = value
     return out
