@@ -89,7 +89,7 @@ class EddyPeer:
         from engine.loader import open_model
 
         settings = BuildSettings(dtype=dtype) if window is None else BuildSettings(dtype=dtype, window=window)
-        self.loaded = open_model(None, settings, progress=lambda s, f: None)
+        self.loaded = open_model(None, settings, progress=lambda *_: None)
         self.eng = self.loaded.engine
         self.settings = settings
         self.saved: dict[int, tuple[Any, Any]] = {}
@@ -509,7 +509,7 @@ def token_ids(need: int) -> tuple[list[int], dict]:
     from engine.config import BuildSettings
     from engine.run.tokenizer import Tokenizer
 
-    folder = ensure_artefacts(resolve_model(None), BuildSettings(), lambda s, f: None)
+    folder = ensure_artefacts(resolve_model(None), BuildSettings(), lambda *_: None)
     tok = Tokenizer.from_dir(folder)
     text = "\n\n".join((ROOT / f).read_text(encoding="utf-8") for f in TEXT_FILES if (ROOT / f).is_file())
     ids = tok.encode_text(text)
