@@ -109,8 +109,9 @@ def zero_init_cache(mlir: str) -> str:
     return re.sub(r"dense_resource<__auto\.constant[^>]*> : (tensor<[^>]*>)", zero, body)
 
 
-# Exports kept for reuse (each a few MB: the weights are external parameters), the least recently used dropped.
-EXPORTS_KEPT = 8
+# Bytes of exports kept for reuse, the least recently used dropped first: by size, not count, so the test suite's
+# many tiny models (kB each) do not push out the default model's (4 MB; the weights are external parameters).
+EXPORTS_KEPT_BYTES = 64 << 20
 
 
 def export_key(cfg: ModelConfig, settings: BuildSettings) -> str:
@@ -147,9 +148,11 @@ def write_export(model: StreamingLlama, path: Path, kept: Path) -> None:
         part = kept.with_name(f"{kept.name}.{os.getpid()}.part")
         shutil.copyfile(path, part)
         part.replace(kept)
-        old = sorted(kept.parent.glob("*.mlir"), key=lambda f: f.stat().st_mtime, reverse=True)[EXPORTS_KEPT:]
-        for f in old:
-            f.unlink(missing_ok=True)
+        total = 0
+        for f in sorted(kept.parent.glob("*.mlir"), key=lambda f: f.stat().st_mtime, reverse=True):
+            total += f.stat().st_size
+            if total > EXPORTS_KEPT_BYTES and f != kept:
+                f.unlink(missing_ok=True)
     except OSError:
         pass  # a cache that cannot be written costs the next build its export, nothing else
 
