@@ -91,7 +91,6 @@ class EddyPeer:
         settings = BuildSettings(dtype=dtype) if window is None else BuildSettings(dtype=dtype, window=window)
         self.loaded = open_model(None, settings, progress=lambda *_: None)
         self.eng = self.loaded.engine
-        self.settings = settings
         self.saved: dict[int, tuple[Any, Any]] = {}
 
     def info(self) -> dict:

@@ -76,7 +76,6 @@ def open_model(spec: str | None, settings: BuildSettings | None = None,
             # A package without the checkpoints they are built from.
             raise no_compiler_error(f'The model "{name}"') from None
         raise
-    settings = settings.for_source(source)
     folder = ensure_artefacts(source, settings, progress, should_cancel)
     try:
         return open_folder(folder, source)
