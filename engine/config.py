@@ -21,6 +21,9 @@ Q4_GROUP = 32
 # Quantised (q4, q8) matrices that are multiplied are stored in tiles of this many rows, interleaved along each
 # row (engine/build/kernels.py): decode's product keeps one output row per vector lane, with no horizontal sums.
 TILE_ROWS = 32
+# q4's tiles are of 16 rows: one AVX-512 register of int32 sums in its hand-written decode product
+# (engine/build/q4_dispatch.py), whose layout groups a tile's codes in blocks of 16 rows x 4 positions.
+Q4_TILE_ROWS = 16
 # llvm-cpu targets: "host" (this machine's CPU, fastest, for local builds) or a portable one for packages
 # that run on other machines (a module built for "host" can die of illegal instructions elsewhere).
 # x86-64-v3 = AVX2 + FMA (Intel Haswell 2013+, AMD Zen 1+); x86-64 = any 64-bit x86 (slow: no AVX).

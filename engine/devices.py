@@ -48,6 +48,34 @@ TABLE: dict[str, Device] = {d.name: d for d in (
 DEVICES = tuple(TABLE)
 
 
+# The form of q4's hand-written decode product (engine/build/q4_dispatch.py) each llvm-cpu target guarantees the
+# instructions for: "vnni" needs AVX-512 VNNI (and BW), "avx2" AVX2; None: the generic form. x86-64-v4 is AVX-512
+# F/BW/CD/DQ/VL, without VNNI. "host" takes the first row of HOST_Q4_FORMS whose flags this CPU lists.
+Q4_FORMS: dict[str, str | None] = {"x86-64-v4": "avx2", "x86-64-v3": "avx2", "x86-64-v2": None, "x86-64": None}
+HOST_Q4_FORMS = ((("avx512_vnni", "avx512bw"), "vnni"), (("avx2",), "avx2"))
+
+
+def q4_form(device: str, target_cpu: str) -> str | None:
+    """The hand-written q4 decode product a build for `device` and `target_cpu` takes (None: the generic one)."""
+    if device != "cpu":
+        return None
+    if target_cpu != "host":
+        return Q4_FORMS[target_cpu]
+    flags = host_cpu_flags()
+    return next((form for needs, form in HOST_Q4_FORMS if flags.issuperset(needs)), None)
+
+
+def host_cpu_flags() -> set[str]:
+    """This CPU's feature flags as Linux lists them (empty elsewhere, or on a CPU that is not x86: the generic
+    forms)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((ln for ln in f if ln.startswith("flags")), "")
+    except OSError:
+        return set()
+    return set(line.partition(":")[2].split())
+
+
 def driver(device: str) -> str:
     """The iree.runtime driver name for a device."""
     return TABLE[device].driver

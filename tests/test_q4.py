@@ -4,6 +4,8 @@ The compiled kernel is held to float32 parity with the dequantised weights in te
 quantiser itself, with no build."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -55,21 +57,24 @@ def test_every_weight_lands_within_half_a_step_and_the_extremes_exactly():
 
 
 def test_a_multiplied_matrix_is_tiled_with_the_same_codes_and_numbers():
-    """tile_q4 moves the codes of TILE_ROWS consecutive rows next to each other at each input position (decode's
-    product keeps a row per vector lane), and untile_q4 gives back the rows layout exactly."""
-    from engine.build.q4 import TILE_ROWS, tile_q4, untile_q4
+    """tile_q4 puts each group of a 16-row tile in four 64-byte blocks, block h's byte 4r + j holding row r's codes at
+    positions 4h + j (low nibble) and 4h + 16 + j (high nibble): the operands of the x86 integer dot products that
+    decode's product takes (engine/build/q4_dispatch.py). untile_q4 gives back the rows layout exactly."""
+    from engine.build.q4 import TILE, tile_q4, untile_q4
 
-    rows_n, cols = 2 * TILE_ROWS, 4 * Q4_GROUP
+    rows_n, cols = 2 * TILE, 4 * Q4_GROUP
     w = torch.from_numpy(np.random.RandomState(2).standard_normal((rows_n, cols)).astype(np.float32))
     rows = quantise_q4(w)
     tiled = tile_q4(rows)
-    assert tiled["weight"].shape == (2, cols, TILE_ROWS // 2)
-    assert tiled["scale"].shape == (2, cols // Q4_GROUP, TILE_ROWS)
-    codes, tiled_codes = unpack_q4(rows["weight"]), unpack_q4(tiled["weight"])
-    for r, k in ((0, 0), (1, 5), (TILE_ROWS + 3, cols - 1), (rows_n - 1, 77)):
-        assert tiled_codes[r // TILE_ROWS, k, r % TILE_ROWS] == codes[r, k]
-        assert tiled["scale"][r // TILE_ROWS, k // Q4_GROUP, r % TILE_ROWS] == rows["scale"][r, k // Q4_GROUP]
-        assert tiled["offset"][r // TILE_ROWS, k // Q4_GROUP, r % TILE_ROWS] == rows["offset"][r, k // Q4_GROUP]
+    assert tiled["weight"].shape == (2, cols // Q4_GROUP, TILE * Q4_GROUP // 2)
+    assert tiled["scale"].shape == (2, cols // Q4_GROUP, TILE)
+    codes, tiled_codes = unpack_q4(rows["weight"]), unpack_q4(tiled["weight"])  # [tile, group, nibble in group]
+    for r, k in ((0, 0), (1, 5), (TILE + 3, cols - 1), (rows_n - 1, 77), (7, 16 + 6), (9, 32 + 15)):
+        p, lane = k % Q4_GROUP, r % TILE
+        byte = 64 * (p % 16 // 4) + 4 * lane + p % 4
+        assert tiled_codes[r // TILE, k // Q4_GROUP, 2 * byte + p // 16] == codes[r, k]
+        assert tiled["scale"][r // TILE, k // Q4_GROUP, lane] == rows["scale"][r, k // Q4_GROUP]
+        assert tiled["offset"][r // TILE, k // Q4_GROUP, lane] == rows["offset"][r, k // Q4_GROUP]
     back = untile_q4(tiled)
     assert all(torch.equal(back[name], rows[name]) for name in rows)
 
@@ -79,11 +84,11 @@ def test_a_matrix_without_whole_tiles_or_groups_is_stored_in_q8():
     from engine.build.model import TILE_ROWS, matrix_dtype, stored_matrix
 
     assert matrix_dtype("q4", 4 * Q4_GROUP, 64) == "q4"
-    assert matrix_dtype("q4", 4 * Q4_GROUP, 48) == "q8"  # rows not in whole tiles: only if it is multiplied
+    assert matrix_dtype("q4", 4 * Q4_GROUP, 40) == "q8"  # rows not in whole tiles: only if it is multiplied
     assert matrix_dtype("q4", 4 * Q4_GROUP) == "q4"  # an embedding, looked up by row
     assert matrix_dtype("q4", 100, 64) == "q8"
-    fallback = stored_matrix(torch.ones(48, 4 * Q4_GROUP), "q4", tiled=True)
-    assert set(fallback) == {"weight", "scale"} and fallback["weight"].shape == (48, 4 * Q4_GROUP)  # q8, in rows
+    fallback = stored_matrix(torch.ones(40, 4 * Q4_GROUP), "q4", tiled=True)
+    assert set(fallback) == {"weight", "scale"} and fallback["weight"].shape == (40, 4 * Q4_GROUP)  # q8, in rows
     # q8 tiles a multiplied matrix whose rows make whole tiles, as q4 does: the same bytes moved, the scales per
     # row in row order.
     w = torch.from_numpy(np.random.RandomState(3).standard_normal((64, 4 * Q4_GROUP)).astype(np.float32))
@@ -126,3 +131,75 @@ def test_decode_gets_the_vectorised_product_on_cpu_and_prefill_the_widening_one(
     assert "compilation_info" not in exported("cuda", 1)
     prefill = exported("cpu", None)
     assert f"@eddy_mm_{op}" in prefill and "compilation_info" not in prefill
+
+
+def _host_q4_forms() -> list[str | None]:
+    """The decode forms this machine can run: the generic one, and each hand-written one whose instructions it has."""
+    from engine.devices import HOST_Q4_FORMS, host_cpu_flags
+
+    flags = host_cpu_flags()
+    return [None, *(form for needs, form in HOST_Q4_FORMS if flags.issuperset(needs))]
+
+
+@pytest.mark.parametrize("form", _host_q4_forms())
+def test_the_decode_product_is_the_codes_times_x_quantised_per_group(form, tmp_path):
+    """Each decode form this CPU runs, compiled: the generic one computes the dequantised weights times x (float32
+    parity); a hand-written one (engine/build/q4_dispatch.py) x quantised to int8 per group of 32 (dx = max|x| /
+    127), exactly as llama.cpp's Q8_1 activations, to float32 rounding: its only error against float32 is that
+    rounding of x, about 0.5 % of the output here. The tiles' order and a workgroup's share of them are covered by
+    rows of 9 tiles (WORKGROUPS = 16 workgroups of at least one tile), prefill's widening form by 3 rows."""
+    import subprocess
+    import sys
+
+    import iree.runtime as rt
+    import iree.turbine.aot as aot
+
+    from engine.build.kernels import lowering_for
+    from engine.build.model import Linear, stored_matrix
+    from engine.devices import compile_flags
+
+    out_f, in_f = 9 * 16, 6 * Q4_GROUP
+    rng = np.random.RandomState(4)
+    w = torch.from_numpy(rng.standard_normal((out_f, in_f)).astype(np.float32))
+    lin = Linear(out_f, in_f, "q4")
+    for name, t in stored_matrix(w, "q4", tiled=True).items():
+        getattr(lin, name).data = t
+    x1, x3 = (torch.from_numpy(rng.standard_normal((n, in_f)).astype(np.float32)) for n in (1, 3))
+
+    fxb = aot.FxProgramsBuilder(lin)
+
+    @fxb.export_program(name="decode", args=(x1,), strict=False)
+    def decode(m, x):
+        return m(x)
+
+    @fxb.export_program(name="prefill", args=(x3,), strict=False)
+    def prefill(m, x):
+        return m(x)
+
+    with lowering_for("cpu", form):
+        mlir = str(aot.export(fxb).mlir_module)
+    marks = {None: "compilation_info", "vnni": "llvm.x86.avx512.vpdpbusd.512", "avx2": "llvm.x86.avx2.pmadd.ub.sw"}
+    assert marks[form] in mlir
+    (tmp_path / "m.mlir").write_text(mlir)
+    iree_compile = str(Path(sys.executable).with_name("iree-compile"))
+    subprocess.run([iree_compile, str(tmp_path / "m.mlir"), *compile_flags("cpu", "host"), "-o", str(tmp_path / "m.vmfb")],
+                   check=True, capture_output=True)
+    module = rt.load_vm_flatbuffer_file(str(tmp_path / "m.vmfb"), driver="local-task")
+
+    rows = quantise_q4(w)
+    exact = x1 @ dequantise_q4(*rows.values()).T
+    got = np.asarray(module.decode(x1.numpy()))[0]
+    if form is None:
+        want = exact[0].numpy()
+    else:
+        xg = x1.reshape(-1, Q4_GROUP).double()
+        dx = xg.abs().amax(1) / 127
+        q = torch.round(xg / dx.unsqueeze(1))
+        codes = unpack_q4(rows["weight"]).double().reshape(out_f, -1, Q4_GROUP)
+        want = ((codes * q).sum(-1) * rows["scale"] * dx + rows["offset"] * dx * q.sum(1)).sum(1).numpy()
+        rel = np.abs(got - exact[0].numpy()).max() / np.abs(exact.numpy()).max()
+        assert 1e-4 < rel < 2e-2  # x's rounding shows, and is small
+    assert np.abs(got - want).max() < 1e-5 * np.abs(want).max()
+    got3 = np.asarray(module.prefill(x3.numpy()))
+    want3 = (x3 @ dequantise_q4(*rows.values()).T).numpy()
+    assert np.abs(got3 - want3).max() < 1e-5 * np.abs(want3).max()

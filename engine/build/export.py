@@ -18,7 +18,7 @@ import torch
 import iree.turbine.aot as aot
 
 from ..config import BuildSettings, ModelConfig
-from ..devices import compile_flags
+from ..devices import compile_flags, q4_form
 from ..errors import ArtefactError, BuildCancelled
 from ..paths import cache_dir
 from . import kernels
@@ -89,7 +89,7 @@ def export_module(model: StreamingLlama) -> "aot.ExportOutput":
     def restore(m, *saved):
         return m.restore(*saved)
 
-    with kernels.lowering_for(settings.device):  # the custom ops are expanded as the programs are imported
+    with kernels.lowering_for(settings.device, q4_form(settings.device, settings.target_cpu)):  # the custom ops are expanded as the programs are imported
         return aot.export(fxb)
 
 
@@ -116,12 +116,15 @@ EXPORTS_KEPT_BYTES = 64 << 20
 
 def export_key(cfg: ModelConfig, settings: BuildSettings) -> str:
     """What the exported MLIR depends on: the model's shape and the build settings, but neither its weights (they
-    are external parameters) nor the CPU or GPU it is then compiled for (only iree-compile sees those). Builds
-    that differ in just those share one export: the package's two CPU levels, a test suite's models of one shape."""
+    are external parameters) nor the CPU or GPU it is then compiled for (only iree-compile sees those), but for
+    the instructions q4's hand-written decode product is written with. Builds that differ in just those share one
+    export: the package's two CPU levels, a test suite's models of one shape."""
     from .artefacts import export_code_hash
     from .checkpoint.source import dist_version
 
     parts = {"config": cfg.to_dict(), "settings": replace(settings, target_cpu="host", gpu_target="").to_dict(),
+             # q4's decode product is written for the target's instructions: CPUs that differ in them differ here.
+             "q4_form": q4_form(settings.device, settings.target_cpu) if settings.dtype == "q4" else None,
              "export": export_code_hash(),
              "versions": [dist_version(d) for d in ("torch", "iree-turbine", "iree-base-compiler")]}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]

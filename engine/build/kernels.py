@@ -2,15 +2,16 @@
 
 Two ops, each with two forms chosen by the number of rows multiplied:
   * `q4_linear`: 4-bit codes with group scales and offsets, in the tiled layout (engine/build/q4.py);
-  * `i8_linear`: int8 weights tiled the same way (`tile_rows`), the products of q8's tiled matrices before their
-    per-row scale (which the caller applies: it is one multiply of the output).
+  * `i8_linear`: int8 weights tiled (`tile_rows`), the products of q8's tiled matrices before their per-row scale
+    (which the caller applies: it is one multiply of the output).
 
-Tiles. A matrix that is multiplied is stored in tiles of TILE rows interleaved at each input position ([out/T,
-in, T]), so that decode's product (one row: a matrix-vector product) keeps one output row per vector lane and
-needs no horizontal sum. With whole rows IREE's default reduced each group (q4) or each vector of positions (q8)
-to a scalar inside the loop. The one-row form carries an llvm-cpu lowering (`lowering_for`) that sets this up;
-any other row count (prefill, scoring) widens the tile back to float32 rows inside the dispatch that packs the
-data-tiled matmul, then multiplies.
+Tiles. A matrix that is multiplied is stored in tiles of rows (TILE for q8, interleaved at each input position:
+[out/T, in, T]; q4's own blocked layout of 16), so that decode's product (one row: a matrix-vector product) keeps
+one output row per vector lane and needs no horizontal sum. With whole rows IREE's default reduced each group (q4)
+or each vector of positions (q8) to a scalar inside the loop. Decode's form depends on the device (`lowering_for`):
+on an x86 CPU, q4's is written by hand with integer dot products (engine/build/q4_dispatch.py); otherwise it and
+q8's are one generic carrying an llvm-cpu lowering that keeps those lanes. Any other row count (prefill, scoring)
+widens the tile back to float32 rows inside the dispatch that packs the data-tiled matmul, then multiplies.
 """
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ from typing import Iterator
 
 import torch
 
+from ..config import Q4_TILE_ROWS as Q4_TILE
 from ..config import TILE_ROWS as TILE
+from . import q4_dispatch
 
 
 def tileable(out_features: int) -> bool:
@@ -27,10 +30,10 @@ def tileable(out_features: int) -> bool:
     return out_features % TILE == 0
 
 
-def tile_rows(w: torch.Tensor) -> torch.Tensor:
+def tile_rows(w: torch.Tensor, tile: int = TILE) -> torch.Tensor:
     """[out, in] -> [out/T, in, T]: the rows of each tile interleaved at each input position."""
     out, cols = w.shape
-    return w.reshape(out // TILE, TILE, cols).transpose(1, 2).contiguous()
+    return w.reshape(out // tile, tile, cols).transpose(1, 2).contiguous()
 
 
 def untile_rows(t: torch.Tensor) -> torch.Tensor:
@@ -50,7 +53,7 @@ def tiled_rows(tiled: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 def q4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
     """x [..., in] @ W.T for a tiled q4 matrix W [out, in]: the fused custom op in an export, plain torch otherwise."""
     lead = x.shape[:-1]
-    return _ops()["q4"](x.reshape(-1, x.shape[-1]), packed, scale, offset).reshape(*lead, packed.shape[0] * TILE)
+    return _ops()["q4"](x.reshape(-1, x.shape[-1]), packed, scale, offset).reshape(*lead, packed.shape[0] * Q4_TILE)
 
 
 def i8_linear(x: torch.Tensor, tiled: torch.Tensor) -> torch.Tensor:
@@ -60,48 +63,57 @@ def i8_linear(x: torch.Tensor, tiled: torch.Tensor) -> torch.Tensor:
 
 
 _cpu_tuned = False
+_q4_form: str | None = None
 
 
 @contextlib.contextmanager
-def lowering_for(device: str) -> Iterator[None]:
-    """Within it, the ops' decode forms carry the llvm-cpu lowering that keeps a vector accumulator per lane of
-    output rows (IREE's default for these reductions tiles the reduction into the vector and sums it
-    horizontally, or, with unit reduction tiles, lowers the multiply-add as one scalar per lane). Other devices
-    get IREE's own choice: the attribute names llvm-cpu's pipeline."""
-    global _cpu_tuned
-    before, _cpu_tuned = _cpu_tuned, device == "cpu"
+def lowering_for(device: str, q4_form: str | None = None) -> Iterator[None]:
+    """Within it, the ops' decode forms are those for `device`: on a cpu, q4's hand-written product in `q4_form`
+    (devices.q4_form: the instructions the build's target CPU has), else the generic forms with the llvm-cpu
+    lowering that keeps a vector accumulator per lane of output rows (IREE's default for these reductions tiles
+    the reduction into the vector and sums it horizontally, or, with unit reduction tiles, lowers the multiply-add
+    as one scalar per lane). Other devices get IREE's own choice: the attribute names llvm-cpu's pipeline."""
+    global _cpu_tuned, _q4_form
+    before = _cpu_tuned, _q4_form
+    _cpu_tuned, _q4_form = device == "cpu", q4_form if device == "cpu" else None
     try:
         yield
     finally:
-        _cpu_tuned = before
+        _cpu_tuned, _q4_form = before
 
+
+# q4's codes are read through a 6-d view of the tiled layout (engine/build/q4.py): [tile, group, block h, row r,
+# position j, nibble], the position in the group being nibble * 16 + h * 4 + j.
+_Q4_VIEW = r"""
+  %q = flow.tensor.bitcast %qs : tensor<{nb}x{groups}x{gb}xi8> -> tensor<{nb}x{groups}x{gc}xi4>
+  %q6 = tensor.expand_shape %q [[0], [1], [2, 3, 4, 5]] output_shape [{nb}, {groups}, 4, {t}, 4, 2] : tensor<{nb}x{groups}x{gc}xi4> into tensor<{nb}x{groups}x4x{t}x4x2xi4>"""
+
+_Q4_ARGS = ("%qs: tensor<{nb}x{groups}x{gb}xi8>, %d: tensor<{nb}x{groups}x{t}xf32>, "
+            "%m: tensor<{nb}x{groups}x{t}xf32>")
 
 # q4, prefill (any number of rows): the tile is widened back to float32 rows in one generic, which IREE fuses
 # with the packing of the data-tiled matmul, then a contraction over the groups and their weights.
 _MM_Q4 = r"""
 module {{
-util.func private @{name}(%a: tensor<?x{k}xf32>, %qs: tensor<{nb}x{k}x{half}xi8>, %d: tensor<{nb}x{groups}x{t}xf32>,
-                          %m: tensor<{nb}x{groups}x{t}xf32>) -> tensor<?x{n}xf32> {{
+util.func private @{name}(%a: tensor<?x{k}xf32>, """ + _Q4_ARGS + r""") -> tensor<?x{n}xf32> {{
   %c0 = arith.constant 0 : index
-  %rows = tensor.dim %a, %c0 : tensor<?x{k}xf32>
-  %q = flow.tensor.bitcast %qs : tensor<{nb}x{k}x{half}xi8> -> tensor<{nb}x{k}x{t}xi4>
-  %q4 = tensor.expand_shape %q [[0], [1, 2], [3]] output_shape [{nb}, {groups}, {g}, {t}] : tensor<{nb}x{k}x{t}xi4> into tensor<{nb}x{groups}x{g}x{t}xi4>
+  %rows = tensor.dim %a, %c0 : tensor<?x{k}xf32>""" + _Q4_VIEW + r"""
   %a3 = tensor.expand_shape %a [[0], [1, 2]] output_shape [%rows, {groups}, {g}] : tensor<?x{k}xf32> into tensor<?x{groups}x{g}xf32>
-  %e = tensor.empty() : tensor<{nb}x{t}x{groups}x{g}xf32>
-  %w4 = linalg.generic {{
-      indexing_maps = [affine_map<(b, r, c, k) -> (b, c, k, r)>, affine_map<(b, r, c, k) -> (b, c, r)>,
-                       affine_map<(b, r, c, k) -> (b, c, r)>, affine_map<(b, r, c, k) -> (b, r, c, k)>],
-      iterator_types = ["parallel", "parallel", "parallel", "parallel"]}}
-      ins(%q4, %d, %m : tensor<{nb}x{groups}x{g}x{t}xi4>, tensor<{nb}x{groups}x{t}xf32>, tensor<{nb}x{groups}x{t}xf32>)
-      outs(%e : tensor<{nb}x{t}x{groups}x{g}xf32>) {{
+  %e = tensor.empty() : tensor<{nb}x{t}x{groups}x2x4x4xf32>
+  %w6 = linalg.generic {{
+      indexing_maps = [affine_map<(b, r, c, u, h, j) -> (b, c, h, r, j, u)>, affine_map<(b, r, c, u, h, j) -> (b, c, r)>,
+                       affine_map<(b, r, c, u, h, j) -> (b, c, r)>, affine_map<(b, r, c, u, h, j) -> (b, r, c, u, h, j)>],
+      iterator_types = ["parallel", "parallel", "parallel", "parallel", "parallel", "parallel"]}}
+      ins(%q6, %d, %m : tensor<{nb}x{groups}x4x{t}x4x2xi4>, tensor<{nb}x{groups}x{t}xf32>, tensor<{nb}x{groups}x{t}xf32>)
+      outs(%e : tensor<{nb}x{t}x{groups}x2x4x4xf32>) {{
   ^bb0(%qv: i4, %dv: f32, %mv: f32, %o: f32):
     %0 = arith.extui %qv : i4 to i32
     %1 = arith.uitofp %0 : i32 to f32
     %2 = arith.mulf %1, %dv : f32
     %3 = arith.addf %2, %mv : f32
     linalg.yield %3 : f32
-  }} -> tensor<{nb}x{t}x{groups}x{g}xf32>
-  %w = tensor.collapse_shape %w4 [[0, 1], [2], [3]] : tensor<{nb}x{t}x{groups}x{g}xf32> into tensor<{n}x{groups}x{g}xf32>
+  }} -> tensor<{nb}x{t}x{groups}x2x4x4xf32>
+  %w = tensor.collapse_shape %w6 [[0, 1], [2], [3, 4, 5]] : tensor<{nb}x{t}x{groups}x2x4x4xf32> into tensor<{n}x{groups}x{g}xf32>
   %zero = arith.constant 0.000000e+00 : f32
   %oe = tensor.empty(%rows) : tensor<?x{n}xf32>
   %acc = linalg.fill ins(%zero : f32) outs(%oe : tensor<?x{n}xf32>) -> tensor<?x{n}xf32>
@@ -120,26 +132,24 @@ util.func private @{name}(%a: tensor<?x{k}xf32>, %qs: tensor<{nb}x{k}x{half}xi8>
 }}
 """
 
-# q4, decode (one row): out[b, r] = sum over groups c and positions k of (code * d + m) * x, vectorised along the
-# tile's rows r. The product is math.fma(w, x, 0) and not a mulf: IREE turns a reduction of a mulf into a
-# vector.contract, which it lowers here as one scalar multiply-add per lane.
+# q4, decode (one row), the generic form (devices and CPUs without a hand-written one): out[b, r] = sum over the
+# group's positions of (code * d + m) * x, vectorised along the tile's rows r. The product is math.fma(w, x, 0) and
+# not a mulf: IREE turns a reduction of a mulf into a vector.contract, which it lowers here as one scalar
+# multiply-add per lane.
 _MV_Q4 = r"""
 module {{
-util.func private @{name}(%a: tensor<1x{k}xf32>, %qs: tensor<{nb}x{k}x{half}xi8>, %d: tensor<{nb}x{groups}x{t}xf32>,
-                          %m: tensor<{nb}x{groups}x{t}xf32>) -> tensor<1x{n}xf32> {{
+util.func private @{name}(%a: tensor<1x{k}xf32>, """ + _Q4_ARGS + r""") -> tensor<1x{n}xf32> {{
   %a1 = tensor.collapse_shape %a [[0, 1]] : tensor<1x{k}xf32> into tensor<{k}xf32>
-  %a2 = tensor.expand_shape %a1 [[0, 1]] output_shape [{groups}, {g}] : tensor<{k}xf32> into tensor<{groups}x{g}xf32>
-  %q = flow.tensor.bitcast %qs : tensor<{nb}x{k}x{half}xi8> -> tensor<{nb}x{k}x{t}xi4>
-  %q4 = tensor.expand_shape %q [[0], [1, 2], [3]] output_shape [{nb}, {groups}, {g}, {t}] : tensor<{nb}x{k}x{t}xi4> into tensor<{nb}x{groups}x{g}x{t}xi4>
+  %a4 = tensor.expand_shape %a1 [[0, 1, 2, 3]] output_shape [{groups}, 2, 4, 4] : tensor<{k}xf32> into tensor<{groups}x2x4x4xf32>""" + _Q4_VIEW + r"""
   %zero = arith.constant 0.000000e+00 : f32
   %oe = tensor.empty() : tensor<{nb}x{t}xf32>
   %acc = linalg.fill ins(%zero : f32) outs(%oe : tensor<{nb}x{t}xf32>) -> tensor<{nb}x{t}xf32>
   %r = linalg.generic {{
-      indexing_maps = [affine_map<(b, r, c, k) -> (c, k)>, affine_map<(b, r, c, k) -> (b, c, k, r)>,
-                       affine_map<(b, r, c, k) -> (b, c, r)>, affine_map<(b, r, c, k) -> (b, c, r)>,
-                       affine_map<(b, r, c, k) -> (b, r)>],
-      iterator_types = ["parallel", "parallel", "reduction", "reduction"]}}
-      ins(%a2, %q4, %d, %m : tensor<{groups}x{g}xf32>, tensor<{nb}x{groups}x{g}x{t}xi4>, tensor<{nb}x{groups}x{t}xf32>,
+      indexing_maps = [affine_map<(b, r, c, u, h, j) -> (c, u, h, j)>, affine_map<(b, r, c, u, h, j) -> (b, c, h, r, j, u)>,
+                       affine_map<(b, r, c, u, h, j) -> (b, c, r)>, affine_map<(b, r, c, u, h, j) -> (b, c, r)>,
+                       affine_map<(b, r, c, u, h, j) -> (b, r)>],
+      iterator_types = ["parallel", "parallel", "reduction", "reduction", "reduction", "reduction"]}}
+      ins(%a4, %q6, %d, %m : tensor<{groups}x2x4x4xf32>, tensor<{nb}x{groups}x4x{t}x4x2xi4>, tensor<{nb}x{groups}x{t}xf32>,
                              tensor<{nb}x{groups}x{t}xf32>)
       outs(%acc : tensor<{nb}x{t}xf32>) {attrs} {{
   ^bb0(%x: f32, %qv: i4, %dv: f32, %mv: f32, %o: f32):
@@ -150,6 +160,20 @@ util.func private @{name}(%a: tensor<1x{k}xf32>, %qs: tensor<{nb}x{k}x{half}xi8>
     %4 = arith.addf %3, %o : f32
     linalg.yield %4 : f32
   }} -> tensor<{nb}x{t}xf32>
+  %r1 = tensor.collapse_shape %r [[0, 1]] : tensor<{nb}x{t}xf32> into tensor<{n}xf32>
+  %r2 = tensor.expand_shape %r1 [[0, 1]] output_shape [1, {n}] : tensor<{n}xf32> into tensor<1x{n}xf32>
+  util.return %r2 : tensor<1x{n}xf32>
+}}
+}}
+"""
+
+# q4, decode (one row) on an x86 CPU: a call of the hand-written dispatch (engine/build/q4_dispatch.py).
+_MV_Q4_X86 = r"""
+module {{
+{executable}
+util.func private @{name}(%a: tensor<1x{k}xf32>, """ + _Q4_ARGS + r""") -> tensor<1x{n}xf32> {{
+  %a1 = tensor.collapse_shape %a [[0, 1]] : tensor<1x{k}xf32> into tensor<{k}xf32>
+  {call}
   %r1 = tensor.collapse_shape %r [[0, 1]] : tensor<{nb}x{t}xf32> into tensor<{n}xf32>
   %r2 = tensor.expand_shape %r1 [[0, 1]] output_shape [1, {n}] : tensor<{n}xf32> into tensor<1x{n}xf32>
   util.return %r2 : tensor<1x{n}xf32>
@@ -219,14 +243,14 @@ util.func private @{name}(%a: tensor<1x{k}xf32>, %w: tensor<{nb}x{k}x{t}xi8>) ->
 """
 
 
-def _cpu_lowering(tiles: int, reduction_dims: int) -> str:
+def _cpu_lowering(tiles: int, reduction_dims: int, tile: int = TILE) -> str:
     """The decode product's compilation_info for llvm-cpu: workgroups of a few tiles (at least ~16 workgroups for
     the threads to share once a matrix has the tiles for it), one tile of rows per vector, the reduction one
     step at a time, accumulated per lane."""
     per_group = max(1, min(16, tiles // 16))
     zeros, ones = ", ".join(["0"] * reduction_dims), ", ".join(["1"] * reduction_dims)
     return ("attrs = {compilation_info = #iree_codegen.compilation_info<lowering_config = #iree_cpu.lowering_config<"
-            f"distribution = [{per_group}, {TILE}, {zeros}], vector_common_parallel = [1, {TILE}, {zeros}], "
+            f"distribution = [{per_group}, {tile}, {zeros}], vector_common_parallel = [1, {tile}, {zeros}], "
             f"vector_reduction = [0, 0, {ones}]>, translation_info = #iree_codegen.translation_info<"
             "pipeline = #iree_cpu.pipeline<DoubleTilingExpert>>>}")
 
@@ -258,7 +282,7 @@ def _register() -> dict:
     template = Template()
     library = def_library("eddy_quant")
 
-    def select(ksel: KernelSelection, arity: int) -> None:
+    def select(ksel: KernelSelection, arity: int, tile: int) -> None:
         a, *weights = (ksel.arg_tensor(i) for i in range(arity))
         for t in weights:
             t.specialize_all_dims()
@@ -267,7 +291,7 @@ def _register() -> dict:
             a.specialize_all_dims()
         else:
             a.specialize_dims(1)
-        ksel.return_new_tensor([a.t.shape[0], weights[0].t.shape[0] * TILE], dtype=torch.float32)
+        ksel.return_new_tensor([a.t.shape[0], weights[0].t.shape[0] * tile], dtype=torch.float32)
 
     def emit(kb: KernelBuilder, name: str, asm: str) -> None:
         fn = template.inline_template_function(kb, name, name, asm=asm)
@@ -281,28 +305,35 @@ def _register() -> dict:
         signature = "mmt_q4(Tensor a, Tensor qs, Tensor d, Tensor m) -> (Tensor)"
 
         def select(self, ksel: KernelSelection) -> None:
-            select(ksel, 4)
+            select(ksel, 4, Q4_TILE)
 
         def eager_execute(self, a, qs, d, m):
             return a @ dequantise_q4(*untile_q4({"weight": qs, "scale": d, "offset": m}).values()).T
 
         def generate(self, ksel: KernelSelection, kb: KernelBuilder) -> None:
-            (rows, _), (nb, k, half), groups = shape(kb, 0), shape(kb, 1), shape(kb, 2)[1]
-            sizes = dict(nb=nb, n=nb * TILE, k=k, half=half, t=TILE, groups=groups, g=k // groups)
-            tag = f"{nb * TILE}x{k}_g{k // groups}"
-            if rows == 1:
-                name = f"eddy_mv_q4_{tag}{'_cpu' if _cpu_tuned else ''}"
-                emit(kb, name, _MV_Q4.format(name=name, attrs=_cpu_lowering(nb, 2) if _cpu_tuned else "", **sizes))
-            else:
+            (rows, k), (nb, groups, gb) = shape(kb, 0), shape(kb, 1)
+            sizes = dict(nb=nb, n=nb * Q4_TILE, k=k, gb=gb, gc=2 * gb, t=Q4_TILE, groups=groups, g=k // groups)
+            tag = f"{nb * Q4_TILE}x{k}"
+            if rows != 1:
                 name = f"eddy_mm_q4_{tag}"
                 emit(kb, name, _MM_Q4.format(name=name, **sizes))
+            elif _q4_form:
+                name = f"eddy_mv_q4_{tag}_{_q4_form}"
+                exe = f"eddy_q4_{tag}_{_q4_form}"
+                emit(kb, name, _MV_Q4_X86.format(
+                    name=name, executable=q4_dispatch.executable(_q4_form, exe, nb, k),
+                    call=q4_dispatch.call(exe, nb, k, "%a1", "%qs", "%d", "%m", "%r"), **sizes))
+            else:
+                name = f"eddy_mv_q4_{tag}{'_cpu' if _cpu_tuned else ''}"
+                attrs = _cpu_lowering(nb, 4, Q4_TILE) if _cpu_tuned else ""
+                emit(kb, name, _MV_Q4.format(name=name, attrs=attrs, **sizes))
 
     @CustomOp.register(library=library)
     class mmt_i8(CustomOp):
         signature = "mmt_i8(Tensor a, Tensor w) -> (Tensor)"
 
         def select(self, ksel: KernelSelection) -> None:
-            select(ksel, 2)
+            select(ksel, 2, TILE)
 
         def eager_execute(self, a, w):
             return a @ untile_rows(w).float().T

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..arch import Family, family
-from ..config import TILE_ROWS, BuildSettings, ModelConfig
+from ..config import Q4_TILE_ROWS, TILE_ROWS, BuildSettings, ModelConfig
 from .kernels import i8_linear, q4_linear, tileable, tile_rows, tiled_rows
 from .q4 import Q4_GROUP, dequantise_q4, packable, quantise_q4, tile_q4
 
@@ -80,8 +80,8 @@ class Linear(nn.Module):
             if lookup:
                 shapes = (out_features, in_features // 2), (out_features, groups)
             else:
-                tiles = out_features // TILE_ROWS
-                shapes = (tiles, in_features, TILE_ROWS // 2), (tiles, groups, TILE_ROWS)
+                tiles = out_features // Q4_TILE_ROWS
+                shapes = (tiles, groups, Q4_TILE_ROWS * Q4_GROUP // 2), (tiles, groups, Q4_TILE_ROWS)
             self.weight = _frozen(torch.empty(shapes[0], dtype=torch.int8))
             self.scale = _frozen(torch.empty(shapes[1]))
             self.offset = _frozen(torch.empty(shapes[1]))
@@ -125,7 +125,7 @@ def matrix_dtype(dtype: str, in_features: int, out_features: int | None = None) 
 def in_tiles(dtype: str, out_features: int, multiplied: bool) -> bool:
     """Whether a matrix (of its stored type) is stored in tiles of rows: a quantised one that is multiplied, if
     its rows make whole tiles (q4's always do: matrix_dtype)."""
-    return multiplied and dtype in ("q4", "q8") and tileable(out_features)
+    return multiplied and (dtype == "q4" or dtype == "q8" and tileable(out_features))
 
 
 # Rows converted at a time by stored_matrix: its float32 temporaries stay a few MB whatever the matrix (a

@@ -9,11 +9,12 @@ call.
 
 Layouts. `quantise_q4` gives rows: codes [out, in/2] (two to a byte, low nibble first: IREE's i4 layout), scales
 and offsets [out, in/Q4_GROUP]; an embedding, which is looked up by row, stays so. A matrix that is multiplied is
-stored tiled (`tile_q4`): rows in tiles of TILE_ROWS, interleaved, codes [out/T, in, T/2] and scales [out/T, groups,
-T], so that at each input position the codes of T consecutive output rows are T/2 consecutive bytes. Decode's
-matrix-vector product then keeps one output row per vector lane and needs no horizontal sum: with the rows layout
-IREE reduced every group of 32 to a scalar (30-35 % of the bandwidth floor at 1-3B). Prefill widens the tile back
-to rows inside its dequantising dispatch and multiplies as before.
+stored tiled (`tile_q4`), in tiles of Q4_TILE_ROWS (16) rows: codes [out/16, groups, 256], and per group of a tile
+four blocks of 64 bytes, block h's byte 4r + j holding row r's codes at positions 4h + j (low nibble) and
+4h + 16 + j (high nibble); scales and offsets [out/16, groups, 16]. That is the shape of the x86 integer dot
+products (`vpdpbusd`: 16 rows x 4 positions a register) that decode's hand-written product takes
+(engine/build/q4_dispatch.py): one load and two masks feed two of them. The generic forms (prefill, other devices
+and CPUs) index the same bytes through a 6-d view.
 
 Bytes are stored in int8 tensors: the bytes are what matter, and int8 is the byte type turbine's parameters carry
 unchanged.
@@ -22,14 +23,14 @@ from __future__ import annotations
 
 import torch
 
-from ..config import Q4_GROUP, TILE_ROWS
+from ..config import Q4_GROUP, Q4_TILE_ROWS as TILE
 from .kernels import tile_rows, untile_rows
 
 
 def packable(in_features: int, out_features: int | None = None) -> bool:
     """Whether a matrix can be stored in q4: whole groups along its rows (and, if it is multiplied, so tiled,
     whole tiles of rows: `out_features`)."""
-    return in_features % Q4_GROUP == 0 and (out_features is None or out_features % TILE_ROWS == 0)
+    return in_features % Q4_GROUP == 0 and (out_features is None or out_features % TILE == 0)
 
 
 def quantise_q4(w: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -59,16 +60,22 @@ def unpack_q4(packed: torch.Tensor) -> torch.Tensor:
 
 
 def tile_q4(rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The rows layout (quantise_q4) -> the tiled one: codes int8 [out/T, in, T/2], scale and offset float32
-    [out/T, groups, T], T = TILE_ROWS. The same codes and numbers, moved."""
-    return {"weight": pack_q4(tile_rows(unpack_q4(rows["weight"]))), "scale": tile_rows(rows["scale"]),
-            "offset": tile_rows(rows["offset"])}
+    """The rows layout (quantise_q4) -> the tiled one: codes int8 [out/16, groups, 256] in blocks, scale and offset
+    float32 [out/16, groups, 16]. The same codes and numbers, moved."""
+    codes = unpack_q4(rows["weight"])
+    out, cols = codes.shape
+    # [tile, row, group, nibble, block, position in block] -> [tile, group, block, row, position, nibble]
+    blocks = codes.reshape(out // TILE, TILE, cols // Q4_GROUP, 2, 4, 4).permute(0, 2, 4, 1, 5, 3)
+    return {"weight": pack_q4(blocks.reshape(out // TILE, cols // Q4_GROUP, -1)),
+            "scale": tile_rows(rows["scale"], TILE), "offset": tile_rows(rows["offset"], TILE)}
 
 
 def untile_q4(tiled: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The tiled layout -> the rows layout (tile_q4's inverse)."""
-    return {"weight": pack_q4(untile_rows(unpack_q4(tiled["weight"]))), "scale": untile_rows(tiled["scale"]),
-            "offset": untile_rows(tiled["offset"])}
+    codes = unpack_q4(tiled["weight"])
+    tiles, groups, _ = codes.shape
+    rows = codes.reshape(tiles, groups, 4, TILE, 4, 2).permute(0, 3, 1, 5, 2, 4).reshape(tiles * TILE, -1)
+    return {"weight": pack_q4(rows), "scale": untile_rows(tiled["scale"]), "offset": untile_rows(tiled["offset"])}
 
 
 def dequantise_q4(packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
