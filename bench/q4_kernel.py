@@ -4,7 +4,7 @@
 
     python bench/q4_kernel.py [--rows 57344] [--cols 4096] [--rounds 3] [--json FILE]
 
-One matrix-vector product of a q4 matrix [rows, cols] (the default is four 14336 x 4096 matrices as one, 176 MB:
+One matrix-vector product of a q4 matrix [rows, cols] (the default is four 14336 x 4096 matrices as one, 147 MB:
 more than any L2, so the product reads memory, or the L3 of a large server CPU), compiled as the engine compiles it
 (the same custom op, devices.compile_flags for this host), each form timed `rounds` times in turn with 2 threads;
 the bandwidth (bench/bandwidth.py) is read before each round. Prints the medians and writes JSON.
@@ -66,7 +66,7 @@ def timed(vmfb: Path, rows: int, cols: int) -> float:
     """Median wall ms of 5 calls, 2 threads."""
     tiles, groups = rows // Q4_TILE_ROWS, cols // Q4_GROUP
     weights = [f"--input={tiles}x{groups}x{Q4_TILE_ROWS * Q4_GROUP // 2}xi8=3",
-               *[f"--input={tiles}x{groups}x{Q4_TILE_ROWS}xf32=0.01"] * 2]
+               *[f"--input={tiles}x{groups}x{Q4_TILE_ROWS}xf16=0.01"] * 2]
     out = subprocess.run([str(TOOLS / "iree-benchmark-module"), f"--module={vmfb}", "--function=main",
                           "--device=local-task", "--task_topology_max_group_count=2",
                           f"--input=1x{cols}xf32=0.5", *weights, "--benchmark_repetitions=5"],
@@ -85,7 +85,7 @@ def main() -> int:
 
     flags = host_cpu_flags()
     forms = [None, *(form for needs, form in HOST_Q4_FORMS if flags.issuperset(needs))]
-    megabytes = a.rows * a.cols * (0.5 + 8 / 32) / 1e6
+    megabytes = a.rows * a.cols * (0.5 + 4 / 32) / 1e6
     times: dict[str, list[float]] = {str(f): [] for f in forms}
     bandwidths = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -313,7 +313,7 @@ def decode_bytes(cfg: dict, irpa_bytes: int, dtype: str, context: int = 1000) ->
     plus the KV cache slots attended (float32 keys and values of every layer)."""
     embed = 0
     if not cfg["tie_word_embeddings"]:
-        per_weight = {"q8": 1.0, "q4": 0.75, "f16": 2.0, "bf16": 2.0, "f32": 4.0}[dtype]
+        per_weight = {"q8": 1.0, "q4": 0.625, "f16": 2.0, "bf16": 2.0, "f32": 4.0}[dtype]
         embed = int(cfg["vocab_size"] * cfg["hidden_size"] * per_weight)
     kv = context * cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * 4
     return irpa_bytes - embed + kv

@@ -126,17 +126,24 @@ def test_a_build_the_disk_has_no_room_for_is_refused_before_anything_is_written(
     assert not (cache / "artefacts").exists() or not any((cache / "artefacts").iterdir()), "a file was written"
 
 
-def test_the_room_estimate_is_the_weights_file_of_a_real_build(tiny):
+@pytest.mark.parametrize("dtype", ["f32", "q4"])
+def test_the_room_estimate_is_the_weights_file_of_a_real_build(tiny, dtype):
+    from dataclasses import replace
+
     from engine.build.artefacts import read_manifest
     from engine.build.room import build_size, weights_bytes
     from engine.config import ModelConfig
+    from engine.loader import open_model
 
-    manifest = read_manifest(tiny.folder)
+    settings = replace(TINY_SETTINGS, dtype=dtype)
+    # The q4 build is the one test_engine.py's q4 tests make (one cache for the session).
+    folder = tiny.folder if settings == TINY_SETTINGS else open_model("tiny-random", settings).folder
+    manifest = read_manifest(folder)
     cfg = ModelConfig(**manifest["config"])
     actual = manifest["files"]["weights.irpa"]["size"]
-    estimate = weights_bytes(cfg, TINY_SETTINGS)
+    estimate = weights_bytes(cfg, settings)
     # The file adds a header, names and 64-byte alignment to the tensors' bytes: within 4 KiB per tensor.
     assert estimate <= actual <= estimate + 4096 * 64
-    size = build_size(cfg, TINY_SETTINGS)
+    size = build_size(cfg, settings)
     built = sum(f["size"] for f in manifest["files"].values())
     assert size.total > built

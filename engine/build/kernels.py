@@ -88,8 +88,8 @@ _Q4_VIEW = r"""
   %q = flow.tensor.bitcast %qs : tensor<{nb}x{groups}x{gb}xi8> -> tensor<{nb}x{groups}x{gc}xi4>
   %q6 = tensor.expand_shape %q [[0], [1], [2, 3, 4, 5]] output_shape [{nb}, {groups}, 4, {t}, 4, 2] : tensor<{nb}x{groups}x{gc}xi4> into tensor<{nb}x{groups}x4x{t}x4x2xi4>"""
 
-_Q4_ARGS = ("%qs: tensor<{nb}x{groups}x{gb}xi8>, %d: tensor<{nb}x{groups}x{t}xf32>, "
-            "%m: tensor<{nb}x{groups}x{t}xf32>")
+_Q4_ARGS = ("%qs: tensor<{nb}x{groups}x{gb}xi8>, %d: tensor<{nb}x{groups}x{t}xf16>, "
+            "%m: tensor<{nb}x{groups}x{t}xf16>")
 
 # q4, prefill (any number of rows): the tile is widened back to float32 rows in one generic, which IREE fuses
 # with the packing of the data-tiled matmul, then a contraction over the groups and their weights.
@@ -104,11 +104,13 @@ util.func private @{name}(%a: tensor<?x{k}xf32>, """ + _Q4_ARGS + r""") -> tenso
       indexing_maps = [affine_map<(b, r, c, u, h, j) -> (b, c, h, r, j, u)>, affine_map<(b, r, c, u, h, j) -> (b, c, r)>,
                        affine_map<(b, r, c, u, h, j) -> (b, c, r)>, affine_map<(b, r, c, u, h, j) -> (b, r, c, u, h, j)>],
       iterator_types = ["parallel", "parallel", "parallel", "parallel", "parallel", "parallel"]}}
-      ins(%q6, %d, %m : tensor<{nb}x{groups}x4x{t}x4x2xi4>, tensor<{nb}x{groups}x{t}xf32>, tensor<{nb}x{groups}x{t}xf32>)
+      ins(%q6, %d, %m : tensor<{nb}x{groups}x4x{t}x4x2xi4>, tensor<{nb}x{groups}x{t}xf16>, tensor<{nb}x{groups}x{t}xf16>)
       outs(%e : tensor<{nb}x{t}x{groups}x2x4x4xf32>) {{
-  ^bb0(%qv: i4, %dv: f32, %mv: f32, %o: f32):
+  ^bb0(%qv: i4, %dh: f16, %mh: f16, %o: f32):
     %0 = arith.extui %qv : i4 to i32
     %1 = arith.uitofp %0 : i32 to f32
+    %dv = arith.extf %dh : f16 to f32
+    %mv = arith.extf %mh : f16 to f32
     %2 = arith.mulf %1, %dv : f32
     %3 = arith.addf %2, %mv : f32
     linalg.yield %3 : f32
@@ -149,10 +151,12 @@ util.func private @{name}(%a: tensor<1x{k}xf32>, """ + _Q4_ARGS + r""") -> tenso
                        affine_map<(b, r, c, u, h, j) -> (b, c, r)>, affine_map<(b, r, c, u, h, j) -> (b, c, r)>,
                        affine_map<(b, r, c, u, h, j) -> (b, r)>],
       iterator_types = ["parallel", "parallel", "reduction", "reduction", "reduction", "reduction"]}}
-      ins(%a4, %q6, %d, %m : tensor<{groups}x2x4x4xf32>, tensor<{nb}x{groups}x4x{t}x4x2xi4>, tensor<{nb}x{groups}x{t}xf32>,
-                             tensor<{nb}x{groups}x{t}xf32>)
+      ins(%a4, %q6, %d, %m : tensor<{groups}x2x4x4xf32>, tensor<{nb}x{groups}x4x{t}x4x2xi4>, tensor<{nb}x{groups}x{t}xf16>,
+                             tensor<{nb}x{groups}x{t}xf16>)
       outs(%acc : tensor<{nb}x{t}xf32>) {attrs} {{
-  ^bb0(%x: f32, %qv: i4, %dv: f32, %mv: f32, %o: f32):
+  ^bb0(%x: f32, %qv: i4, %dh: f16, %mh: f16, %o: f32):
+    %dv = arith.extf %dh : f16 to f32
+    %mv = arith.extf %mh : f16 to f32
     %0 = arith.uitofp %qv : i4 to f32
     %1 = arith.mulf %0, %dv : f32
     %2 = arith.addf %1, %mv : f32

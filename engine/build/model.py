@@ -60,7 +60,7 @@ class Linear(nn.Module):
     (4-bit codes in groups with a scale and an offset each: engine/build/q4.py).
 
     Stored weights are widened inside the graph: IREE fuses the widening into the matrix-vector products, so
-    decode reads 2 (16-bit), 1 (q8) or about 0.75 (q4: half a byte and 8 bytes per 32) bytes per weight while
+    decode reads 2 (16-bit), 1 (q8) or about 0.625 (q4: half a byte and 4 bytes per 32) bytes per weight while
     activations and accumulation stay float32. A quantised matrix that is multiplied is stored in tiles of rows
     and multiplied by a custom op (engine/build/kernels.py) whose decode form keeps a row per vector lane. The
     parameters have their stored type from the start, so a skeleton that never receives its weights
@@ -83,8 +83,8 @@ class Linear(nn.Module):
                 tiles = out_features // Q4_TILE_ROWS
                 shapes = (tiles, groups, Q4_TILE_ROWS * Q4_GROUP // 2), (tiles, groups, Q4_TILE_ROWS)
             self.weight = _frozen(torch.empty(shapes[0], dtype=torch.int8))
-            self.scale = _frozen(torch.empty(shapes[1]))
-            self.offset = _frozen(torch.empty(shapes[1]))
+            self.scale = _frozen(torch.empty(shapes[1], dtype=torch.float16))
+            self.offset = _frozen(torch.empty(shapes[1], dtype=torch.float16))
         else:
             stored = torch.int8 if dtype == "q8" else TORCH_DTYPES[dtype]
             tiles = (out_features // TILE_ROWS, in_features, TILE_ROWS)

@@ -1,5 +1,7 @@
 """4-bit weights (`--dtype q4`): groups of Q4_GROUP weights along a row, each an unsigned 4-bit code with a
-float32 scale and offset (w = code * scale + offset), the codes of GGUF's Q4_1 (needs torch).
+float16 scale and offset (w = code * scale + offset), GGUF's Q4_1 (needs torch). float16, as in Q4_1: a Q4_1
+GGUF's numbers come back exactly, and decode reads 0.625 bytes a weight instead of float32's 0.75, which its
+memory-bound product turns into speed (docs/BENCHMARKS.md).
 
 The matrix product is one custom op, written as MLIR (engine/build/kernels.py): the packed bytes are bitcast to i4
 and dequantised inside the op's dispatch, so a product reads the 4-bit codes (plus two float32 numbers per group)
@@ -34,16 +36,19 @@ def packable(in_features: int, out_features: int | None = None) -> bool:
 
 
 def quantise_q4(w: torch.Tensor) -> dict[str, torch.Tensor]:
-    """{"weight": int8 [out, in/2], "scale", "offset": float32 [out, in/Q4_GROUP]} for a float matrix [out, in].
+    """{"weight": int8 [out, in/2], "scale", "offset": float16 [out, in/Q4_GROUP]} for a float matrix [out, in].
 
-    Each group's minimum maps to code 0 and its maximum to 15, as llama.cpp's Q4_1 quantiser does: a Q4_1 GGUF's
-    dequantised weights come back as the same codes, scales within float32 rounding of its own."""
+    Each group's minimum maps to code 0 and its maximum to 15, as llama.cpp's Q4_1 quantiser does, and the codes
+    are taken against the scale and offset as float16 stores them: a Q4_1 GGUF's dequantised weights come back as
+    its very codes and numbers."""
     rows, cols = w.shape
     groups = w.float().reshape(rows, cols // Q4_GROUP, Q4_GROUP)
-    low, high = groups.amin(-1), groups.amax(-1)
-    scale = ((high - low) / 15).clamp_min(1e-12)
-    codes = torch.round((groups - low.unsqueeze(-1)) / scale.unsqueeze(-1)).clamp(0, 15).to(torch.uint8)
-    return {"weight": pack_q4(codes.reshape(rows, cols)), "scale": scale.contiguous(), "offset": low.contiguous()}
+    low = groups.amin(-1).to(torch.float16)
+    # The smallest normal float16 step: a constant group (scale 0) keeps its codes at 0 and its value in the offset.
+    scale = ((groups.amax(-1) - low.float()) / 15).clamp_min(6.2e-5).to(torch.float16)
+    codes = torch.round((groups - low.float().unsqueeze(-1)) / scale.float().unsqueeze(-1)).clamp(0, 15)
+    return {"weight": pack_q4(codes.to(torch.uint8).reshape(rows, cols)), "scale": scale.contiguous(),
+            "offset": low.contiguous()}
 
 
 def pack_q4(codes: torch.Tensor) -> torch.Tensor:
@@ -81,4 +86,4 @@ def untile_q4(tiled: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def dequantise_q4(packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
     """float32 rows [..., in] from their packed codes and group scales/offsets [..., in/Q4_GROUP] (rows layout)."""
     codes = unpack_q4(packed).float().reshape(*scale.shape, Q4_GROUP)
-    return (codes * scale.unsqueeze(-1) + offset.unsqueeze(-1)).reshape(*packed.shape[:-1], -1)
+    return (codes * scale.float().unsqueeze(-1) + offset.float().unsqueeze(-1)).reshape(*packed.shape[:-1], -1)

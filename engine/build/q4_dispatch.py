@@ -153,8 +153,8 @@ stream.executable private @{name} {{
 {offsets}
       %x = stream.binding.subspan %xb[%c0] : !stream.binding -> memref<{k}xf32>
       %q = stream.binding.subspan %qb[%c0] : !stream.binding -> memref<{nb}x{groups}x{group_bytes}xi8>
-      %d = stream.binding.subspan %db[%c0] : !stream.binding -> memref<{nb}x{groups}x16xf32>
-      %m = stream.binding.subspan %mb[%c0] : !stream.binding -> memref<{nb}x{groups}x16xf32>
+      %d = stream.binding.subspan %db[%c0] : !stream.binding -> memref<{nb}x{groups}x16xf16>
+      %m = stream.binding.subspan %mb[%c0] : !stream.binding -> memref<{nb}x{groups}x16xf16>
       %o = stream.binding.subspan %ob[%c0] : !stream.binding -> memref<{nb}x16xf32>
 {quantise}
       %wg = stream.dispatch.workgroup.id[0] : index
@@ -164,8 +164,10 @@ stream.executable private @{name} {{
       scf.for %b = %t0 to %t1 step %c1 {{
         %acc = scf.for %c = %c0 to %cg step %c1 iter_args(%af = %zv) -> vector<16xf32> {{{group}
           %fs = arith.sitofp {isum} : vector<16xi32> to vector<16xf32>
-          %dv = vector.load %d[%b, %c, %c0] : memref<{nb}x{groups}x16xf32>, vector<16xf32>
-          %mv = vector.load %m[%b, %c, %c0] : memref<{nb}x{groups}x16xf32>, vector<16xf32>
+          %dh = vector.load %d[%b, %c, %c0] : memref<{nb}x{groups}x16xf16>, vector<16xf16>
+          %mh = vector.load %m[%b, %c, %c0] : memref<{nb}x{groups}x16xf16>, vector<16xf16>
+          %dv = arith.extf %dh : vector<16xf16> to vector<16xf32>
+          %mv = arith.extf %mh : vector<16xf16> to vector<16xf32>
           %dxs = memref.load %xd[%c] : memref<{groups}xf32>
           %dms = memref.load %xm[%c] : memref<{groups}xf32>
           %dxv = vector.broadcast %dxs : f32 to vector<16xf32>
@@ -194,7 +196,7 @@ def _offsets() -> str:
 
 def executable(form: str, name: str, tiles: int, k: int) -> str:
     """The `stream.executable` @name (export and function both named so) computing out [tiles x 16] f32 from
-    x [k] f32, the codes [tiles x groups x GROUP_BYTES] i8 and scales, offsets [tiles x groups x 16] f32."""
+    x [k] f32, the codes [tiles x groups x GROUP_BYTES] i8 and scales, offsets [tiles x groups x 16] f16."""
     groups = k // Q4_GROUP
     per_group = tiles_per_workgroup(tiles)
     body, isum = _GROUP_BODIES[form]()
@@ -208,5 +210,5 @@ def call(name: str, tiles: int, k: int, x: str, q: str, d: str, m: str, out: str
     """The `flow.dispatch` of @name's executable, binding `out` (tensor<tiles x 16 x f32>)."""
     groups = k // Q4_GROUP
     return (f"{out} = flow.dispatch @{name}::@{name}({x}, {q}, {d}, {m}) : (tensor<{k}xf32>, "
-            f"tensor<{tiles}x{groups}x{GROUP_BYTES}xi8>, tensor<{tiles}x{groups}x16xf32>, "
-            f"tensor<{tiles}x{groups}x16xf32>) -> tensor<{tiles}x16xf32>")
+            f"tensor<{tiles}x{groups}x{GROUP_BYTES}xi8>, tensor<{tiles}x{groups}x16xf16>, "
+            f"tensor<{tiles}x{groups}x16xf16>) -> tensor<{tiles}x16xf32>")

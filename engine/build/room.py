@@ -38,12 +38,12 @@ class BuildSize:
 
 def matrix_bytes(rows: int, cols: int, dtype: str) -> int:
     """One matrix as engine/build/model.py stores it (mirrored here without torch): q8 adds a float32 scale per
-    row; q4 is half a byte per weight plus a float32 scale and offset per group of 32, and a matrix whose rows
+    row; q4 is half a byte per weight plus a float16 scale and offset per group of 32, and a matrix whose rows
     are not whole groups falls back to q8."""
     if dtype == "q4":
         if cols % Q4_GROUP:
             return matrix_bytes(rows, cols, "q8")
-        return rows * cols // 2 + rows * (cols // Q4_GROUP) * 8
+        return rows * cols // 2 + rows * (cols // Q4_GROUP) * 4
     return rows * cols * WEIGHT_BYTES[dtype] + (rows * 4 if dtype == "q8" else 0)
 
 
