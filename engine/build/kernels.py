@@ -135,34 +135,48 @@ util.func private @{name}(%a: tensor<?x{k}xf32>, """ + _Q4_ARGS + r""") -> tenso
 """
 
 # q4, decode (one row), the generic form (devices and CPUs without a hand-written one): out[b, r] = sum over the
-# group's positions of (code * d + m) * x, vectorised along the tile's rows r. The product is math.fma(w, x, 0) and
-# not a mulf: IREE turns a reduction of a mulf into a vector.contract, which it lowers here as one scalar
-# multiply-add per lane.
+# group's positions of (code * d + m) * x, vectorised along the tile's rows r. Each row's 4 bytes of a block are
+# read as one int32 (16 rows' are 64 contiguous bytes: one vector load) and the code of position (u, j) taken out
+# with a shift by 8j + 4u: indexing the nibbles as i4 gathered 16 rows 4 bytes apart, several times slower. The
+# product is math.fma(w, x, 0) and not a mulf: IREE turns a reduction of a mulf into a vector.contract, which it
+# lowers here as one scalar multiply-add per lane.
 _MV_Q4 = r"""
 module {{
 util.func private @{name}(%a: tensor<1x{k}xf32>, """ + _Q4_ARGS + r""") -> tensor<1x{n}xf32> {{
   %a1 = tensor.collapse_shape %a [[0, 1]] : tensor<1x{k}xf32> into tensor<{k}xf32>
-  %a4 = tensor.expand_shape %a1 [[0, 1, 2, 3]] output_shape [{groups}, 2, 4, 4] : tensor<{k}xf32> into tensor<{groups}x2x4x4xf32>""" + _Q4_VIEW + r"""
+  %a4 = tensor.expand_shape %a1 [[0, 1, 2, 3]] output_shape [{groups}, 2, 4, 4] : tensor<{k}xf32> into tensor<{groups}x2x4x4xf32>
+  %qw = flow.tensor.bitcast %qs : tensor<{nb}x{groups}x{gb}xi8> -> tensor<{nb}x{groups}x{gw}xi32>
+  %q4 = tensor.expand_shape %qw [[0], [1], [2, 3]] output_shape [{nb}, {groups}, 4, {t}] : tensor<{nb}x{groups}x{gw}xi32> into tensor<{nb}x{groups}x4x{t}xi32>
   %zero = arith.constant 0.000000e+00 : f32
+  %c4 = arith.constant 4 : index
+  %c8 = arith.constant 8 : index
+  %c15 = arith.constant 15 : i32
   %oe = tensor.empty() : tensor<{nb}x{t}xf32>
   %acc = linalg.fill ins(%zero : f32) outs(%oe : tensor<{nb}x{t}xf32>) -> tensor<{nb}x{t}xf32>
   %r = linalg.generic {{
-      indexing_maps = [affine_map<(b, r, c, u, h, j) -> (c, u, h, j)>, affine_map<(b, r, c, u, h, j) -> (b, c, h, r, j, u)>,
-                       affine_map<(b, r, c, u, h, j) -> (b, c, r)>, affine_map<(b, r, c, u, h, j) -> (b, c, r)>,
-                       affine_map<(b, r, c, u, h, j) -> (b, r)>],
+      indexing_maps = [affine_map<(b, r, c, h, u, j) -> (c, u, h, j)>, affine_map<(b, r, c, h, u, j) -> (b, c, h, r)>,
+                       affine_map<(b, r, c, h, u, j) -> (b, c, r)>, affine_map<(b, r, c, h, u, j) -> (b, c, r)>,
+                       affine_map<(b, r, c, h, u, j) -> (b, r)>],
       iterator_types = ["parallel", "parallel", "reduction", "reduction", "reduction", "reduction"]}}
-      ins(%a4, %q6, %d, %m : tensor<{groups}x2x4x4xf32>, tensor<{nb}x{groups}x4x{t}x4x2xi4>, tensor<{nb}x{groups}x{t}xf16>,
+      ins(%a4, %q4, %d, %m : tensor<{groups}x2x4x4xf32>, tensor<{nb}x{groups}x4x{t}xi32>, tensor<{nb}x{groups}x{t}xf16>,
                              tensor<{nb}x{groups}x{t}xf16>)
       outs(%acc : tensor<{nb}x{t}xf32>) {attrs} {{
-  ^bb0(%x: f32, %qv: i4, %dh: f16, %mh: f16, %o: f32):
+  ^bb0(%x: f32, %w: i32, %dh: f16, %mh: f16, %o: f32):
+    %u = linalg.index 4 : index
+    %j = linalg.index 5 : index
+    %u4 = arith.muli %u, %c4 : index
+    %j8 = arith.muli %j, %c8 : index
+    %sh = arith.addi %u4, %j8 : index
+    %shi = arith.index_cast %sh : index to i32
+    %s = arith.shrui %w, %shi : i32
+    %c = arith.andi %s, %c15 : i32
+    %f = arith.sitofp %c : i32 to f32
     %dv = arith.extf %dh : f16 to f32
     %mv = arith.extf %mh : f16 to f32
-    %0 = arith.uitofp %qv : i4 to f32
-    %1 = arith.mulf %0, %dv : f32
-    %2 = arith.addf %1, %mv : f32
-    %3 = math.fma %2, %x, %zero : f32
-    %4 = arith.addf %3, %o : f32
-    linalg.yield %4 : f32
+    %wv = math.fma %f, %dv, %mv : f32
+    %p = math.fma %wv, %x, %zero : f32
+    %y = arith.addf %p, %o : f32
+    linalg.yield %y : f32
   }} -> tensor<{nb}x{t}xf32>
   %r1 = tensor.collapse_shape %r [[0, 1]] : tensor<{nb}x{t}xf32> into tensor<{n}xf32>
   %r2 = tensor.expand_shape %r1 [[0, 1]] output_shape [1, {n}] : tensor<{n}xf32> into tensor<1x{n}xf32>
@@ -247,12 +261,12 @@ util.func private @{name}(%a: tensor<1x{k}xf32>, %w: tensor<{nb}x{k}x{t}xi8>) ->
 """
 
 
-def _cpu_lowering(tiles: int, reduction_dims: int, tile: int = TILE) -> str:
+def _cpu_lowering(tiles: int, reduction: tuple[int, ...], tile: int = TILE) -> str:
     """The decode product's compilation_info for llvm-cpu: workgroups of a few tiles (at least ~16 workgroups for
-    the threads to share once a matrix has the tiles for it), one tile of rows per vector, the reduction one
-    step at a time, accumulated per lane."""
+    the threads to share once a matrix has the tiles for it), one tile of rows per vector, the reduction in steps
+    of `reduction` (ones: one position at a time, accumulated per lane)."""
     per_group = max(1, min(16, tiles // 16))
-    zeros, ones = ", ".join(["0"] * reduction_dims), ", ".join(["1"] * reduction_dims)
+    zeros, ones = ", ".join(["0"] * len(reduction)), ", ".join(map(str, reduction))
     return ("attrs = {compilation_info = #iree_codegen.compilation_info<lowering_config = #iree_cpu.lowering_config<"
             f"distribution = [{per_group}, {tile}, {zeros}], vector_common_parallel = [1, {tile}, {zeros}], "
             f"vector_reduction = [0, 0, {ones}]>, translation_info = #iree_codegen.translation_info<"
@@ -316,7 +330,8 @@ def _register() -> dict:
 
         def generate(self, ksel: KernelSelection, kb: KernelBuilder) -> None:
             (rows, k), (nb, groups, gb) = shape(kb, 0), shape(kb, 1)
-            sizes = dict(nb=nb, n=nb * Q4_TILE, k=k, gb=gb, gc=2 * gb, t=Q4_TILE, groups=groups, g=k // groups)
+            sizes = dict(nb=nb, n=nb * Q4_TILE, k=k, gb=gb, gc=2 * gb, gw=gb // 4, t=Q4_TILE, groups=groups,
+                         g=k // groups)
             tag = f"{nb * Q4_TILE}x{k}"
             if rows != 1:
                 name = f"eddy_mm_q4_{tag}"
@@ -329,7 +344,7 @@ def _register() -> dict:
                     call=q4_dispatch.call(exe, nb, k, "%a1", "%qs", "%d", "%m", "%r"), **sizes))
             else:
                 name = f"eddy_mv_q4_{tag}{'_cpu' if _cpu_tuned else ''}"
-                attrs = _cpu_lowering(nb, 4, Q4_TILE) if _cpu_tuned else ""
+                attrs = _cpu_lowering(nb, (1, 1, 1, 1), Q4_TILE) if _cpu_tuned else ""
                 emit(kb, name, _MV_Q4.format(name=name, attrs=attrs, **sizes))
 
     @CustomOp.register(library=library)
@@ -347,7 +362,7 @@ def _register() -> dict:
             sizes = dict(nb=nb, n=nb * TILE, k=k, t=TILE)
             if rows == 1:
                 name = f"eddy_mv_i8_{nb * TILE}x{k}{'_cpu' if _cpu_tuned else ''}"
-                emit(kb, name, _MV_I8.format(name=name, attrs=_cpu_lowering(nb, 1) if _cpu_tuned else "", **sizes))
+                emit(kb, name, _MV_I8.format(name=name, attrs=_cpu_lowering(nb, (1,)) if _cpu_tuned else "", **sizes))
             else:
                 name = f"eddy_mm_i8_{nb * TILE}x{k}"
                 emit(kb, name, _MM_I8.format(name=name, **sizes))
