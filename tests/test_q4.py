@@ -1,7 +1,7 @@
-"""Eddy's 4-bit weights (engine/build/q4.py) against GGUF's Q4_1, the layout the default model ships in.
-
-The compiled kernel is held to float32 parity with the dequantised weights in test_engine.py; these check the
-quantiser itself, with no build."""
+"""Eddy's 4-bit weights (engine/build/q4.py) against GGUF's Q4_1, the layout the default model ships in: the
+quantiser, the tiled layout, and each decode product this CPU runs compiled on its own (the generic one and the
+hand-written ones of engine/build/q4_dispatch.py). A whole model's q4 build is held to its dequantised weights in
+test_engine.py."""
 from __future__ import annotations
 
 from pathlib import Path

@@ -89,7 +89,8 @@ def export_module(model: StreamingLlama) -> "aot.ExportOutput":
     def restore(m, *saved):
         return m.restore(*saved)
 
-    with kernels.lowering_for(settings.device, q4_form(settings.device, settings.target_cpu)):  # the custom ops are expanded as the programs are imported
+    # The custom ops are expanded as the programs are imported.
+    with kernels.lowering_for(settings.device, q4_form(settings.device, settings.target_cpu)):
         return aot.export(fxb)
 
 

@@ -66,7 +66,7 @@ def unpack_q4(packed: torch.Tensor) -> torch.Tensor:
 
 def tile_q4(rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The rows layout (quantise_q4) -> the tiled one: codes int8 [out/16, groups, 256] in blocks, scale and offset
-    float32 [out/16, groups, 16]. The same codes and numbers, moved."""
+    float16 [out/16, groups, 16]. The same codes and numbers, moved."""
     codes = unpack_q4(rows["weight"])
     out, cols = codes.shape
     # [tile, row, group, nibble, block, position in block] -> [tile, group, block, row, position, nibble]

@@ -9,17 +9,17 @@ whose function is written over memrefs with `vector` ops and x86 intrinsics (`ll
 compiles it like its own dispatches (no C compiler), and turbine copies it from the custom op's template into the
 exported module, where `flow.dispatch` calls it.
 
-Layout it reads (engine/build/q4.py, `tile_q4`): tiles of Q4_TILE_ROWS = 16 rows (one zmm of int32, two ymm); per tile and group of 32 positions,
-four blocks of 64 bytes; in block h, byte 4r + j holds row r's code for position 4h + j in its low nibble and for
+Layout it reads (engine/build/q4.py, `tile_q4`): tiles of Q4_TILE_ROWS = 16 rows (one zmm of int32, two ymm); per
+tile and group of 32 positions, four blocks of 64 bytes; in block h, byte 4r + j holds row r's code for position 4h + j in its low nibble and for
 4h + 16 + j in its high nibble. One 64-byte load and two masks give two sets of 16 rows x 4 positions, the shape of
 one `vpdpbusd` (u8 x s8, four products summed into each int32 lane); x's four int8 for those positions are one
 int32 broadcast. Per group, one conversion and two fused multiply-adds apply the scale times x's scale and the
 offset times x's scale times x's group sum: out = sum_g d_g dx_g sum(code q) + m_g dx_g sum(q).
 
-Each workgroup first quantises x (symmetric, per group: dx = max|x| / 127) into its stack: a few percent of the
-weights it then reads, and no extra dispatch per product.
+Each workgroup first quantises x (symmetric, per group: dx = max|x| / 127) into its stack: no extra dispatch per
+product (fewer, larger workgroups, which quantise x fewer times, were no faster on the default model).
 
-Forms (`FORMS`): "vnni" (AVX-512 VNNI, zmm: 16 rows a register), "avx2" (AVX2: `vpmaddubsw` + `vpmaddwd` on two ymm
+Forms (`_GROUP_BODIES`, chosen by engine/devices.py's Q4_FORMS): "vnni" (AVX-512 VNNI, zmm: 16 rows a register), "avx2" (AVX2: `vpmaddubsw` + `vpmaddwd` on two ymm
 halves; codes <= 15 and |q| <= 127 keep the 16-bit sums of a whole group, 8 x 2 x 15 x 127 = 30480, unsaturated).
 """
 from __future__ import annotations
@@ -34,6 +34,7 @@ WORKGROUPS = 16
 
 
 def tiles_per_workgroup(tiles: int) -> int:
+    """Tiles of rows each workgroup computes."""
     return max(1, tiles // WORKGROUPS)
 
 
@@ -139,7 +140,7 @@ stream.executable private @{name} {{
       %c32 = arith.constant 32 : index
       %cg = arith.constant {groups} : index
       %cnb = arith.constant {nb} : index
-      %ctpw = arith.constant {per_group} : index
+      %ctpw = arith.constant {per_workgroup} : index
       %zf = arith.constant 0.0 : f32
       %f127 = arith.constant 127.0 : f32
       %r127 = arith.constant 0.007874015748031496 : f32
@@ -198,10 +199,10 @@ def executable(form: str, name: str, tiles: int, k: int) -> str:
     """The `stream.executable` @name (export and function both named so) computing out [tiles x 16] f32 from
     x [k] f32, the codes [tiles x groups x GROUP_BYTES] i8 and scales, offsets [tiles x groups x 16] f16."""
     groups = k // Q4_GROUP
-    per_group = tiles_per_workgroup(tiles)
+    per_workgroup = tiles_per_workgroup(tiles)
     body, isum = _GROUP_BODIES[form]()
     return _EXECUTABLE.format(
-        name=name, workgroups=-(-tiles // per_group), groups=groups, nb=tiles, per_group=per_group, k=k,
+        name=name, workgroups=-(-tiles // per_workgroup), groups=groups, nb=tiles, per_workgroup=per_workgroup, k=k,
         group_bytes=GROUP_BYTES, offsets=_offsets(), quantise=_quantise_x(k, groups),
         group=body.format(nb=tiles, groups=groups), isum=isum)
 
