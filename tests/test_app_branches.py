@@ -97,7 +97,8 @@ def test_regenerated_replies_are_alternatives_that_survive_a_restart_and_export(
 
     # Export: Markdown is the branch shown; JSON has it, and the whole tree with the branch shown marked.
     c.export_chat(tmp_path / "chat.md", "markdown")
-    md = (tmp_path / "chat.md").read_text()
+    # As bytes: read_text's universal newlines would turn a "\r" in a sampled reply into "\n".
+    md = (tmp_path / "chat.md").read_bytes().decode("utf-8")
     assert md == to_markdown("Name a colour", shown(window)) and md.count("**Eddy:**") == 1
     c.export_chat(tmp_path / "chat.json", "json")
     doc = json.loads((tmp_path / "chat.json").read_text())

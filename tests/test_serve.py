@@ -209,6 +209,23 @@ def test_bad_requests_get_openai_shaped_errors(served, body, status, param):
     assert got == status and reply["error"]["message"] and reply["error"]["param"] == param, reply
 
 
+def _read_response(sock: socket.socket) -> str:
+    """One whole HTTP response, headers and the Content-Length bytes of its body: one recv may return the headers
+    alone (the body comes in a second packet)."""
+    data = b""
+    while True:
+        head, sep, body = data.partition(b"\r\n\r\n")
+        if sep:
+            length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                           if line.lower().startswith(b"content-length:")), 0)
+            if len(body) >= length:
+                return data.decode()
+        chunk = sock.recv(4096)
+        if not chunk:  # closed: what came is all there is
+            return data.decode()
+        data += chunk
+
+
 def test_auth_size_paths_and_stalled_bodies(served):
     ok = json.dumps({"model": "tiny-random", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}).encode()
     assert served.raw("POST", "/v1/chat/completions", ok, auth=False)[0] == 401
@@ -220,7 +237,7 @@ def test_auth_size_paths_and_stalled_bodies(served):
     with socket.create_connection(("127.0.0.1", served.port), timeout=30) as sock:
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
                      b"\r\nContent-Type: application/json\r\nContent-Length: 500\r\n\r\n{\"model\":")
-        answer = sock.recv(4096).decode()
+        answer = _read_response(sock)
     assert answer.startswith("HTTP/1.1 408") and "did not arrive" in answer
     assert served.raw("POST", "/v1/chat/completions", ok)[0] == 200
 
