@@ -69,21 +69,21 @@ _q4_form: str | None = None
 @contextlib.contextmanager
 def lowering_for(device: str, q4_form: str | None = None) -> Iterator[None]:
     """Within it, the ops' decode forms are those for `device`: on a cpu, q4's hand-written product in `q4_form`
-    (devices.q4_form: the instructions the build's target CPU has), else the generic forms with the llvm-cpu
-    lowering that keeps a vector accumulator per lane of output rows (IREE's default for these reductions tiles
+    (devices.q4_form: the instructions the build's target CPU has; None off the cpu), else the generic forms with
+    the llvm-cpu lowering that keeps a vector accumulator per lane of output rows (IREE's default for these reductions tiles
     the reduction into the vector and sums it horizontally, or, with unit reduction tiles, lowers the multiply-add
     as one scalar per lane). Other devices get IREE's own choice: the attribute names llvm-cpu's pipeline."""
     global _cpu_tuned, _q4_form
     before = _cpu_tuned, _q4_form
-    _cpu_tuned, _q4_form = device == "cpu", q4_form if device == "cpu" else None
+    _cpu_tuned, _q4_form = device == "cpu", q4_form
     try:
         yield
     finally:
         _cpu_tuned, _q4_form = before
 
 
-# q4's codes are read through a 6-d view of the tiled layout (engine/build/q4.py): [tile, group, block h, row r,
-# position j, nibble], the position in the group being nibble * 16 + h * 4 + j.
+# Prefill's q4 form reads the codes through a 6-d view of the tiled layout (engine/build/q4.py): [tile, group,
+# block h, row r, position j, nibble], the position in the group being nibble * 16 + h * 4 + j.
 _Q4_VIEW = r"""
   %q = flow.tensor.bitcast %qs : tensor<{nb}x{groups}x{gb}xi8> -> tensor<{nb}x{groups}x{gc}xi4>
   %q6 = tensor.expand_shape %q [[0], [1], [2, 3, 4, 5]] output_shape [{nb}, {groups}, 4, {t}, 4, 2] : tensor<{nb}x{groups}x{gc}xi4> into tensor<{nb}x{groups}x4x{t}x4x2xi4>"""
@@ -261,12 +261,12 @@ util.func private @{name}(%a: tensor<1x{k}xf32>, %w: tensor<{nb}x{k}x{t}xi8>) ->
 """
 
 
-def _cpu_lowering(tiles: int, reduction: tuple[int, ...], tile: int = TILE) -> str:
+def _cpu_lowering(tiles: int, reduction_dims: int, tile: int = TILE) -> str:
     """The decode product's compilation_info for llvm-cpu: workgroups of a few tiles (at least ~16 workgroups for
-    the threads to share once a matrix has the tiles for it), one tile of rows per vector, the reduction in steps
-    of `reduction` (ones: one position at a time, accumulated per lane)."""
+    the threads to share once a matrix has the tiles for it), one tile of rows per vector, the reduction one
+    step at a time, accumulated per lane."""
     per_group = max(1, min(16, tiles // 16))
-    zeros, ones = ", ".join(["0"] * len(reduction)), ", ".join(map(str, reduction))
+    zeros, ones = ", ".join(["0"] * reduction_dims), ", ".join(["1"] * reduction_dims)
     return ("attrs = {compilation_info = #iree_codegen.compilation_info<lowering_config = #iree_cpu.lowering_config<"
             f"distribution = [{per_group}, {tile}, {zeros}], vector_common_parallel = [1, {tile}, {zeros}], "
             f"vector_reduction = [0, 0, {ones}]>, translation_info = #iree_codegen.translation_info<"
@@ -344,7 +344,7 @@ def _register() -> dict:
                     call=q4_dispatch.call(exe, nb, k, "%a1", "%qs", "%d", "%m", "%r"), **sizes))
             else:
                 name = f"eddy_mv_q4_{tag}{'_cpu' if _cpu_tuned else ''}"
-                attrs = _cpu_lowering(nb, (1, 1, 1, 1), Q4_TILE) if _cpu_tuned else ""
+                attrs = _cpu_lowering(nb, 4, Q4_TILE) if _cpu_tuned else ""
                 emit(kb, name, _MV_Q4.format(name=name, attrs=attrs, **sizes))
 
     @CustomOp.register(library=library)
@@ -362,7 +362,7 @@ def _register() -> dict:
             sizes = dict(nb=nb, n=nb * TILE, k=k, t=TILE)
             if rows == 1:
                 name = f"eddy_mv_i8_{nb * TILE}x{k}{'_cpu' if _cpu_tuned else ''}"
-                emit(kb, name, _MV_I8.format(name=name, attrs=_cpu_lowering(nb, (1,)) if _cpu_tuned else "", **sizes))
+                emit(kb, name, _MV_I8.format(name=name, attrs=_cpu_lowering(nb, 1) if _cpu_tuned else "", **sizes))
             else:
                 name = f"eddy_mm_i8_{nb * TILE}x{k}"
                 emit(kb, name, _MM_I8.format(name=name, **sizes))

@@ -10,8 +10,8 @@ compiles it like its own dispatches (no C compiler), and turbine copies it from 
 exported module, where `flow.dispatch` calls it.
 
 Layout it reads (engine/build/q4.py, `tile_q4`): tiles of Q4_TILE_ROWS = 16 rows (one zmm of int32, two ymm); per
-tile and group of 32 positions, four blocks of 64 bytes; in block h, byte 4r + j holds row r's code for position 4h + j in its low nibble and for
-4h + 16 + j in its high nibble. One 64-byte load and two masks give two sets of 16 rows x 4 positions, the shape of
+tile and group of 32 positions, four blocks of 64 bytes; in block h, byte 4r + j holds row r's code for position
+4h + j in its low nibble and for 4h + 16 + j in its high nibble. One 64-byte load and two masks give two sets of 16 rows x 4 positions, the shape of
 one `vpdpbusd` (u8 x s8, four products summed into each int32 lane); x's four int8 for those positions are one
 int32 broadcast. Per group, one conversion and two fused multiply-adds apply the scale times x's scale and the
 offset times x's scale times x's group sum: out = sum_g d_g dx_g sum(code q) + m_g dx_g sum(q).
@@ -19,8 +19,9 @@ offset times x's scale times x's group sum: out = sum_g d_g dx_g sum(code q) + m
 Each workgroup first quantises x (symmetric, per group: dx = max|x| / 127) into its stack: no extra dispatch per
 product (fewer, larger workgroups, which quantise x fewer times, were no faster on the default model).
 
-Forms (`_GROUP_BODIES`, chosen by engine/devices.py's Q4_FORMS): "vnni" (AVX-512 VNNI, zmm: 16 rows a register), "avx2" (AVX2: `vpmaddubsw` + `vpmaddwd` on two ymm
-halves; codes <= 15 and |q| <= 127 keep the 16-bit sums of a whole group, 8 x 2 x 15 x 127 = 30480, unsaturated).
+Forms (`_GROUP_BODIES`, chosen by engine/devices.py's Q4_FORMS): "vnni" (AVX-512 VNNI, zmm: 16 rows a register),
+"avx2" (AVX2: `vpmaddubsw` + `vpmaddwd` on two ymm halves; codes <= 15 and |q| <= 127 keep the 16-bit sums of a
+whole group, 8 x 2 x 15 x 127 = 30480, unsaturated).
 """
 from __future__ import annotations
 
