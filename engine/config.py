@@ -9,6 +9,8 @@ from .devices import CUDA_TARGETS, DEVICES
 from .errors import ModelError
 
 DTYPES = ("f32", "f16", "bf16", "q8", "q4")
+# The types whose decode products are written by hand on x86 (engine/build/dot_products.py).
+QUANTISED = ("q8", "q4")
 # The weight type a build takes when none is named: the checkpoint's own choice (ModelSource.auto_dtype), so a
 # 4-bit GGUF builds at q4 and everything else at q8. Resolved before anything is keyed or built (for_source).
 AUTO_DTYPE = "auto"
@@ -18,11 +20,12 @@ DTYPE_CHOICES = (AUTO_DTYPE, *DTYPES)
 KV_DTYPES = ("f32", "f16", "bf16")
 # q4's group: weights per scale and offset along a row (GGUF Q4_0/Q4_1's block, so their codes pass through).
 Q4_GROUP = 32
-# Quantised (q4, q8) matrices that are multiplied are stored in tiles of this many rows, interleaved along each
-# row (engine/build/kernels.py): decode's product keeps one output row per vector lane, with no horizontal sums.
+# q8 matrices that are multiplied are stored in tiles of this many rows, a tile's 4 positions at a time
+# (engine/build/kernels.py, tile_q8): decode's product keeps one output row per vector lane, with no horizontal
+# sums, and its hand-written form (engine/build/dot_products.py) takes 16 rows x 4 positions a load.
 TILE_ROWS = 32
 # q4's tiles are of 16 rows: one AVX-512 register of int32 sums in its hand-written decode product
-# (engine/build/q4_dispatch.py), whose layout groups a tile's codes in blocks of 16 rows x 4 positions.
+# (engine/build/dot_products.py), whose layout groups a tile's codes in blocks of 16 rows x 4 positions.
 Q4_TILE_ROWS = 16
 # llvm-cpu targets: "host" (this machine's CPU, fastest, for local builds) or a portable one for packages
 # that run on other machines (a module built for "host" can die of illegal instructions elsewhere).

@@ -48,21 +48,28 @@ TABLE: dict[str, Device] = {d.name: d for d in (
 DEVICES = tuple(TABLE)
 
 
-# The form of q4's hand-written decode product (engine/build/q4_dispatch.py) each llvm-cpu target guarantees the
-# instructions for: "vnni" needs AVX-512 VNNI (and BW), "avx2" AVX2; None: the generic form. x86-64-v4 is AVX-512
-# F/BW/CD/DQ/VL, without VNNI. "host" takes the first row of HOST_Q4_FORMS whose flags this CPU lists.
-Q4_FORMS: dict[str, str | None] = {"x86-64-v4": "avx2", "x86-64-v3": "avx2", "x86-64-v2": None, "x86-64": None}
-HOST_Q4_FORMS = ((("avx512_vnni", "avx512bw"), "vnni"), (("avx2",), "avx2"))
+# The form of the hand-written decode products (engine/build/dot_products.py: q4's and q8's) each llvm-cpu target
+# guarantees the instructions for: "vnni" needs AVX-512 VNNI (and BW), "avx2" AVX2; None: the generic forms.
+# x86-64-v4 is AVX-512 F/BW/CD/DQ/VL, without VNNI. "host" takes the first row of HOST_DOT_FORMS whose flags this
+# CPU lists.
+DOT_FORMS: dict[str, str | None] = {"x86-64-v4": "avx2", "x86-64-v3": "avx2", "x86-64-v2": None, "x86-64": None}
+HOST_DOT_FORMS = ((("avx512_vnni", "avx512bw"), "vnni"), (("avx2",), "avx2"))
 
 
-def q4_form(device: str, target_cpu: str) -> str | None:
-    """The hand-written q4 decode product a build for `device` and `target_cpu` takes (None: the generic one)."""
+def dot_form(device: str, target_cpu: str) -> str | None:
+    """The form of the hand-written decode products a build for `device` and `target_cpu` takes (None: the
+    generic ones)."""
     if device != "cpu":
         return None
     if target_cpu != "host":
-        return Q4_FORMS[target_cpu]
+        return DOT_FORMS[target_cpu]
+    return next(iter(host_dot_forms()), None)
+
+
+def host_dot_forms() -> list[str]:
+    """The hand-written forms this CPU runs, the best first."""
     flags = host_cpu_flags()
-    return next((form for needs, form in HOST_Q4_FORMS if flags.issuperset(needs)), None)
+    return [form for needs, form in HOST_DOT_FORMS if flags.issuperset(needs)]
 
 
 def host_cpu_flags() -> set[str]:

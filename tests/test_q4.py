@@ -1,6 +1,6 @@
 """Eddy's 4-bit weights (engine/build/q4.py) against GGUF's Q4_1, the layout the default model ships in: the
 quantiser, the tiled layout, and each decode product this CPU runs compiled on its own (the generic one and the
-hand-written ones of engine/build/q4_dispatch.py). A whole model's q4 build is held to its dequantised weights in
+hand-written ones of engine/build/dot_products.py). A whole model's q4 build is held to its dequantised weights in
 test_engine.py."""
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ def test_every_weight_lands_within_half_a_step_and_the_extremes_exactly():
 def test_a_multiplied_matrix_is_tiled_with_the_same_codes_and_numbers():
     """tile_q4 puts each group of a 16-row tile in four 64-byte blocks, block h's byte 4r + j holding row r's codes at
     positions 4h + j (low nibble) and 4h + 16 + j (high nibble): the operands of the x86 integer dot products that
-    decode's product takes (engine/build/q4_dispatch.py). untile_q4 gives back the rows layout exactly."""
+    decode's product takes (engine/build/dot_products.py). untile_q4 gives back the rows layout exactly."""
     from engine.build.q4 import TILE, tile_q4, untile_q4
 
     rows_n, cols = 2 * TILE, 4 * Q4_GROUP
@@ -80,7 +80,7 @@ def test_a_multiplied_matrix_is_tiled_with_the_same_codes_and_numbers():
 
 
 def test_a_matrix_without_whole_tiles_or_groups_is_stored_in_q8():
-    from engine.build.kernels import untile_rows
+    from engine.build.kernels import untile_q8
     from engine.build.model import TILE_ROWS, matrix_dtype, stored_matrix
 
     assert matrix_dtype("q4", 4 * Q4_GROUP, 64) == "q4"
@@ -89,12 +89,16 @@ def test_a_matrix_without_whole_tiles_or_groups_is_stored_in_q8():
     assert matrix_dtype("q4", 100, 64) == "q8"
     fallback = stored_matrix(torch.ones(40, 4 * Q4_GROUP), "q4", tiled=True)
     assert set(fallback) == {"weight", "scale"} and fallback["weight"].shape == (40, 4 * Q4_GROUP)  # q8, in rows
-    # q8 tiles a multiplied matrix whose rows make whole tiles, as q4 does: the same bytes moved, the scales per
-    # row in row order.
+    # q8 tiles a multiplied matrix whose rows make whole tiles, as q4 does: the same bytes moved (step p's byte
+    # 4r + j is row r's weight at position 4p + j), the scales per row in row order.
     w = torch.from_numpy(np.random.RandomState(3).standard_normal((64, 4 * Q4_GROUP)).astype(np.float32))
     tiled, rows = stored_matrix(w, "q8", tiled=True), stored_matrix(w, "q8")
-    assert tiled["weight"].shape == (2, 4 * Q4_GROUP, TILE_ROWS) and torch.equal(tiled["scale"], rows["scale"])
-    assert torch.equal(untile_rows(tiled["weight"]), rows["weight"])
+    assert tiled["weight"].shape == (2, Q4_GROUP, TILE_ROWS * 4) and torch.equal(tiled["scale"], rows["scale"])
+    for r, k in [(0, 0), (1, 2), (31, 127), (33, 5), (63, 64), (40, 99)]:
+        assert tiled["weight"][r // TILE_ROWS, k // 4, 4 * (r % TILE_ROWS) + k % 4] == rows["weight"][r, k]
+    assert torch.equal(untile_q8(tiled["weight"]), rows["weight"])
+    # Rows not in whole steps of 4 positions stay whole.
+    assert stored_matrix(torch.ones(64, 30), "q8", tiled=True)["weight"].shape == (64, 30)
 
 
 @pytest.mark.parametrize("dtype,op", [("q4", "q4"), ("q8", "i8")])
@@ -133,21 +137,22 @@ def test_decode_gets_the_vectorised_product_on_cpu_and_prefill_the_widening_one(
     assert f"@eddy_mm_{op}" in prefill and "compilation_info" not in prefill
 
 
-def _host_q4_forms() -> list[str | None]:
+def _host_forms() -> list[str | None]:
     """The decode forms this machine can run: the generic one, and each hand-written one whose instructions it has."""
-    from engine.devices import HOST_Q4_FORMS, host_cpu_flags
+    from engine.devices import host_dot_forms
 
-    flags = host_cpu_flags()
-    return [None, *(form for needs, form in HOST_Q4_FORMS if flags.issuperset(needs))]
+    return [None, *host_dot_forms()]
 
 
-@pytest.mark.parametrize("form", _host_q4_forms())
-def test_the_decode_product_is_the_codes_times_x_quantised_per_group(form, tmp_path):
-    """Each decode form this CPU runs, compiled: the generic one computes the dequantised weights times x (float32
-    parity); a hand-written one (engine/build/q4_dispatch.py) x quantised to int8 per group of 32 (dx = max|x| /
-    127), exactly as llama.cpp's Q8_1 activations, to float32 rounding: its only error against float32 is that
-    rounding of x, about 0.5 % of the output here. The tiles' order and a workgroup's share of them are covered by
-    rows of 9 tiles (WORKGROUPS = 16 workgroups of at least one tile), prefill's widening form by 3 rows."""
+@pytest.mark.parametrize("form", _host_forms())
+@pytest.mark.parametrize("dtype", ["q4", "q8"])
+def test_the_decode_product_is_the_codes_times_x_quantised_per_group(dtype, form, tmp_path):
+    """Each decode form this CPU runs, compiled, for q4 and q8: the generic one computes the dequantised weights
+    times x (float32 parity); a hand-written one (engine/build/dot_products.py) x quantised to int8 per group of 32
+    (dx = max|x| / 127), exactly as llama.cpp's Q8_1 activations, to float32 rounding: its only error against
+    float32 is that rounding of x, about 0.5 % of the output here. The tiles' order and a workgroup's share of them
+    are covered by rows of 9 tiles (WORKGROUPS = 16 workgroups of at least one tile), prefill's widening form by
+    3 rows."""
     import subprocess
     import sys
 
@@ -158,11 +163,11 @@ def test_the_decode_product_is_the_codes_times_x_quantised_per_group(form, tmp_p
     from engine.build.model import Linear, stored_matrix
     from engine.devices import compile_flags
 
-    out_f, in_f = 9 * 16, 6 * Q4_GROUP
+    out_f, in_f = 9 * (16 if dtype == "q4" else 32), 6 * Q4_GROUP
     rng = np.random.RandomState(4)
     w = torch.from_numpy(rng.standard_normal((out_f, in_f)).astype(np.float32))
-    lin = Linear(out_f, in_f, "q4")
-    for name, t in stored_matrix(w, "q4", tiled=True).items():
+    lin = Linear(out_f, in_f, dtype)
+    for name, t in stored_matrix(w, dtype, tiled=True).items():
         getattr(lin, name).data = t
     x1, x3 = (torch.from_numpy(rng.standard_normal((n, in_f)).astype(np.float32)) for n in (1, 3))
 
@@ -178,7 +183,8 @@ def test_the_decode_product_is_the_codes_times_x_quantised_per_group(form, tmp_p
 
     with lowering_for("cpu", form):
         mlir = str(aot.export(fxb).mlir_module)
-    marks = {None: "compilation_info", "vnni": "llvm.x86.avx512.vpdpbusd.512", "avx2": "llvm.x86.avx2.pmadd.ub.sw"}
+    marks = {None: "compilation_info", "vnni": "llvm.x86.avx512.vpdpbusd.512",
+             "avx2": "llvm.x86.avx2.pmadd.ub.sw" if dtype == "q4" else "llvm.x86.avx2.psign.b"}
     assert marks[form] in mlir
     (tmp_path / "m.mlir").write_text(mlir)
     iree_compile = str(Path(sys.executable).with_name("iree-compile"))
@@ -186,8 +192,9 @@ def test_the_decode_product_is_the_codes_times_x_quantised_per_group(form, tmp_p
                    check=True, capture_output=True)
     module = rt.load_vm_flatbuffer_file(str(tmp_path / "m.vmfb"), driver="local-task")
 
-    rows = quantise_q4(w)
-    exact = x1 @ dequantise_q4(*rows.values()).T
+    rows = stored_matrix(w, dtype)
+    dense = dequantise_q4(*rows.values()) if dtype == "q4" else rows["weight"].float() * rows["scale"].unsqueeze(1)
+    exact = x1 @ dense.T
     got = np.asarray(module.decode(x1.numpy()))[0]
     if form is None:
         want = exact[0].numpy()
@@ -195,11 +202,15 @@ def test_the_decode_product_is_the_codes_times_x_quantised_per_group(form, tmp_p
         xg = x1.reshape(-1, Q4_GROUP).double()
         dx = xg.abs().amax(1) / 127
         q = torch.round(xg / dx.unsqueeze(1))
-        codes = unpack_q4(rows["weight"]).double().reshape(out_f, -1, Q4_GROUP)
-        want = ((codes * q).sum(-1) * rows["scale"] * dx + rows["offset"] * dx * q.sum(1)).sum(1).numpy()
+        if dtype == "q4":
+            codes = unpack_q4(rows["weight"]).double().reshape(out_f, -1, Q4_GROUP)
+            want = ((codes * q).sum(-1) * rows["scale"] * dx + rows["offset"] * dx * q.sum(1)).sum(1).numpy()
+        else:
+            codes = rows["weight"].double().reshape(out_f, -1, Q4_GROUP)
+            want = ((codes * q).sum(-1) * dx).sum(1).mul(rows["scale"].double()).numpy()
         rel = np.abs(got - exact[0].numpy()).max() / np.abs(exact.numpy()).max()
         assert 1e-4 < rel < 2e-2  # x's rounding shows, and is small
     assert np.abs(got - want).max() < 1e-5 * np.abs(want).max()
     got3 = np.asarray(module.prefill(x3.numpy()))
-    want3 = (x3 @ dequantise_q4(*rows.values()).T).numpy()
+    want3 = (x3 @ dense.T).numpy()
     assert np.abs(got3 - want3).max() < 1e-5 * np.abs(want3).max()

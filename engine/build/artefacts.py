@@ -32,7 +32,7 @@ BUILT_FILES = ("module.vmfb", "weights.irpa", "tokenizer.json", "chat.json")
 # Source files (under engine/) whose content decides what gets compiled: editing them invalidates every entry.
 # devices.py holds the iree-compile flags, arch.py the families the model is built from, irpa.py and
 # weights_file.py how the weights file is laid out and filled.
-EXPORT_SOURCES = ("build/model.py", "build/q4.py", "build/q4_dispatch.py", "build/kernels.py", "build/export.py",
+EXPORT_SOURCES = ("build/model.py", "build/q4.py", "build/dot_products.py", "build/kernels.py", "build/export.py",
                   "build/irpa.py", "build/weights_file.py", "devices.py", "arch.py")
 SAMPLE = 1 << 20  # bytes hashed at each end of a large file: catches truncation and foreign files cheaply
 BUNDLED_ENV = "EDDY_BUNDLED_MODELS"  # os.pathsep-separated folders holding precompiled entries

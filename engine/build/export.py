@@ -17,8 +17,8 @@ import torch
 
 import iree.turbine.aot as aot
 
-from ..config import BuildSettings, ModelConfig
-from ..devices import compile_flags, q4_form
+from ..config import QUANTISED, BuildSettings, ModelConfig
+from ..devices import compile_flags, dot_form
 from ..errors import ArtefactError, BuildCancelled
 from ..paths import cache_dir
 from . import kernels
@@ -90,7 +90,7 @@ def export_module(model: StreamingLlama) -> "aot.ExportOutput":
         return m.restore(*saved)
 
     # The custom ops are expanded as the programs are imported.
-    with kernels.lowering_for(settings.device, q4_form(settings.device, settings.target_cpu)):
+    with kernels.lowering_for(settings.device, dot_form(settings.device, settings.target_cpu)):
         return aot.export(fxb)
 
 
@@ -118,14 +118,15 @@ EXPORTS_KEPT_BYTES = 64 << 20
 def export_key(cfg: ModelConfig, settings: BuildSettings) -> str:
     """What the exported MLIR depends on: the model's shape and the build settings, but neither its weights (they
     are external parameters) nor the CPU or GPU it is then compiled for (only iree-compile sees those), but for
-    the instructions q4's hand-written decode product is written with. Builds that differ in just those share one
+    the instructions the quantised types' hand-written decode products are written with. Builds that differ in just those share one
     export: the package's two CPU levels, a test suite's models of one shape."""
     from .artefacts import export_code_hash
     from .checkpoint.source import dist_version
 
     parts = {"config": cfg.to_dict(), "settings": replace(settings, target_cpu="host", gpu_target="").to_dict(),
-             # q4's decode product is written for the target's instructions: CPUs that differ in them differ here.
-             "q4_form": q4_form(settings.device, settings.target_cpu) if settings.dtype == "q4" else None,
+             # q4's and q8's decode products are written for the target's instructions: CPUs that differ in them
+             # differ here.
+             "dot_form": dot_form(settings.device, settings.target_cpu) if settings.dtype in QUANTISED else None,
              "export": export_code_hash(),
              "versions": [dist_version(d) for d in ("torch", "iree-turbine", "iree-base-compiler")]}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]

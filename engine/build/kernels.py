@@ -2,16 +2,22 @@
 
 Two ops, each with two forms chosen by the number of rows multiplied:
   * `q4_linear`: 4-bit codes with group scales and offsets, in the tiled layout (engine/build/q4.py);
-  * `i8_linear`: int8 weights tiled (`tile_rows`), the products of q8's tiled matrices before their per-row scale
+  * `i8_linear`: int8 weights tiled (`tile_q8`), the products of q8's tiled matrices before their per-row scale
     (which the caller applies: it is one multiply of the output).
+And one for attention:
+  * `weighted_values`: decode's probabilities times the cached values, one generic with a cpu lowering that keeps
+    each query's output row in vectors; as a batch matmul IREE data-tiles it and so re-packs the whole cache's
+    values on every step (0.07 ms a layer for the default model's 3 x 1024 x 64, 0.22 ms for a 1B's 8 heads;
+    this form 0.04 and 0.03).
 
-Tiles. A matrix that is multiplied is stored in tiles of rows (TILE for q8, interleaved at each input position:
-[out/T, in, T]; q4's own blocked layout of 16), so that decode's product (one row: a matrix-vector product) keeps
-one output row per vector lane and needs no horizontal sum. With whole rows IREE's default reduced each group (q4)
-or each vector of positions (q8) to a scalar inside the loop. Decode's form depends on the device (`lowering_for`):
-on an x86 CPU, q4's is written by hand with integer dot products (engine/build/q4_dispatch.py); otherwise it and
-q8's are one generic carrying an llvm-cpu lowering that keeps those lanes. Any other row count (prefill, scoring)
-widens the tile back to float32 rows inside the dispatch that packs the data-tiled matmul, then multiplies.
+Tiles. A matrix that is multiplied is stored in tiles of rows (q8: TILE rows, 4 positions at a time,
+[out/T, in/4, T x 4]; q4's own blocked layout of 16), so that decode's product (one row: a matrix-vector product)
+keeps one output row per vector lane and needs no horizontal sum. With whole rows IREE's default reduced each
+group (q4) or each vector of positions (q8) to a scalar inside the loop. Decode's form depends on the device
+(`lowering_for`): on an x86 CPU both are written by hand with integer dot products (engine/build/dot_products.py);
+otherwise each is one generic carrying an llvm-cpu lowering that keeps those lanes. Any other row count (prefill,
+scoring) widens the tile back to float32 rows inside the dispatch that packs the data-tiled matmul, then
+multiplies.
 """
 from __future__ import annotations
 
@@ -22,16 +28,29 @@ import torch
 
 from ..config import Q4_TILE_ROWS as Q4_TILE
 from ..config import TILE_ROWS as TILE
-from . import q4_dispatch
+from . import dot_products
 
 
-def tileable(out_features: int) -> bool:
-    """Whether a multiplied matrix's rows make whole tiles."""
-    return out_features % TILE == 0
+def tileable(out_features: int, in_features: int) -> bool:
+    """Whether a multiplied q8 matrix makes whole tiles: of rows, and of 4 positions along them."""
+    return out_features % TILE == 0 and in_features % 4 == 0
 
 
-def tile_rows(w: torch.Tensor, tile: int = TILE) -> torch.Tensor:
-    """[out, in] -> [out/T, in, T]: the rows of each tile interleaved at each input position."""
+def tile_q8(w: torch.Tensor) -> torch.Tensor:
+    """[out, in] -> [out/T, in/4, T x 4]: each tile's rows 4 positions at a time, byte 4r + j of step p holding
+    row r's weight at position 4p + j (the operand of `vpdpbusd`: engine/build/dot_products.py)."""
+    out, cols = w.shape
+    return w.reshape(out // TILE, TILE, cols // 4, 4).transpose(1, 2).reshape(out // TILE, cols // 4, TILE * 4)
+
+
+def untile_q8(t: torch.Tensor) -> torch.Tensor:
+    """tile_q8's inverse."""
+    tiles, quads, _ = t.shape
+    return t.reshape(tiles, quads, TILE, 4).transpose(1, 2).reshape(tiles * TILE, quads * 4)
+
+
+def tile_rows(w: torch.Tensor, tile: int) -> torch.Tensor:
+    """[out, in] -> [out/T, in, T]: the rows of each tile interleaved at each input position (q4's scales)."""
     out, cols = w.shape
     return w.reshape(out // tile, tile, cols).transpose(1, 2).contiguous()
 
@@ -42,12 +61,12 @@ def untile_rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def tiled_rows(tiled: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Rows `ids` [n] of a tiled matrix [out/T, in, T], as [n, in] (a tied embedding's lookup): the tile of each,
-    then its lane."""
-    tiles, cols, _ = tiled.shape
+    """Rows `ids` [n] of a tiled q8 matrix (tile_q8), as [n, in] (a tied embedding's lookup): the tile of each,
+    then its row."""
+    tiles, quads, _ = tiled.shape
     tile = torch.nn.functional.embedding(torch.div(ids, TILE, rounding_mode="floor"), tiled.reshape(tiles, -1))
-    lane = torch.remainder(ids, TILE).reshape(-1, 1, 1).expand(-1, cols, 1)
-    return torch.gather(tile.reshape(-1, cols, TILE), 2, lane).squeeze(2)
+    row = torch.remainder(ids, TILE).reshape(-1, 1, 1, 1).expand(-1, quads, 1, 4)
+    return torch.gather(tile.reshape(-1, quads, TILE, 4), 2, row).reshape(-1, quads * 4)
 
 
 def q4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
@@ -62,24 +81,30 @@ def i8_linear(x: torch.Tensor, tiled: torch.Tensor) -> torch.Tensor:
     return _ops()["i8"](x.reshape(-1, x.shape[-1]), tiled).reshape(*lead, tiled.shape[0] * TILE)
 
 
+def weighted_values(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """probs [kvh, rep, C] @ values [kvh, C, d] -> [kvh, rep, d] (decode's attention output): the custom op."""
+    return _ops()["pv"](probs, values)
+
+
 _cpu_tuned = False
-_q4_form: str | None = None
+_dot_form: str | None = None
 
 
 @contextlib.contextmanager
-def lowering_for(device: str, q4_form: str | None = None) -> Iterator[None]:
-    """Within it, the ops' decode forms are those for `device`: on a cpu, q4's hand-written product in `q4_form`
-    (devices.q4_form: the instructions the build's target CPU has; None off the cpu), else the generic forms with
-    the llvm-cpu lowering that keeps a vector accumulator per lane of output rows (IREE's default for these reductions tiles
-    the reduction into the vector and sums it horizontally, or, with unit reduction tiles, lowers the multiply-add
-    as one scalar per lane). Other devices get IREE's own choice: the attribute names llvm-cpu's pipeline."""
-    global _cpu_tuned, _q4_form
-    before = _cpu_tuned, _q4_form
-    _cpu_tuned, _q4_form = device == "cpu", q4_form
+def lowering_for(device: str, dot_form: str | None = None) -> Iterator[None]:
+    """Within it, the ops' decode forms are those for `device`: on a cpu, the hand-written products in `dot_form`
+    (devices.dot_form: the instructions the build's target CPU has; None off the cpu), else the generic forms with
+    the llvm-cpu lowering that keeps a vector accumulator per lane of output rows (IREE's default for these
+    reductions tiles the reduction into the vector and sums it horizontally, or, with unit reduction tiles, lowers
+    the multiply-add as one scalar per lane). Other devices get IREE's own choice: the attribute names llvm-cpu's
+    pipeline."""
+    global _cpu_tuned, _dot_form
+    before = _cpu_tuned, _dot_form
+    _cpu_tuned, _dot_form = device == "cpu", dot_form
     try:
         yield
     finally:
-        _cpu_tuned, _q4_form = before
+        _cpu_tuned, _dot_form = before
 
 
 # Prefill's q4 form reads the codes through a 6-d view of the tiled layout (engine/build/q4.py): [tile, group,
@@ -185,11 +210,11 @@ util.func private @{name}(%a: tensor<1x{k}xf32>, """ + _Q4_ARGS + r""") -> tenso
 }}
 """
 
-# q4, decode (one row) on an x86 CPU: a call of the hand-written dispatch (engine/build/q4_dispatch.py).
-_MV_Q4_X86 = r"""
+# q4 or q8, decode (one row) on an x86 CPU: a call of the hand-written dispatch (engine/build/dot_products.py).
+_MV_X86 = r"""
 module {{
 {executable}
-util.func private @{name}(%a: tensor<1x{k}xf32>, """ + _Q4_ARGS + r""") -> tensor<1x{n}xf32> {{
+util.func private @{name}(%a: tensor<1x{k}xf32>, {args}) -> tensor<1x{n}xf32> {{
   %a1 = tensor.collapse_shape %a [[0, 1]] : tensor<1x{k}xf32> into tensor<{k}xf32>
   {call}
   %r1 = tensor.collapse_shape %r [[0, 1]] : tensor<{nb}x{t}xf32> into tensor<{n}xf32>
@@ -202,19 +227,20 @@ util.func private @{name}(%a: tensor<1x{k}xf32>, """ + _Q4_ARGS + r""") -> tenso
 # int8, any number of rows: the tile widened back to float32 rows, then the contraction.
 _MM_I8 = r"""
 module {{
-util.func private @{name}(%a: tensor<?x{k}xf32>, %w: tensor<{nb}x{k}x{t}xi8>) -> tensor<?x{n}xf32> {{
+util.func private @{name}(%a: tensor<?x{k}xf32>, %w: tensor<{nb}x{quads}x{qb}xi8>) -> tensor<?x{n}xf32> {{
   %c0 = arith.constant 0 : index
   %rows = tensor.dim %a, %c0 : tensor<?x{k}xf32>
-  %e = tensor.empty() : tensor<{nb}x{t}x{k}xf32>
+  %w4 = tensor.expand_shape %w [[0], [1], [2, 3]] output_shape [{nb}, {quads}, {t}, 4] : tensor<{nb}x{quads}x{qb}xi8> into tensor<{nb}x{quads}x{t}x4xi8>
+  %e = tensor.empty() : tensor<{nb}x{t}x{quads}x4xf32>
   %w3 = linalg.generic {{
-      indexing_maps = [affine_map<(b, r, k) -> (b, k, r)>, affine_map<(b, r, k) -> (b, r, k)>],
-      iterator_types = ["parallel", "parallel", "parallel"]}}
-      ins(%w : tensor<{nb}x{k}x{t}xi8>) outs(%e : tensor<{nb}x{t}x{k}xf32>) {{
+      indexing_maps = [affine_map<(b, r, p, j) -> (b, p, r, j)>, affine_map<(b, r, p, j) -> (b, r, p, j)>],
+      iterator_types = ["parallel", "parallel", "parallel", "parallel"]}}
+      ins(%w4 : tensor<{nb}x{quads}x{t}x4xi8>) outs(%e : tensor<{nb}x{t}x{quads}x4xf32>) {{
   ^bb0(%q: i8, %o: f32):
     %0 = arith.sitofp %q : i8 to f32
     linalg.yield %0 : f32
-  }} -> tensor<{nb}x{t}x{k}xf32>
-  %wf = tensor.collapse_shape %w3 [[0, 1], [2]] : tensor<{nb}x{t}x{k}xf32> into tensor<{n}x{k}xf32>
+  }} -> tensor<{nb}x{t}x{quads}x4xf32>
+  %wf = tensor.collapse_shape %w3 [[0, 1], [2, 3]] : tensor<{nb}x{t}x{quads}x4xf32> into tensor<{n}x{k}xf32>
   %zero = arith.constant 0.000000e+00 : f32
   %oe = tensor.empty(%rows) : tensor<?x{n}xf32>
   %acc = linalg.fill ins(%zero : f32) outs(%oe : tensor<?x{n}xf32>) -> tensor<?x{n}xf32>
@@ -233,22 +259,34 @@ util.func private @{name}(%a: tensor<?x{k}xf32>, %w: tensor<{nb}x{k}x{t}xi8>) ->
 }}
 """
 
-# int8, decode (one row): out[b, r] = sum over positions k of w * x, a lane per row of the tile (math.fma as in
-# _MV_Q4).
+# int8, decode (one row), the generic form: out[b, r] = sum over positions of w * x, a lane per row of the tile.
+# As in _MV_Q4, a row's 4 bytes of a step are read as one int32 and weight j taken out with two shifts (which
+# sign-extend it); math.fma as there.
 _MV_I8 = r"""
 module {{
-util.func private @{name}(%a: tensor<1x{k}xf32>, %w: tensor<{nb}x{k}x{t}xi8>) -> tensor<1x{n}xf32> {{
+util.func private @{name}(%a: tensor<1x{k}xf32>, %w: tensor<{nb}x{quads}x{qb}xi8>) -> tensor<1x{n}xf32> {{
   %a1 = tensor.collapse_shape %a [[0, 1]] : tensor<1x{k}xf32> into tensor<{k}xf32>
+  %a2 = tensor.expand_shape %a1 [[0, 1]] output_shape [{quads}, 4] : tensor<{k}xf32> into tensor<{quads}x4xf32>
+  %ww = flow.tensor.bitcast %w : tensor<{nb}x{quads}x{qb}xi8> -> tensor<{nb}x{quads}x{t}xi32>
   %zero = arith.constant 0.000000e+00 : f32
+  %c8 = arith.constant 8 : index
+  %c24 = arith.constant 24 : index
+  %s24 = arith.constant 24 : i32
   %oe = tensor.empty() : tensor<{nb}x{t}xf32>
   %acc = linalg.fill ins(%zero : f32) outs(%oe : tensor<{nb}x{t}xf32>) -> tensor<{nb}x{t}xf32>
   %r = linalg.generic {{
-      indexing_maps = [affine_map<(b, r, k) -> (k)>, affine_map<(b, r, k) -> (b, k, r)>,
-                       affine_map<(b, r, k) -> (b, r)>],
-      iterator_types = ["parallel", "parallel", "reduction"]}}
-      ins(%a1, %w : tensor<{k}xf32>, tensor<{nb}x{k}x{t}xi8>) outs(%acc : tensor<{nb}x{t}xf32>) {attrs} {{
-  ^bb0(%x: f32, %q: i8, %o: f32):
-    %0 = arith.sitofp %q : i8 to f32
+      indexing_maps = [affine_map<(b, r, p, j) -> (p, j)>, affine_map<(b, r, p, j) -> (b, p, r)>,
+                       affine_map<(b, r, p, j) -> (b, r)>],
+      iterator_types = ["parallel", "parallel", "reduction", "reduction"]}}
+      ins(%a2, %ww : tensor<{quads}x4xf32>, tensor<{nb}x{quads}x{t}xi32>) outs(%acc : tensor<{nb}x{t}xf32>) {attrs} {{
+  ^bb0(%x: f32, %q: i32, %o: f32):
+    %j = linalg.index 3 : index
+    %j8 = arith.muli %j, %c8 : index
+    %up = arith.subi %c24, %j8 : index
+    %upi = arith.index_cast %up : index to i32
+    %hi = arith.shli %q, %upi : i32
+    %v = arith.shrsi %hi, %s24 : i32
+    %0 = arith.sitofp %v : i32 to f32
     %1 = math.fma %0, %x, %zero : f32
     %2 = arith.addf %1, %o : f32
     linalg.yield %2 : f32
@@ -259,6 +297,36 @@ util.func private @{name}(%a: tensor<1x{k}xf32>, %w: tensor<{nb}x{k}x{t}xi8>) ->
 }}
 }}
 """
+
+
+# Decode's attention output: out[h, r, e] = sum over slots c of p[h, r, c] * v[h, c, e], a vector along e (the
+# product as math.fma(p, v, 0) plus the sum, as in _MV_Q4).
+_PV = r"""
+module {{
+util.func private @{name}(%p: tensor<{h}x{r}x{c}xf32>, %v: tensor<{h}x{c}x{d}xf32>) -> tensor<{h}x{r}x{d}xf32> {{
+  %zero = arith.constant 0.000000e+00 : f32
+  %e = tensor.empty() : tensor<{h}x{r}x{d}xf32>
+  %acc = linalg.fill ins(%zero : f32) outs(%e : tensor<{h}x{r}x{d}xf32>) -> tensor<{h}x{r}x{d}xf32>
+  %o = linalg.generic {{
+      indexing_maps = [affine_map<(h, r, e, c) -> (h, r, c)>, affine_map<(h, r, e, c) -> (h, c, e)>,
+                       affine_map<(h, r, e, c) -> (h, r, e)>],
+      iterator_types = ["parallel", "parallel", "parallel", "reduction"]}}
+      ins(%p, %v : tensor<{h}x{r}x{c}xf32>, tensor<{h}x{c}x{d}xf32>) outs(%acc : tensor<{h}x{r}x{d}xf32>) {attrs} {{
+  ^bb0(%a: f32, %b: f32, %y: f32):
+    %0 = math.fma %a, %b, %zero : f32
+    %1 = arith.addf %0, %y : f32
+    linalg.yield %1 : f32
+  }} -> tensor<{h}x{r}x{d}xf32>
+  util.return %o : tensor<{h}x{r}x{d}xf32>
+}}
+}}
+"""
+
+# Per workgroup one kv head (all its queries), a vector of the head's d outputs per query, the slots one at a time
+# (measured against whole-r vectors and 16-wide ones: no faster).
+_PV_CPU = ("attrs = {{compilation_info = #iree_codegen.compilation_info<lowering_config = #iree_cpu.lowering_config<"
+           "distribution = [1, {r}, {d}, 0], vector_common_parallel = [1, 1, {d}, 0], vector_reduction = [0, 0, 0, 1]>, "
+           "translation_info = #iree_codegen.translation_info<pipeline = #iree_cpu.pipeline<DoubleTilingExpert>>>}}")
 
 
 def _cpu_lowering(tiles: int, reduction_dims: int, tile: int = TILE) -> str:
@@ -336,12 +404,12 @@ def _register() -> dict:
             if rows != 1:
                 name = f"eddy_mm_q4_{tag}"
                 emit(kb, name, _MM_Q4.format(name=name, **sizes))
-            elif _q4_form:
-                name = f"eddy_mv_q4_{tag}_{_q4_form}"
-                exe = f"eddy_q4_{tag}_{_q4_form}"
-                emit(kb, name, _MV_Q4_X86.format(
-                    name=name, executable=q4_dispatch.executable(_q4_form, exe, nb, k),
-                    call=q4_dispatch.call(exe, nb, k, "%a1", "%qs", "%d", "%m", "%r"), **sizes))
+            elif _dot_form:
+                name = f"eddy_mv_q4_{tag}_{_dot_form}"
+                exe = f"eddy_q4_{tag}_{_dot_form}"
+                emit(kb, name, _MV_X86.format(
+                    name=name, args=_Q4_ARGS.format(**sizes), executable=dot_products.q4_executable(_dot_form, exe, nb, k),
+                    call=dot_products.q4_call(exe, nb, k, "%a1", "%qs", "%d", "%m", "%r"), **sizes))
             else:
                 name = f"eddy_mv_q4_{tag}{'_cpu' if _cpu_tuned else ''}"
                 attrs = _cpu_lowering(nb, 4, Q4_TILE) if _cpu_tuned else ""
@@ -355,19 +423,48 @@ def _register() -> dict:
             select(ksel, 2, TILE)
 
         def eager_execute(self, a, w):
-            return a @ untile_rows(w).float().T
+            return a @ untile_q8(w).float().T
 
         def generate(self, ksel: KernelSelection, kb: KernelBuilder) -> None:
-            (rows, _), (nb, k, _) = shape(kb, 0), shape(kb, 1)
-            sizes = dict(nb=nb, n=nb * TILE, k=k, t=TILE)
-            if rows == 1:
-                name = f"eddy_mv_i8_{nb * TILE}x{k}{'_cpu' if _cpu_tuned else ''}"
-                emit(kb, name, _MV_I8.format(name=name, attrs=_cpu_lowering(nb, 1) if _cpu_tuned else "", **sizes))
+            (rows, _), (nb, quads, qb) = shape(kb, 0), shape(kb, 1)
+            k = quads * 4
+            sizes = dict(nb=nb, n=nb * TILE, k=k, quads=quads, qb=qb, t=TILE)
+            tag = f"{nb * TILE}x{k}"
+            # The hand-written form quantises x per group of 32 positions.
+            if rows == 1 and _dot_form and k % 32 == 0:
+                name = f"eddy_mv_i8_{tag}_{_dot_form}"
+                exe = f"eddy_i8_{tag}_{_dot_form}"
+                emit(kb, name, _MV_X86.format(
+                    name=name, args="%w: tensor<{nb}x{quads}x{qb}xi8>".format(**sizes),
+                    executable=dot_products.q8_executable(_dot_form, exe, nb, k),
+                    call=dot_products.q8_call(exe, nb, k, "%a1", "%w", "%r"), **sizes))
+            elif rows == 1:
+                name = f"eddy_mv_i8_{tag}{'_cpu' if _cpu_tuned else ''}"
+                emit(kb, name, _MV_I8.format(name=name, attrs=_cpu_lowering(nb, 2) if _cpu_tuned else "", **sizes))
             else:
-                name = f"eddy_mm_i8_{nb * TILE}x{k}"
+                name = f"eddy_mm_i8_{tag}"
                 emit(kb, name, _MM_I8.format(name=name, **sizes))
 
-    return {"q4": mmt_q4, "i8": mmt_i8}
+    @CustomOp.register(library=library)
+    class attend_pv(CustomOp):
+        signature = "attend_pv(Tensor p, Tensor v) -> (Tensor)"
+
+        def select(self, ksel: KernelSelection) -> None:
+            p, v = ksel.arg_tensor(0), ksel.arg_tensor(1)
+            p.specialize_all_dims()
+            v.specialize_all_dims()
+            ksel.return_new_tensor([p.t.shape[0], p.t.shape[1], v.t.shape[2]], dtype=torch.float32)
+
+        def eager_execute(self, p, v):
+            return torch.matmul(p, v)
+
+        def generate(self, ksel: KernelSelection, kb: KernelBuilder) -> None:
+            (h, r, c), (_, _, d) = shape(kb, 0), shape(kb, 1)
+            name = f"eddy_pv_{h}x{r}x{c}x{d}{'_cpu' if _cpu_tuned else ''}"
+            attrs = _PV_CPU.format(r=r, d=d) if _cpu_tuned else ""
+            emit(kb, name, _PV.format(name=name, h=h, r=r, c=c, d=d, attrs=attrs))
+
+    return {"q4": mmt_q4, "i8": mmt_i8, "pv": attend_pv}
 
 
 def _mlir_isinstance_shim() -> None:

@@ -32,7 +32,7 @@ from torch import nn
 
 from ..arch import Family, family
 from ..config import Q4_TILE_ROWS, TILE_ROWS, BuildSettings, ModelConfig
-from .kernels import i8_linear, q4_linear, tileable, tile_rows, tiled_rows
+from .kernels import i8_linear, q4_linear, tileable, tile_q8, tiled_rows, weighted_values
 from .q4 import Q4_GROUP, dequantise_q4, packable, quantise_q4, tile_q4
 
 TORCH_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
@@ -73,7 +73,7 @@ class Linear(nn.Module):
         # One only looked up by row (an untied embedding) keeps its rows whole.
         self.tiled = not lookup
         self.dtype = dtype = matrix_dtype(dtype, in_features, None if lookup else out_features)
-        self.in_tiles = in_tiles(dtype, out_features, self.tiled)
+        self.in_tiles = in_tiles(dtype, out_features, in_features, self.tiled)
         self.offset = None
         if dtype == "q4":
             groups = in_features // Q4_GROUP
@@ -87,7 +87,7 @@ class Linear(nn.Module):
             self.offset = _frozen(torch.empty(shapes[1], dtype=torch.float16))
         else:
             stored = torch.int8 if dtype == "q8" else TORCH_DTYPES[dtype]
-            tiles = (out_features // TILE_ROWS, in_features, TILE_ROWS)
+            tiles = (out_features // TILE_ROWS, in_features // 4, TILE_ROWS * 4)
             self.weight = _frozen(torch.empty(tiles if self.in_tiles else (out_features, in_features), dtype=stored))
             # Per row, in row order whatever the layout (a tile's rows are consecutive).
             self.scale = _frozen(torch.empty(out_features)) if dtype == "q8" else None
@@ -122,10 +122,10 @@ def matrix_dtype(dtype: str, in_features: int, out_features: int | None = None) 
     return "q8" if dtype == "q4" and not packable(in_features, out_features) else dtype
 
 
-def in_tiles(dtype: str, out_features: int, multiplied: bool) -> bool:
+def in_tiles(dtype: str, out_features: int, in_features: int, multiplied: bool) -> bool:
     """Whether a matrix (of its stored type) is stored in tiles of rows: a quantised one that is multiplied, if
-    its rows make whole tiles (q4's always do: matrix_dtype)."""
-    return multiplied and (dtype == "q4" or dtype == "q8" and tileable(out_features))
+    it makes whole tiles (q4's always do: matrix_dtype)."""
+    return multiplied and (dtype == "q4" or dtype == "q8" and tileable(out_features, in_features))
 
 
 # Rows converted at a time by stored_matrix: its float32 temporaries stay a few MB whatever the matrix (a
@@ -151,9 +151,9 @@ def stored_matrix(w: torch.Tensor, dtype: str, tiled: bool = False) -> dict[str,
             if name not in out:  # allocated once: a second copy of a 1 GB embedding is what this avoids
                 out[name] = torch.empty((w.shape[0], *t.shape[1:]), dtype=t.dtype)
             out[name][start:start + len(t)] = t
-    if not in_tiles(dtype, w.shape[0], tiled):
+    if not in_tiles(dtype, w.shape[0], w.shape[1], tiled):
         return out
-    return tile_q4(out) if dtype == "q4" else {**out, "weight": tile_rows(out["weight"])}
+    return tile_q4(out) if dtype == "q4" else {**out, "weight": tile_q8(out["weight"])}
 
 
 def _convert_rows(block: torch.Tensor, dtype: str) -> dict[str, torch.Tensor]:
@@ -249,8 +249,8 @@ class Attention(nn.Module):
             # One query: multiply-and-sum reads the cache in place (a matmul would repack it every step).
             scores = self.capped((q.view(kvh, rep, 1, d) * keys.unsqueeze(1)).sum(-1) * self.scale)  # [kvh, rep, C]
             probs = torch.softmax(scores + mask.view(1, 1, -1), dim=-1)
-            # As a matmul: a multiply-and-sum over the slot axis vectorises past the CPU stack limit.
-            out = torch.matmul(probs, values)  # [kvh, rep, d]
+            # Not a matmul, which would re-pack the cache's values every step (engine/build/kernels.py).
+            out = weighted_values(probs, values)  # [kvh, rep, d]
             return self.wo(out.reshape(1, cfg.n_heads * d))
         scores = torch.matmul(q.permute(1, 2, 0, 3), keys.transpose(1, 2).unsqueeze(1)) * self.scale  # [kvh, rep, n, C]
         probs = torch.softmax(self.capped(scores) + mask, dim=-1)

@@ -1,0 +1,351 @@
+"""Decode's quantised matrix-vector products written by hand for x86: integer dot products of the weights (q4's
+4-bit codes, q8's int8) with x quantised to int8 per group of 32, as llama.cpp does it (no torch; the text is MLIR
+that the export places in the model).
+
+Why by hand. As one `linalg.generic` a product widens every weight to float32 and multiplies-adds it there: q4's
+takes ~15 instructions per 32 weights, compute-bound at ~14 G weights/s on two cores, under what memory gives
+(docs/BENCHMARKS.md, "Why the q4 product as one linalg.generic..."); q8's read its head at about half the
+bandwidth. Integer products over groups need a sum inside each group and another across groups, which IREE
+lowers one lane at a time. So a product is a `stream.executable` whose function is written over memrefs with
+`vector` ops and x86 intrinsics (`llvm.call_intrinsic`); iree-compile compiles it like its own dispatches (no C
+compiler), and turbine copies it from the custom op's template into the exported module, where `flow.dispatch`
+calls it.
+
+Each workgroup first quantises x (symmetric, per group: dx = max|x| / 127, llama.cpp's Q8_1) into its stack: no
+extra dispatch per product (fewer, larger workgroups, which quantise x fewer times, were no faster on the default
+model).
+
+q4 (`q4_executable`). Layout (engine/build/q4.py, `tile_q4`): tiles of Q4_TILE_ROWS = 16 rows (one zmm of int32,
+two ymm); per group of 32 positions four 64-byte blocks, block h's byte 4r + j holding row r's codes at positions
+4h + j (low nibble) and 4h + 16 + j (high nibble). One 64-byte load and two masks give two sets of 16 rows x 4
+positions, the shape of one `vpdpbusd` (u8 x s8, four products summed into each int32 lane); x's four int8 for
+those positions are one int32 broadcast. Per group, one conversion and two fused multiply-adds apply the scale
+times x's scale and the offset times x's scale times x's group sum: out = sum_g d_g dx_g sum(code q) +
+m_g dx_g sum(q).
+
+q8 (`q8_executable`). Layout (engine/build/kernels.py, `tile_q8`): tiles of TILE_ROWS = 32 rows, per 4 positions
+128 bytes, byte 4r + j holding row r's weight at position 4p + j: two `vpdpbusd` a load each. The weights are
+signed and `vpdpbusd` wants one side unsigned: w xor 0x80 = w + 128 is, and the 128 sum(q) it adds is the same
+for every row, so it is taken off once at the end: out = sum_g dx_g sum((w + 128) q) - 128 sum_g dx_g sum(q). The
+row's scale is applied by the caller, as for q8's other forms.
+
+Forms (`_Q4_GROUPS`, `_Q8_GROUPS`, chosen by engine/devices.py's DOT_FORMS): "vnni" (AVX-512 VNNI, zmm: 16 rows
+a register), "avx2" (AVX2: `vpmaddubsw` + `vpmaddwd` on ymm). In q4's avx2 form codes <= 15 and |q| <= 127 keep
+the 16-bit sums of a whole group, 8 x 2 x 15 x 127 = 30480, unsaturated; q8's cannot add 128 (255 x 127 x 2
+saturates), so it takes |w| and q with w's sign (`vpsignb`), llama.cpp's trick, whose pair sums stay under
+2 x 128 x 127.
+"""
+from __future__ import annotations
+
+from ..config import Q4_GROUP
+from ..config import Q4_TILE_ROWS as Q4_TILE
+from ..config import TILE_ROWS as Q8_TILE
+
+# Bytes of one q4 tile's group: Q4_TILE rows x Q4_GROUP codes, half a byte each.
+Q4_GROUP_BYTES = Q4_TILE * Q4_GROUP // 2
+# Bytes of one q8 tile's 4 positions.
+Q8_QUAD_BYTES = Q8_TILE * 4
+# Workgroups a product aims at: enough for two to eight threads to share; more would each quantise x again.
+WORKGROUPS = 16
+
+
+def tiles_per_workgroup(tiles: int) -> int:
+    """Tiles of rows each workgroup computes."""
+    return max(1, tiles // WORKGROUPS)
+
+
+def _quantise_x(k: int, groups: int) -> str:
+    """Body that quantises %x [k] into %xq [groups x 8] i32 (the group's 32 int8), %xd [groups] (dx) and %xm
+    [groups] (dx * sum q)."""
+    return f"""
+      %xq = memref.alloca() : memref<{groups}x8xi32>
+      %xd = memref.alloca() : memref<{groups}xf32>
+      %xm = memref.alloca() : memref<{groups}xf32>
+      scf.for %c = %c0 to %cg step %c1 {{
+        %p = arith.muli %c, %c32 : index
+        %v = vector.load %x[%p] : memref<{k}xf32>, vector<32xf32>
+        %a = math.absf %v : vector<32xf32>
+        %amax = vector.reduction <maxnumf>, %a : vector<32xf32> into f32
+        %dx = arith.mulf %amax, %r127 : f32
+        %pos = arith.cmpf ogt, %amax, %zf : f32
+        %inv0 = arith.divf %f127, %amax : f32
+        %inv = arith.select %pos, %inv0, %zf : f32
+        %invv = vector.broadcast %inv : f32 to vector<32xf32>
+        %s = arith.mulf %v, %invv : vector<32xf32>
+        %rn = math.roundeven %s : vector<32xf32>
+        %qi = arith.fptosi %rn : vector<32xf32> to vector<32xi32>
+        %sum = vector.reduction <add>, %qi : vector<32xi32> into i32
+        %q8 = arith.trunci %qi : vector<32xi32> to vector<32xi8>
+        %q32 = vector.bitcast %q8 : vector<32xi8> to vector<8xi32>
+        vector.store %q32, %xq[%c, %c0] : memref<{groups}x8xi32>, vector<8xi32>
+        %sumf = arith.sitofp %sum : i32 to f32
+        %dxs = arith.mulf %dx, %sumf : f32
+        memref.store %dx, %xd[%c] : memref<{groups}xf32>
+        memref.store %dxs, %xm[%c] : memref<{groups}xf32>
+      }}"""
+
+
+def _q4_vnni() -> tuple[str, str]:
+    """One group of one tile (%b, %c): its body and the value holding the 16 rows' integer sums."""
+    lines = []
+    acc = "%zi"
+    for h in range(4):
+        lines.append(f"""
+          %w{h} = vector.load %q[%b, %c, %o{h}] : memref<{{nb}}x{{groups}}x{Q4_GROUP_BYTES}xi8>, vector<64xi8>
+          %l{h} = arith.andi %w{h}, %mask : vector<64xi8>
+          %s{h} = arith.shrui %w{h}, %four : vector<64xi8>
+          %u{h} = arith.andi %s{h}, %mask : vector<64xi8>
+          %xl{h}s = memref.load %xq[%c, %i{h}] : memref<{{groups}}x8xi32>
+          %xh{h}s = memref.load %xq[%c, %i{h + 4}] : memref<{{groups}}x8xi32>
+          %xl{h}v = vector.broadcast %xl{h}s : i32 to vector<16xi32>
+          %xh{h}v = vector.broadcast %xh{h}s : i32 to vector<16xi32>
+          %xl{h} = vector.bitcast %xl{h}v : vector<16xi32> to vector<64xi8>
+          %xh{h} = vector.bitcast %xh{h}v : vector<16xi32> to vector<64xi8>
+          %p{h} = llvm.call_intrinsic "llvm.x86.avx512.vpdpbusd.512"({acc}, %l{h}, %xl{h}) : (vector<16xi32>, vector<64xi8>, vector<64xi8>) -> vector<16xi32>
+          %r{h} = llvm.call_intrinsic "llvm.x86.avx512.vpdpbusd.512"(%p{h}, %u{h}, %xh{h}) : (vector<16xi32>, vector<64xi8>, vector<64xi8>) -> vector<16xi32>""")
+        acc = f"%r{h}"
+    return "".join(lines), acc
+
+
+def _q4_avx2() -> tuple[str, str]:
+    """One group of one tile in two ymm halves of 8 rows: its body and the value holding the integer sums."""
+    lines = [f"""
+          %xl{h}s = memref.load %xq[%c, %i{h}] : memref<{{groups}}x8xi32>
+          %xh{h}s = memref.load %xq[%c, %i{h + 4}] : memref<{{groups}}x8xi32>
+          %xl{h}v = vector.broadcast %xl{h}s : i32 to vector<8xi32>
+          %xh{h}v = vector.broadcast %xh{h}s : i32 to vector<8xi32>
+          %xl{h} = vector.bitcast %xl{h}v : vector<8xi32> to vector<32xi8>
+          %xh{h} = vector.bitcast %xh{h}v : vector<8xi32> to vector<32xi8>""" for h in range(4)]
+    for half in range(2):
+        prods = []
+        for h in range(4):
+            at = f"%o{h}h{half}"
+            lines.append(f"""
+          %w{h}_{half} = vector.load %q[%b, %c, {at}] : memref<{{nb}}x{{groups}}x{Q4_GROUP_BYTES}xi8>, vector<32xi8>
+          %l{h}_{half} = arith.andi %w{h}_{half}, %mask32 : vector<32xi8>
+          %s{h}_{half} = arith.shrui %w{h}_{half}, %four32 : vector<32xi8>
+          %u{h}_{half} = arith.andi %s{h}_{half}, %mask32 : vector<32xi8>
+          %pl{h}_{half} = llvm.call_intrinsic "llvm.x86.avx2.pmadd.ub.sw"(%l{h}_{half}, %xl{h}) : (vector<32xi8>, vector<32xi8>) -> vector<16xi16>
+          %pu{h}_{half} = llvm.call_intrinsic "llvm.x86.avx2.pmadd.ub.sw"(%u{h}_{half}, %xh{h}) : (vector<32xi8>, vector<32xi8>) -> vector<16xi16>""")
+            prods += [f"%pl{h}_{half}", f"%pu{h}_{half}"]
+        total = prods[0]
+        for i, p in enumerate(prods[1:]):
+            lines.append(f"\n          %t{i}_{half} = arith.addi {total}, {p} : vector<16xi16>")
+            total = f"%t{i}_{half}"
+        lines.append(f"""
+          %d{half} = llvm.call_intrinsic "llvm.x86.avx2.pmadd.wd"({total}, %ones16) : (vector<16xi16>, vector<16xi16>) -> vector<8xi32>""")
+    lines.append("\n          %isum = vector.shuffle %d0, %d1 [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15] : "
+                 "vector<8xi32>, vector<8xi32>")
+    return "".join(lines), "%isum"
+
+
+def _q8_vnni() -> str:
+    """One group of 32 positions of one q8 tile (%b, %c): %il, %ih, the integer sums of rows 0-15 and 16-31."""
+    lines = ["""
+          %c8 = arith.muli %c, %i8 : index"""]
+    acc = {"l": "%zi", "h": "%zi"}
+    for p in range(8):
+        lines.append(f"""
+          %p{p} = arith.addi %c8, %i{p} : index
+          %x{p}s = memref.load %xq[%c, %i{p}] : memref<{{groups}}x8xi32>
+          %x{p}v = vector.broadcast %x{p}s : i32 to vector<16xi32>
+          %x{p} = vector.bitcast %x{p}v : vector<16xi32> to vector<64xi8>""")
+        for half, at in (("l", "%c0"), ("h", "%c64")):
+            lines.append(f"""
+          %w{p}{half} = vector.load %w[%b, %p{p}, {at}] : memref<{{nb}}x{{quads}}x{Q8_QUAD_BYTES}xi8>, vector<64xi8>
+          %u{p}{half} = arith.xori %w{p}{half}, %x80 : vector<64xi8>
+          %s{p}{half} = llvm.call_intrinsic "llvm.x86.avx512.vpdpbusd.512"({acc[half]}, %u{p}{half}, %x{p}) : (vector<16xi32>, vector<64xi8>, vector<64xi8>) -> vector<16xi32>""")
+            acc[half] = f"%s{p}{half}"
+    lines.append(f"""
+          %il = arith.addi {acc["l"]}, %zi : vector<16xi32>
+          %ih = arith.addi {acc["h"]}, %zi : vector<16xi32>""")
+    return "".join(lines)
+
+
+def _q8_avx2() -> str:
+    """_q8_vnni in AVX2: four ymm of 8 rows per 4 positions, |w| times q with w's sign."""
+    lines = ["""
+          %c8 = arith.muli %c, %i8 : index"""]
+    acc = ["%zi8"] * 4
+    for p in range(8):
+        lines.append(f"""
+          %p{p} = arith.addi %c8, %i{p} : index
+          %x{p}s = memref.load %xq[%c, %i{p}] : memref<{{groups}}x8xi32>
+          %x{p}v = vector.broadcast %x{p}s : i32 to vector<8xi32>
+          %x{p} = vector.bitcast %x{p}v : vector<8xi32> to vector<32xi8>""")
+        for qr in range(4):
+            v = f"{p}_{qr}"
+            lines.append(f"""
+          %w{v} = vector.load %w[%b, %p{p}, %y{qr}] : memref<{{nb}}x{{quads}}x{Q8_QUAD_BYTES}xi8>, vector<32xi8>
+          %a{v} = math.absi %w{v} : vector<32xi8>
+          %g{v} = llvm.call_intrinsic "llvm.x86.avx2.psign.b"(%x{p}, %w{v}) : (vector<32xi8>, vector<32xi8>) -> vector<32xi8>
+          %m{v} = llvm.call_intrinsic "llvm.x86.avx2.pmadd.ub.sw"(%a{v}, %g{v}) : (vector<32xi8>, vector<32xi8>) -> vector<16xi16>
+          %d{v} = llvm.call_intrinsic "llvm.x86.avx2.pmadd.wd"(%m{v}, %ones16) : (vector<16xi16>, vector<16xi16>) -> vector<8xi32>
+          %s{v} = arith.addi {acc[qr]}, %d{v} : vector<8xi32>""")
+            acc[qr] = f"%s{v}"
+    lines.append(f"""
+          %il = vector.shuffle {acc[0]}, {acc[1]} [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15] : vector<8xi32>, vector<8xi32>
+          %ih = vector.shuffle {acc[2]}, {acc[3]} [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15] : vector<8xi32>, vector<8xi32>""")
+    return "".join(lines)
+
+
+_Q4_GROUPS = {"vnni": _q4_vnni, "avx2": _q4_avx2}
+_Q8_GROUPS = {"vnni": _q8_vnni, "avx2": _q8_avx2}
+FORMS = tuple(_Q4_GROUPS)
+
+_EXECUTABLE = """
+stream.executable private @{name} {{
+  stream.executable.export public @{name} workgroups() -> (index, index, index) {{
+    %w = arith.constant {workgroups} : index
+    %one = arith.constant 1 : index
+    stream.return %w, %one, %one : index, index, index
+  }}
+  builtin.module {{
+    func.func @{name}(%xb: !stream.binding, {bindings}, %ob: !stream.binding) {{
+      %c0 = arith.constant 0 : index
+      %c1 = arith.constant 1 : index
+      %c32 = arith.constant 32 : index
+      %c64 = arith.constant 64 : index
+      %cg = arith.constant {groups} : index
+      %cnb = arith.constant {nb} : index
+      %ctpw = arith.constant {per_workgroup} : index
+      %zf = arith.constant 0.0 : f32
+      %f127 = arith.constant 127.0 : f32
+      %r127 = arith.constant 0.007874015748031496 : f32
+      %zi = arith.constant dense<0> : vector<16xi32>
+      %zi8 = arith.constant dense<0> : vector<8xi32>
+      %zv = arith.constant dense<0.0> : vector<16xf32>
+      %mask = arith.constant dense<15> : vector<64xi8>
+      %four = arith.constant dense<4> : vector<64xi8>
+      %x80 = arith.constant dense<-128> : vector<64xi8>
+      %mask32 = arith.constant dense<15> : vector<32xi8>
+      %four32 = arith.constant dense<4> : vector<32xi8>
+      %ones16 = arith.constant dense<1> : vector<16xi16>
+{offsets}
+      %x = stream.binding.subspan %xb[%c0] : !stream.binding -> memref<{k}xf32>
+{subspans}
+{quantise}
+      %wg = stream.dispatch.workgroup.id[0] : index
+      %t0 = arith.muli %wg, %ctpw : index
+      %t1a = arith.addi %t0, %ctpw : index
+      %t1 = arith.minui %t1a, %cnb : index
+      scf.for %b = %t0 to %t1 step %c1 {{{tile}
+      }}
+      return
+    }}
+  }}
+}}
+"""
+
+_Q4_TILE = """
+        %acc = scf.for %c = %c0 to %cg step %c1 iter_args(%af = %zv) -> vector<16xf32> {{{group}
+          %fs = arith.sitofp {isum} : vector<16xi32> to vector<16xf32>
+          %dh = vector.load %d[%b, %c, %c0] : memref<{nb}x{groups}x16xf16>, vector<16xf16>
+          %mh = vector.load %m[%b, %c, %c0] : memref<{nb}x{groups}x16xf16>, vector<16xf16>
+          %dv = arith.extf %dh : vector<16xf16> to vector<16xf32>
+          %mv = arith.extf %mh : vector<16xf16> to vector<16xf32>
+          %dxs = memref.load %xd[%c] : memref<{groups}xf32>
+          %dms = memref.load %xm[%c] : memref<{groups}xf32>
+          %dxv = vector.broadcast %dxs : f32 to vector<16xf32>
+          %dmv = vector.broadcast %dms : f32 to vector<16xf32>
+          %sc = arith.mulf %dv, %dxv : vector<16xf32>
+          %a1 = math.fma %fs, %sc, %af : vector<16xf32>
+          %a2 = math.fma %mv, %dmv, %a1 : vector<16xf32>
+          scf.yield %a2 : vector<16xf32>
+        }}
+        vector.store %acc, %o[%b, %c0] : memref<{nb}x16xf32>, vector<16xf32>"""
+
+# The 128 sum(q) that vnni's w + 128 adds is taken off once (%bias: 128 sum_g dx_g sum(q), the same for every
+# row).
+_Q8_TILE = """
+        %acc:2 = scf.for %c = %c0 to %cg step %c1 iter_args(%al = %zv, %ah = %zv) -> (vector<16xf32>, vector<16xf32>) {{{group}
+          %fl = arith.sitofp %il : vector<16xi32> to vector<16xf32>
+          %fh = arith.sitofp %ih : vector<16xi32> to vector<16xf32>
+          %dxs = memref.load %xd[%c] : memref<{groups}xf32>
+          %dxv = vector.broadcast %dxs : f32 to vector<16xf32>
+          %nl = math.fma %fl, %dxv, %al : vector<16xf32>
+          %nh = math.fma %fh, %dxv, %ah : vector<16xf32>
+          scf.yield %nl, %nh : vector<16xf32>, vector<16xf32>
+        }}
+        %rl = arith.subf %acc#0, %biasv : vector<16xf32>
+        %rh = arith.subf %acc#1, %biasv : vector<16xf32>
+        vector.store %rl, %o[%b, %c0] : memref<{nb}x32xf32>, vector<16xf32>
+        vector.store %rh, %o[%b, %c16] : memref<{nb}x32xf32>, vector<16xf32>"""
+
+_Q8_BIAS = """
+      %c16 = arith.constant 16 : index
+      %f128 = arith.constant 128.0 : f32
+      %xms = scf.for %c = %c0 to %cg step %c1 iter_args(%s = %zf) -> f32 {{
+        %v = memref.load %xm[%c] : memref<{groups}xf32>
+        %n = arith.addf %s, %v : f32
+        scf.yield %n : f32
+      }}
+      %bias = arith.mulf %xms, %f128 : f32
+      %biasv = vector.broadcast %bias : f32 to vector<16xf32>"""
+
+_Q8_NO_BIAS = """
+      %c16 = arith.constant 16 : index
+      %biasv = arith.constant dense<0.0> : vector<16xf32>"""
+
+
+def _offsets() -> str:
+    """Index constants: %i0..%i8; q4's %o0..%o3 (blocks) and %o{h}h{half} (their ymm halves); q8's %y0..%y3 (ymm
+    quarters of 4 positions)."""
+    lines = [f"      %i{i} = arith.constant {i} : index" for i in range(9)]
+    lines += [f"      %o{h} = arith.constant {64 * h} : index" for h in range(4)]
+    lines += [f"      %y{q} = arith.constant {32 * q} : index" for q in range(4)]
+    lines += [f"      %o{h}h{half} = arith.constant {64 * h + 32 * half} : index" for h in range(4) for half in range(2)]
+    return "\n".join(lines)
+
+
+def _executable(name: str, tiles: int, k: int, bindings: str, subspans: str, tile: str) -> str:
+    groups = k // Q4_GROUP
+    per_workgroup = tiles_per_workgroup(tiles)
+    return _EXECUTABLE.format(
+        name=name, workgroups=-(-tiles // per_workgroup), groups=groups, nb=tiles, per_workgroup=per_workgroup, k=k,
+        bindings=bindings, offsets=_offsets(), subspans=subspans, quantise=_quantise_x(k, groups), tile=tile)
+
+
+def q4_executable(form: str, name: str, tiles: int, k: int) -> str:
+    """The `stream.executable` @name (export and function both named so) computing out [tiles x 16] f32 from
+    x [k] f32, the codes [tiles x groups x Q4_GROUP_BYTES] i8 and scales, offsets [tiles x groups x 16] f16."""
+    groups = k // Q4_GROUP
+    body, isum = _Q4_GROUPS[form]()
+    subspans = f"""
+      %q = stream.binding.subspan %qb[%c0] : !stream.binding -> memref<{tiles}x{groups}x{Q4_GROUP_BYTES}xi8>
+      %d = stream.binding.subspan %db[%c0] : !stream.binding -> memref<{tiles}x{groups}x16xf16>
+      %m = stream.binding.subspan %mb[%c0] : !stream.binding -> memref<{tiles}x{groups}x16xf16>
+      %o = stream.binding.subspan %ob[%c0] : !stream.binding -> memref<{tiles}x16xf32>"""
+    tile = _Q4_TILE.format(nb=tiles, groups=groups, group=body.format(nb=tiles, groups=groups), isum=isum)
+    return _executable(name, tiles, k, "%qb: !stream.binding, %db: !stream.binding, %mb: !stream.binding",
+                       subspans, tile)
+
+
+def q4_call(name: str, tiles: int, k: int, x: str, q: str, d: str, m: str, out: str) -> str:
+    """The `flow.dispatch` of q4_executable @name, binding `out` (tensor<tiles x 16 x f32>)."""
+    groups = k // Q4_GROUP
+    return (f"{out} = flow.dispatch @{name}::@{name}({x}, {q}, {d}, {m}) : (tensor<{k}xf32>, "
+            f"tensor<{tiles}x{groups}x{Q4_GROUP_BYTES}xi8>, tensor<{tiles}x{groups}x16xf16>, "
+            f"tensor<{tiles}x{groups}x16xf16>) -> tensor<{tiles}x16xf32>")
+
+
+def q8_executable(form: str, name: str, tiles: int, k: int) -> str:
+    """The `stream.executable` @name computing out [tiles x 32] f32 (before the rows' scales) from x [k] f32 and
+    the weights [tiles x k/4 x Q8_QUAD_BYTES] i8. k is a multiple of 32 (x's groups)."""
+    groups, quads = k // Q4_GROUP, k // 4
+    subspans = f"""
+      %w = stream.binding.subspan %wb[%c0] : !stream.binding -> memref<{tiles}x{quads}x{Q8_QUAD_BYTES}xi8>
+      %o = stream.binding.subspan %ob[%c0] : !stream.binding -> memref<{tiles}x32xf32>"""
+    # Only the vnni form adds 128 to the weights (avx2 multiplies |w| by q with w's sign).
+    quantise_and_bias = _Q8_BIAS.format(groups=groups) if form == "vnni" else _Q8_NO_BIAS
+    tile = _Q8_TILE.format(nb=tiles, groups=groups, group=_Q8_GROUPS[form]().format(nb=tiles, groups=groups,
+                                                                                    quads=quads))
+    text = _executable(name, tiles, k, "%wb: !stream.binding", subspans, tile)
+    # x's groups are quantised before the bias is summed from them.
+    return text.replace("      %wg = stream.dispatch.workgroup.id[0]", quantise_and_bias + "\n      %wg = stream.dispatch.workgroup.id[0]")
+
+
+def q8_call(name: str, tiles: int, k: int, x: str, w: str, out: str) -> str:
+    """The `flow.dispatch` of q8_executable @name, binding `out` (tensor<tiles x 32 x f32>)."""
+    return (f"{out} = flow.dispatch @{name}::@{name}({x}, {w}) : (tensor<{k}xf32>, "
+            f"tensor<{tiles}x{k // 4}x{Q8_QUAD_BYTES}xi8>) -> tensor<{tiles}x32xf32>")
