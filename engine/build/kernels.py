@@ -4,11 +4,13 @@ Two ops, each with two forms chosen by the number of rows multiplied:
   * `q4_linear`: 4-bit codes with group scales and offsets, in the tiled layout (engine/build/q4.py);
   * `i8_linear`: int8 weights tiled (`tile_q8`), the products of q8's tiled matrices before their per-row scale
     (which the caller applies: it is one multiply of the output).
-And one for attention:
-  * `weighted_values`: decode's probabilities times the cached values, one generic with a cpu lowering that keeps
-    each query's output row in vectors; as a batch matmul IREE data-tiles it and so re-packs the whole cache's
-    values on every step (0.07 ms a layer for the default model's 3 x 1024 x 64, 0.22 ms for a 1B's 8 heads;
-    this form 0.04 and 0.03).
+And two for decode's attention, which reads the cache in place:
+  * `query_keys`: the query heads against the cached keys (the scores);
+  * `weighted_values`: the probabilities times the cached values.
+As batch matmuls IREE data-tiles them and so re-packs the whole cache's keys and values on every step; as
+generics whose body is not a plain multiply-add (math.fma(a, b, 0) + acc) they are not taken for contractions,
+and carry a cpu lowering instead: 0.16 + 0.15 ms a layer for a 1B's 8 x 4 heads over 1024 slots against 0.38 +
+0.28 ms as batch matmuls (bench: iree-benchmark-module on the ops alone, this Xeon).
 
 Tiles. A matrix that is multiplied is stored in tiles of rows (q8: TILE rows, 4 positions at a time,
 [out/T, in/4, T x 4]; q4's own blocked layout of 16), so that decode's product (one row: a matrix-vector product)
@@ -79,6 +81,11 @@ def i8_linear(x: torch.Tensor, tiled: torch.Tensor) -> torch.Tensor:
     """x [..., in] @ W.T for a tiled int8 matrix W [out, in] (no scale): the custom op in an export."""
     lead = x.shape[:-1]
     return _ops()["i8"](x.reshape(-1, x.shape[-1]), tiled).reshape(*lead, tiled.shape[0] * TILE)
+
+
+def query_keys(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """q [kvh, rep, d] . keys [kvh, C, d] -> [kvh, rep, C] (decode's attention scores, unscaled): the custom op."""
+    return _ops()["qk"](q, keys)
 
 
 def weighted_values(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -299,34 +306,36 @@ util.func private @{name}(%a: tensor<1x{k}xf32>, %w: tensor<{nb}x{quads}x{qb}xi8
 """
 
 
-# Decode's attention output: out[h, r, e] = sum over slots c of p[h, r, c] * v[h, c, e], a vector along e (the
-# product as math.fma(p, v, 0) plus the sum, as in _MV_Q4).
-_PV = r"""
+# Decode's attention: out[h, r, i] = sum over j of a[h, r, j] * b[h, j, i] (output rows: probs times values) or
+# of a[h, r, j] * b[h, i, j] (scores: queries against keys), the product as math.fma(a, b, 0) plus the sum.
+_ATTEND = r"""
 module {{
-util.func private @{name}(%p: tensor<{h}x{r}x{c}xf32>, %v: tensor<{h}x{c}x{d}xf32>) -> tensor<{h}x{r}x{d}xf32> {{
+util.func private @{name}(%a: tensor<{h}x{r}x{j}xf32>, %b: tensor<{b_shape}xf32>) -> tensor<{h}x{r}x{i}xf32> {{
   %zero = arith.constant 0.000000e+00 : f32
-  %e = tensor.empty() : tensor<{h}x{r}x{d}xf32>
-  %acc = linalg.fill ins(%zero : f32) outs(%e : tensor<{h}x{r}x{d}xf32>) -> tensor<{h}x{r}x{d}xf32>
+  %e = tensor.empty() : tensor<{h}x{r}x{i}xf32>
+  %acc = linalg.fill ins(%zero : f32) outs(%e : tensor<{h}x{r}x{i}xf32>) -> tensor<{h}x{r}x{i}xf32>
   %o = linalg.generic {{
-      indexing_maps = [affine_map<(h, r, e, c) -> (h, r, c)>, affine_map<(h, r, e, c) -> (h, c, e)>,
-                       affine_map<(h, r, e, c) -> (h, r, e)>],
+      indexing_maps = [affine_map<(h, r, i, j) -> (h, r, j)>, affine_map<(h, r, i, j) -> {b_map}>,
+                       affine_map<(h, r, i, j) -> (h, r, i)>],
       iterator_types = ["parallel", "parallel", "parallel", "reduction"]}}
-      ins(%p, %v : tensor<{h}x{r}x{c}xf32>, tensor<{h}x{c}x{d}xf32>) outs(%acc : tensor<{h}x{r}x{d}xf32>) {attrs} {{
-  ^bb0(%a: f32, %b: f32, %y: f32):
-    %0 = math.fma %a, %b, %zero : f32
-    %1 = arith.addf %0, %y : f32
+      ins(%a, %b : tensor<{h}x{r}x{j}xf32>, tensor<{b_shape}xf32>) outs(%acc : tensor<{h}x{r}x{i}xf32>) {attrs} {{
+  ^bb0(%x: f32, %y: f32, %s: f32):
+    %0 = math.fma %x, %y, %zero : f32
+    %1 = arith.addf %0, %s : f32
     linalg.yield %1 : f32
-  }} -> tensor<{h}x{r}x{d}xf32>
-  util.return %o : tensor<{h}x{r}x{d}xf32>
+  }} -> tensor<{h}x{r}x{i}xf32>
+  util.return %o : tensor<{h}x{r}x{i}xf32>
 }}
 }}
 """
 
-# Per workgroup one kv head (all its queries), a vector of the head's d outputs per query, the slots one at a time
-# (measured against whole-r vectors and 16-wide ones: no faster).
-_PV_CPU = ("attrs = {{compilation_info = #iree_codegen.compilation_info<lowering_config = #iree_cpu.lowering_config<"
-           "distribution = [1, {r}, {d}, 0], vector_common_parallel = [1, 1, {d}, 0], vector_reduction = [0, 0, 0, 1]>, "
-           "translation_info = #iree_codegen.translation_info<pipeline = #iree_cpu.pipeline<DoubleTilingExpert>>>}}")
+# Per workgroup one kv head's queries. Values: a vector of each query's d outputs, the slots one at a time. Keys:
+# 64 slots, each query's dot product over d as one vector, summed across it (a vector along the slots would
+# gather keys d apart). Each measured against 1 query at a time and 16-wide vectors: those were slower.
+_ATTEND_CPU = ("attrs = {{compilation_info = #iree_codegen.compilation_info<lowering_config = #iree_cpu.lowering_config<"
+               "distribution = [1, {r}, {dist}, 0], vector_common_parallel = [1, {r}, {vec}, 0], "
+               "vector_reduction = [0, 0, 0, {red}]>, translation_info = #iree_codegen.translation_info<"
+               "pipeline = #iree_cpu.pipeline<DoubleTilingExpert>>>}}")
 
 
 def _cpu_lowering(tiles: int, reduction_dims: int, tile: int = TILE) -> str:
@@ -445,26 +454,48 @@ def _register() -> dict:
                 name = f"eddy_mm_i8_{tag}"
                 emit(kb, name, _MM_I8.format(name=name, **sizes))
 
+    def select_attend(ksel: KernelSelection, keys: bool) -> None:
+        a, b = ksel.arg_tensor(0), ksel.arg_tensor(1)
+        a.specialize_all_dims()
+        b.specialize_all_dims()
+        ksel.return_new_tensor([a.t.shape[0], a.t.shape[1], b.t.shape[1 if keys else 2]], dtype=torch.float32)
+
+    def generate_attend(kb: KernelBuilder, keys: bool) -> None:
+        (h, r, j), (_, b1, b2) = shape(kb, 0), shape(kb, 1)
+        i = b1 if keys else b2
+        name = f"eddy_{'qk' if keys else 'pv'}_{h}x{r}x{i}x{j}{'_cpu' if _cpu_tuned else ''}"
+        tiles = dict(dist=64, vec=1, red=j) if keys else dict(dist=i, vec=i, red=1)
+        attrs = _ATTEND_CPU.format(r=r, **tiles) if _cpu_tuned else ""
+        emit(kb, name, _ATTEND.format(name=name, h=h, r=r, i=i, j=j, b_shape=f"{h}x{b1}x{b2}",
+                                      b_map="(h, i, j)" if keys else "(h, j, i)", attrs=attrs))
+
+    @CustomOp.register(library=library)
+    class attend_qk(CustomOp):
+        signature = "attend_qk(Tensor q, Tensor k) -> (Tensor)"
+
+        def select(self, ksel: KernelSelection) -> None:
+            select_attend(ksel, True)
+
+        def eager_execute(self, q, k):
+            return torch.matmul(q, k.transpose(1, 2))
+
+        def generate(self, ksel: KernelSelection, kb: KernelBuilder) -> None:
+            generate_attend(kb, True)
+
     @CustomOp.register(library=library)
     class attend_pv(CustomOp):
         signature = "attend_pv(Tensor p, Tensor v) -> (Tensor)"
 
         def select(self, ksel: KernelSelection) -> None:
-            p, v = ksel.arg_tensor(0), ksel.arg_tensor(1)
-            p.specialize_all_dims()
-            v.specialize_all_dims()
-            ksel.return_new_tensor([p.t.shape[0], p.t.shape[1], v.t.shape[2]], dtype=torch.float32)
+            select_attend(ksel, False)
 
         def eager_execute(self, p, v):
             return torch.matmul(p, v)
 
         def generate(self, ksel: KernelSelection, kb: KernelBuilder) -> None:
-            (h, r, c), (_, _, d) = shape(kb, 0), shape(kb, 1)
-            name = f"eddy_pv_{h}x{r}x{c}x{d}{'_cpu' if _cpu_tuned else ''}"
-            attrs = _PV_CPU.format(r=r, d=d) if _cpu_tuned else ""
-            emit(kb, name, _PV.format(name=name, h=h, r=r, c=c, d=d, attrs=attrs))
+            generate_attend(kb, False)
 
-    return {"q4": mmt_q4, "i8": mmt_i8, "pv": attend_pv}
+    return {"q4": mmt_q4, "i8": mmt_i8, "qk": attend_qk, "pv": attend_pv}
 
 
 def _mlir_isinstance_shim() -> None:

@@ -32,7 +32,7 @@ from torch import nn
 
 from ..arch import Family, family
 from ..config import Q4_TILE_ROWS, TILE_ROWS, BuildSettings, ModelConfig
-from .kernels import i8_linear, q4_linear, tileable, tile_q8, tiled_rows, weighted_values
+from .kernels import i8_linear, q4_linear, tileable, tile_q8, tiled_rows, query_keys, weighted_values
 from .q4 import Q4_GROUP, dequantise_q4, packable, quantise_q4, tile_q4
 
 TORCH_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
@@ -246,10 +246,9 @@ class Attention(nn.Module):
             keys, values = self.write_cache(step, to_kv(k, step.cache), to_kv(v, step.cache))
             mask = step.local_mask if self.local else step.mask
         if step.single:
-            # One query: multiply-and-sum reads the cache in place (a matmul would repack it every step).
-            scores = self.capped((q.view(kvh, rep, 1, d) * keys.unsqueeze(1)).sum(-1) * self.scale)  # [kvh, rep, C]
+            # One query: custom ops read the cache in place (matmuls would re-pack it every step: kernels.py).
+            scores = self.capped(query_keys(q.view(kvh, rep, d), keys) * self.scale)  # [kvh, rep, C]
             probs = torch.softmax(scores + mask.view(1, 1, -1), dim=-1)
-            # Not a matmul, which would re-pack the cache's values every step (engine/build/kernels.py).
             out = weighted_values(probs, values)  # [kvh, rep, d]
             return self.wo(out.reshape(1, cfg.n_heads * d))
         scores = torch.matmul(q.permute(1, 2, 0, 3), keys.transpose(1, 2).unsqueeze(1)) * self.scale  # [kvh, rep, n, C]
