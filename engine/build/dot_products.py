@@ -4,7 +4,7 @@ that the export places in the model).
 
 Why by hand. As one `linalg.generic` a product widens every weight to float32 and multiplies-adds it there: q4's
 takes ~15 instructions per 32 weights, compute-bound at ~14 G weights/s on two cores, under what memory gives
-(docs/BENCHMARKS.md, "Why the q4 product as one linalg.generic..."); q8's read its head at about half the
+(docs/BENCHMARKS.md, "Why the q4 product as one linalg.generic..."); q8's read a 1B's LM head at half the
 bandwidth. Integer products over groups need a sum inside each group and another across groups, which IREE
 lowers one lane at a time. So a product is a `stream.executable` whose function is written over memrefs with
 `vector` ops and x86 intrinsics (`llvm.call_intrinsic`); iree-compile compiles it like its own dispatches (no C
@@ -144,8 +144,9 @@ def _q4_avx2() -> tuple[str, str]:
     return "".join(lines), "%isum"
 
 
-def _q8_vnni() -> str:
-    """One group of 32 positions of one q8 tile (%b, %c): %il, %ih, the integer sums of rows 0-15 and 16-31."""
+def _q8_vnni() -> tuple[str, str, str]:
+    """One group of 32 positions of one q8 tile (%b, %c): its body and the values holding the integer sums of rows
+    0-15 and 16-31."""
     lines = ["""
           %c8 = arith.muli %c, %i8 : index"""]
     acc = {"l": "%zi", "h": "%zi"}
@@ -161,13 +162,10 @@ def _q8_vnni() -> str:
           %u{p}{half} = arith.xori %w{p}{half}, %x80 : vector<64xi8>
           %s{p}{half} = llvm.call_intrinsic "llvm.x86.avx512.vpdpbusd.512"({acc[half]}, %u{p}{half}, %x{p}) : (vector<16xi32>, vector<64xi8>, vector<64xi8>) -> vector<16xi32>""")
             acc[half] = f"%s{p}{half}"
-    lines.append(f"""
-          %il = arith.addi {acc["l"]}, %zi : vector<16xi32>
-          %ih = arith.addi {acc["h"]}, %zi : vector<16xi32>""")
-    return "".join(lines)
+    return "".join(lines), acc["l"], acc["h"]
 
 
-def _q8_avx2() -> str:
+def _q8_avx2() -> tuple[str, str, str]:
     """_q8_vnni in AVX2: four ymm of 8 rows per 4 positions, |w| times q with w's sign."""
     lines = ["""
           %c8 = arith.muli %c, %i8 : index"""]
@@ -191,12 +189,11 @@ def _q8_avx2() -> str:
     lines.append(f"""
           %il = vector.shuffle {acc[0]}, {acc[1]} [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15] : vector<8xi32>, vector<8xi32>
           %ih = vector.shuffle {acc[2]}, {acc[3]} [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15] : vector<8xi32>, vector<8xi32>""")
-    return "".join(lines)
+    return "".join(lines), "%il", "%ih"
 
 
 _Q4_GROUPS = {"vnni": _q4_vnni, "avx2": _q4_avx2}
 _Q8_GROUPS = {"vnni": _q8_vnni, "avx2": _q8_avx2}
-FORMS = tuple(_Q4_GROUPS)
 
 _EXECUTABLE = """
 stream.executable private @{name} {{
@@ -276,8 +273,8 @@ _Q4_TILE = """
 # row).
 _Q8_TILE = """
         %acc:2 = scf.for %c = %c0 to %cg step %c1 iter_args(%al = %zv, %ah = %zv) -> (vector<16xf32>, vector<16xf32>) {{{group}
-          %fl = arith.sitofp %il : vector<16xi32> to vector<16xf32>
-          %fh = arith.sitofp %ih : vector<16xi32> to vector<16xf32>
+          %fl = arith.sitofp {il} : vector<16xi32> to vector<16xf32>
+          %fh = arith.sitofp {ih} : vector<16xi32> to vector<16xf32>
           %dxs = memref.load %xd[%c] : memref<{groups}xf32>
           %dxv = vector.broadcast %dxs : f32 to vector<16xf32>
           %nl = math.fma %fl, %dxv, %al : vector<16xf32>
@@ -362,8 +359,9 @@ def q8_executable(form: str, name: str, tiles: int, k: int) -> str:
       %o = stream.binding.subspan %ob[%c0] : !stream.binding -> memref<{tiles}x32xf32>"""
     # Only the vnni form adds 128 to the weights (avx2 multiplies |w| by q with w's sign).
     quantise_and_bias = _Q8_BIAS.format(groups=groups) if form == "vnni" else _Q8_NO_BIAS
-    tile = _Q8_TILE.format(nb=tiles, groups=groups,
-                           group=_Q8_GROUPS[form]().format(nb=tiles, groups=groups, quads=quads))
+    body, il, ih = _Q8_GROUPS[form]()
+    tile = _Q8_TILE.format(nb=tiles, groups=groups, group=body.format(nb=tiles, groups=groups, quads=quads),
+                           il=il, ih=ih)
     text = _executable(name, tiles, k, "%wb: !stream.binding", subspans, tile)
     # x's groups are quantised before the bias is summed from them.
     return text.replace("      %wg = stream.dispatch.workgroup.id[0]", quantise_and_bias + "\n      %wg = stream.dispatch.workgroup.id[0]")

@@ -417,7 +417,8 @@ def _register() -> dict:
                 name = f"eddy_mv_q4_{tag}_{_dot_form}"
                 exe = f"eddy_q4_{tag}_{_dot_form}"
                 emit(kb, name, _MV_X86.format(
-                    name=name, args=_Q4_ARGS.format(**sizes), executable=dot_products.q4_executable(_dot_form, exe, nb, k),
+                    name=name, args=_Q4_ARGS.format(**sizes),
+                    executable=dot_products.q4_executable(_dot_form, exe, nb, k),
                     call=dot_products.q4_call(exe, nb, k, "%a1", "%qs", "%d", "%m", "%r"), **sizes))
             else:
                 name = f"eddy_mv_q4_{tag}{'_cpu' if _cpu_tuned else ''}"
