@@ -118,8 +118,8 @@ EXPORTS_KEPT_BYTES = 64 << 20
 def export_key(cfg: ModelConfig, settings: BuildSettings) -> str:
     """What the exported MLIR depends on: the model's shape and the build settings, but neither its weights (they
     are external parameters) nor the CPU or GPU it is then compiled for (only iree-compile sees those), but for
-    the instructions the quantised types' hand-written decode products are written with. Builds that differ in just those share one
-    export: the package's two CPU levels, a test suite's models of one shape."""
+    the instructions the quantised types' hand-written decode products are written with. Builds that differ in
+    just those share one export: the package's two CPU levels, a test suite's models of one shape."""
     from .artefacts import export_code_hash
     from .checkpoint.source import dist_version
 

@@ -32,7 +32,7 @@ from torch import nn
 
 from ..arch import Family, family
 from ..config import Q4_TILE_ROWS, TILE_ROWS, BuildSettings, ModelConfig
-from .kernels import i8_linear, q4_linear, tileable, tile_q8, tiled_rows, query_keys, weighted_values
+from .kernels import i8_linear, q4_linear, query_keys, tile_q8, tileable, tiled_rows, weighted_values
 from .q4 import Q4_GROUP, dequantise_q4, packable, quantise_q4, tile_q4
 
 TORCH_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
