@@ -90,6 +90,15 @@ def _quantise_x(k: int, groups: int) -> str:
       }}"""
 
 
+def _x_bytes(name: str, word: int, lanes: int) -> str:
+    """x's 4 int8 at word `word` of group %c (from _quantise_x), broadcast to `lanes` int32 lanes and viewed as
+    bytes: %name, the signed operand of the dot products."""
+    return f"""
+          %{name}s = memref.load %xq[%c, %i{word}] : memref<{{groups}}x8xi32>
+          %{name}v = vector.broadcast %{name}s : i32 to vector<{lanes}xi32>
+          %{name} = vector.bitcast %{name}v : vector<{lanes}xi32> to vector<{4 * lanes}xi8>"""
+
+
 def _q4_vnni() -> tuple[str, str]:
     """One group of one tile (%b, %c): its body and the value holding the 16 rows' integer sums."""
     lines = []
@@ -99,13 +108,7 @@ def _q4_vnni() -> tuple[str, str]:
           %w{h} = vector.load %q[%b, %c, %o{h}] : memref<{{nb}}x{{groups}}x{Q4_GROUP_BYTES}xi8>, vector<64xi8>
           %l{h} = arith.andi %w{h}, %mask : vector<64xi8>
           %s{h} = arith.shrui %w{h}, %four : vector<64xi8>
-          %u{h} = arith.andi %s{h}, %mask : vector<64xi8>
-          %xl{h}s = memref.load %xq[%c, %i{h}] : memref<{{groups}}x8xi32>
-          %xh{h}s = memref.load %xq[%c, %i{h + 4}] : memref<{{groups}}x8xi32>
-          %xl{h}v = vector.broadcast %xl{h}s : i32 to vector<16xi32>
-          %xh{h}v = vector.broadcast %xh{h}s : i32 to vector<16xi32>
-          %xl{h} = vector.bitcast %xl{h}v : vector<16xi32> to vector<64xi8>
-          %xh{h} = vector.bitcast %xh{h}v : vector<16xi32> to vector<64xi8>
+          %u{h} = arith.andi %s{h}, %mask : vector<64xi8>""" + _x_bytes(f"xl{h}", h, 16) + _x_bytes(f"xh{h}", h + 4, 16) + f"""
           %p{h} = llvm.call_intrinsic "llvm.x86.avx512.vpdpbusd.512"({acc}, %l{h}, %xl{h}) : (vector<16xi32>, vector<64xi8>, vector<64xi8>) -> vector<16xi32>
           %r{h} = llvm.call_intrinsic "llvm.x86.avx512.vpdpbusd.512"(%p{h}, %u{h}, %xh{h}) : (vector<16xi32>, vector<64xi8>, vector<64xi8>) -> vector<16xi32>""")
         acc = f"%r{h}"
@@ -114,13 +117,7 @@ def _q4_vnni() -> tuple[str, str]:
 
 def _q4_avx2() -> tuple[str, str]:
     """One group of one tile in two ymm halves of 8 rows: its body and the value holding the integer sums."""
-    lines = [f"""
-          %xl{h}s = memref.load %xq[%c, %i{h}] : memref<{{groups}}x8xi32>
-          %xh{h}s = memref.load %xq[%c, %i{h + 4}] : memref<{{groups}}x8xi32>
-          %xl{h}v = vector.broadcast %xl{h}s : i32 to vector<8xi32>
-          %xh{h}v = vector.broadcast %xh{h}s : i32 to vector<8xi32>
-          %xl{h} = vector.bitcast %xl{h}v : vector<8xi32> to vector<32xi8>
-          %xh{h} = vector.bitcast %xh{h}v : vector<8xi32> to vector<32xi8>""" for h in range(4)]
+    lines = [_x_bytes(f"xl{h}", h, 8) + _x_bytes(f"xh{h}", h + 4, 8) for h in range(4)]
     for half in range(2):
         prods = []
         for h in range(4):
@@ -152,10 +149,7 @@ def _q8_vnni() -> tuple[str, str, str]:
     acc = {"l": "%zi", "h": "%zi"}
     for p in range(8):
         lines.append(f"""
-          %p{p} = arith.addi %c8, %i{p} : index
-          %x{p}s = memref.load %xq[%c, %i{p}] : memref<{{groups}}x8xi32>
-          %x{p}v = vector.broadcast %x{p}s : i32 to vector<16xi32>
-          %x{p} = vector.bitcast %x{p}v : vector<16xi32> to vector<64xi8>""")
+          %p{p} = arith.addi %c8, %i{p} : index""" + _x_bytes(f"x{p}", p, 16))
         for half, at in (("l", "%c0"), ("h", "%c64")):
             lines.append(f"""
           %w{p}{half} = vector.load %w[%b, %p{p}, {at}] : memref<{{nb}}x{{quads}}x{Q8_QUAD_BYTES}xi8>, vector<64xi8>
@@ -172,10 +166,7 @@ def _q8_avx2() -> tuple[str, str, str]:
     acc = ["%zi8"] * 4
     for p in range(8):
         lines.append(f"""
-          %p{p} = arith.addi %c8, %i{p} : index
-          %x{p}s = memref.load %xq[%c, %i{p}] : memref<{{groups}}x8xi32>
-          %x{p}v = vector.broadcast %x{p}s : i32 to vector<8xi32>
-          %x{p} = vector.bitcast %x{p}v : vector<8xi32> to vector<32xi8>""")
+          %p{p} = arith.addi %c8, %i{p} : index""" + _x_bytes(f"x{p}", p, 8))
         for qr in range(4):
             v = f"{p}_{qr}"
             lines.append(f"""
