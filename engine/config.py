@@ -34,6 +34,10 @@ TARGET_CPUS = ("host", "x86-64-v3", "x86-64-v2", "x86-64", "x86-64-v4")
 # Sink slots of a build that pins the system prompt, unless the user names another bound: room for a system
 # prompt of a paragraph or two, one build for all of them.
 PIN_SLOTS = 128
+# A call attends to the cache's first slots up to its last used one, in blocks of this many slots (at most 15
+# empty slots read): the slot count is a dynamic dimension of the module, and blocks of a fixed size give IREE a
+# static innermost dimension to vectorise the softmax along (engine/build/model.py). The cache has whole blocks.
+ATTEND_STEP = 16
 ROPE_TYPES = ("default", "linear", "llama3")  # what engine/run/rope.py computes
 
 
@@ -197,8 +201,9 @@ class BuildSettings:
 
     @property
     def slots(self) -> int:
-        """Slots in the compiled cache: the sink slots, then the window's ring."""
-        return self.sink_slots + self.window
+        """Slots in the compiled cache: the sink slots, the window's ring, then empty slots up to whole blocks of
+        ATTEND_STEP."""
+        return -(-(self.sink_slots + self.window) // ATTEND_STEP) * ATTEND_STEP
 
     @property
     def chunk(self) -> int:

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from conftest import ROOT, TINY_SETTINGS, transformers_model
+from engine.config import ATTEND_STEP
 from streaming_reference import StreamingReference
 
 TOL = 1e-4
@@ -93,6 +94,36 @@ def test_mirror_tracks_sinks_and_recent_tokens(tiny):
     eng.prefill(ids)
     cap, sinks = TINY_SETTINGS.capacity, TINY_SETTINGS.sinks
     assert eng.mirror() == ids[:sinks] + ids[-(cap - sinks):]
+
+
+def test_attention_reads_the_used_slots_only(tiny, monkeypatch):
+    """A call attends to the cache's first slots up to the last used one, in whole blocks; its logits are those of
+    attending to every slot (the rest are empty and masked), as the cache grows, after a rewind, and wrapped."""
+    eng = tiny.engine
+    ids = random_ids(3 * TINY_SETTINGS.capacity, 41)
+    steps = [3, 1, 14, 1, 20, 1, "rewind", 4, 40, 1, 60, 1]
+
+    def run() -> tuple[list[np.ndarray], list[int]]:
+        eng.reset()
+        out, attended, done = [], [], 0
+        for n in steps:
+            if n == "rewind":
+                assert eng.truncate(5)
+                done = 5
+            else:
+                part = ids[done:done + n]
+                out.append(eng.decode(part[0]) if n == 1 else eng.prefill(part))
+                done += n
+            attended.append(eng.attended())  # what the call just made read (nothing changes it after)
+        return out, attended
+
+    got, attended = run()
+    assert TINY_SETTINGS.slots == 64 and ATTEND_STEP == 16
+    assert attended == [16, 16, 32, 32, 48, 48, 16, 16, 64, 64, 64, 64], attended
+    monkeypatch.setattr(eng, "attended", lambda: TINY_SETTINGS.slots)
+    want, _ = run()
+    for g, w in zip(got, want):
+        assert np.abs(g - w).max() < 1e-5
 
 
 def test_runtime_path_imports_no_torch(tiny):

@@ -120,7 +120,8 @@ def test_local_layers_keep_their_own_ring_and_leave_the_cache_to_the_global_ones
     assert cfg.prefill_bound(TINY_SETTINGS) == 8  # a prefill call never wraps the ring onto what it still reads
     narrow = BuildSettings(sinks=4, window=6, dtype="f32", max_chunk=16)
     model = StreamingLlama(cfg, narrow)
-    assert model.ring_cache is None and tuple(model.cache.shape) == (6, 2, kvh, narrow.capacity, d)
+    # Its 10 slots are padded to whole blocks of attended slots (BuildSettings.slots).
+    assert model.ring_cache is None and tuple(model.cache.shape) == (6, 2, kvh, narrow.slots, d) and narrow.slots == 16
 
 
 def test_local_layers_in_a_narrow_window_read_the_shared_cache_with_their_own_rope():

@@ -17,7 +17,7 @@ import torch
 
 import iree.turbine.aot as aot
 
-from ..config import QUANTISED, BuildSettings, ModelConfig
+from ..config import ATTEND_STEP, QUANTISED, BuildSettings, ModelConfig
 from ..devices import compile_flags, dot_form
 from ..errors import ArtefactError, BuildCancelled
 from ..paths import cache_dir
@@ -56,7 +56,14 @@ def export_module(model: StreamingLlama) -> "aot.ExportOutput":
     cfg, settings = model.cfg, model.settings
     # Bounds are not checked at run time (a longer call silently computes garbage); the runtime chunks.
     n = torch.export.Dim("n", min=1, max=cfg.prefill_bound(settings))
-    dyn = {"tokens": {0: n}, "slots": {0: n}, "rope": {2: n}, "shift": None, "slot_pos": None, "token_pos": {0: n}}
+    # The cache's slots a call attends to (model.py: StreamingLlama.hidden), then the local ring's, if any.
+    # A cache of one block has nothing to leave out (and a dimension of one value cannot be dynamic).
+    blocks, ring = settings.slots // ATTEND_STEP, cfg.local_ring(settings)
+    slot_pos = None
+    if blocks > 1:
+        attended = ATTEND_STEP * torch.export.Dim("blocks", min=1, max=blocks)
+        slot_pos = {0: attended + ring if ring else attended}
+    dyn = {"tokens": {0: n}, "slots": {0: n}, "rope": {2: n}, "shift": None, "slot_pos": slot_pos, "token_pos": {0: n}}
     fxb = aot.FxProgramsBuilder(model)
     example = example_args(cfg, settings, 2)
 
@@ -64,7 +71,9 @@ def export_module(model: StreamingLlama) -> "aot.ExportOutput":
     def prefill(m, tokens, slots, rope, shift, slot_pos, token_pos):
         return m.prefill(tokens, slots, rope, shift, slot_pos, token_pos)
 
-    @fxb.export_program(name="decode", args=example_args(cfg, settings, 1), strict=False)
+    one = {name: None if name != "slot_pos" else slot_pos for name in dyn}
+
+    @fxb.export_program(name="decode", args=example_args(cfg, settings, 1), dynamic_shapes=one, strict=False)
     def decode(m, tokens, slots, rope, shift, slot_pos, token_pos):
         return m.decode(tokens, slots, rope, shift, slot_pos, token_pos)
 

@@ -5,8 +5,9 @@ Two ops, each with two forms chosen by the number of rows multiplied:
   * `i8_linear`: int8 weights tiled (`tile_q8`), the products of q8's tiled matrices before their per-row scale
     (which the caller applies: it is one multiply of the output).
 And two for decode's attention, which reads the cache in place:
-  * `query_keys`: the query heads against the cached keys (the scores);
+  * `query_keys`: the query heads against the cached keys, plus the mask (the scores);
   * `weighted_values`: the probabilities times the cached values.
+And `first_slots`, a layer's keys or values in the cache's first slots (what a call attends to: model.py).
 As batch matmuls IREE data-tiles them and so re-packs the whole cache's keys and values on every step; as
 generics whose body is not a plain multiply-add (math.fma(a, b, 0) + acc) they are not taken for contractions,
 and carry a cpu lowering instead: 0.16 + 0.15 ms a layer for a 1B's 8 x 4 heads over 1024 slots against 0.38 +
@@ -28,6 +29,7 @@ from typing import Iterator
 
 import torch
 
+from ..config import ATTEND_STEP
 from ..config import Q4_TILE_ROWS as Q4_TILE
 from ..config import TILE_ROWS as TILE
 from . import dot_products
@@ -83,14 +85,23 @@ def i8_linear(x: torch.Tensor, tiled: torch.Tensor) -> torch.Tensor:
     return _ops()["i8"](x.reshape(-1, x.shape[-1]), tiled).reshape(*lead, tiled.shape[0] * TILE)
 
 
-def query_keys(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """q [kvh, rep, d] . keys [kvh, C, d] -> [kvh, rep, C] (decode's attention scores, unscaled): the custom op."""
-    return _ops()["qk"](q, keys)
+def query_keys(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """q [kvh, rep, d] . keys [kvh, C, d] + mask [C] -> [kvh, rep, C] (decode's attention scores, q already scaled):
+    the custom op. The mask starts each sum: as an add after it, IREE fused that add into this op's dispatch,
+    whose code then took twice as long."""
+    return _ops()["qk"](q, keys, mask)
 
 
 def weighted_values(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """probs [kvh, rep, C] @ values [kvh, C, d] -> [kvh, rep, d] (decode's attention output): the custom op."""
     return _ops()["pv"](probs, values)
+
+
+def first_slots(kv: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """kv [kvh, slots, d][:, :len(like)]: the custom op. As a torch slice its strides would involve the slot
+    count, whose contiguity checks make torch.export fix that count; in MLIR it is a plain extract_slice, which
+    IREE reads in place."""
+    return _ops()["slots"](kv, like)
 
 
 _cpu_tuned = False
@@ -306,37 +317,84 @@ util.func private @{name}(%a: tensor<1x{k}xf32>, %w: tensor<{nb}x{quads}x{qb}xi8
 """
 
 
-# Decode's attention: out[h, r, i] = sum over j of a[h, r, j] * b[h, j, i] (output rows: probs times values) or
-# of a[h, r, j] * b[h, i, j] (scores: queries against keys), the product as math.fma(a, b, 0) plus the sum.
-_ATTEND = r"""
+# Decode's attention. Scores: out[h, r, i] = mask[i] + sum over j of q[h, r, j] * keys[h, i, j]. Output rows: out[h, r, i] =
+# sum over j of probs[h, r, j] * values[h, j, i]. The product is math.fma(a, b, 0) plus the sum. The slots are
+# a dynamic dimension (model.py), known to be whole blocks of ATTEND_STEP (first_slots).
+_QUERY_KEYS = r"""
 module {{
-util.func private @{name}(%a: tensor<{h}x{r}x{j}xf32>, %b: tensor<{b_shape}xf32>) -> tensor<{h}x{r}x{i}xf32> {{
+util.func private @{name}(%q: tensor<{h}x{r}x{d}xf32>, %k: tensor<{h}x?x{d}xf32>, %m: tensor<?xf32>) -> tensor<{h}x{r}x?xf32> {{
   %zero = arith.constant 0.000000e+00 : f32
-  %e = tensor.empty() : tensor<{h}x{r}x{i}xf32>
-  %acc = linalg.fill ins(%zero : f32) outs(%e : tensor<{h}x{r}x{i}xf32>) -> tensor<{h}x{r}x{i}xf32>
+  %c1 = arith.constant 1 : index
+  %slots = tensor.dim %k, %c1 : tensor<{h}x?x{d}xf32>
+  %e = tensor.empty(%slots) : tensor<{h}x{r}x?xf32>
+  %acc = linalg.generic {{
+      indexing_maps = [affine_map<(h, r, i) -> (i)>, affine_map<(h, r, i) -> (h, r, i)>],
+      iterator_types = ["parallel", "parallel", "parallel"]}}
+      ins(%m : tensor<?xf32>) outs(%e : tensor<{h}x{r}x?xf32>) {{
+  ^bb0(%x: f32, %o: f32):
+    linalg.yield %x : f32
+  }} -> tensor<{h}x{r}x?xf32>
   %o = linalg.generic {{
-      indexing_maps = [affine_map<(h, r, i, j) -> (h, r, j)>, affine_map<(h, r, i, j) -> {b_map}>,
+      indexing_maps = [affine_map<(h, r, i, j) -> (h, r, j)>, affine_map<(h, r, i, j) -> (h, i, j)>,
                        affine_map<(h, r, i, j) -> (h, r, i)>],
       iterator_types = ["parallel", "parallel", "parallel", "reduction"]}}
-      ins(%a, %b : tensor<{h}x{r}x{j}xf32>, tensor<{b_shape}xf32>) outs(%acc : tensor<{h}x{r}x{i}xf32>) {attrs} {{
+      ins(%q, %k : tensor<{h}x{r}x{d}xf32>, tensor<{h}x?x{d}xf32>) outs(%acc : tensor<{h}x{r}x?xf32>) {attrs} {{
   ^bb0(%x: f32, %y: f32, %s: f32):
     %0 = math.fma %x, %y, %zero : f32
     %1 = arith.addf %0, %s : f32
     linalg.yield %1 : f32
-  }} -> tensor<{h}x{r}x{i}xf32>
-  util.return %o : tensor<{h}x{r}x{i}xf32>
+  }} -> tensor<{h}x{r}x?xf32>
+  util.return %o : tensor<{h}x{r}x?xf32>
 }}
 }}
 """
 
-# Per workgroup one kv head's queries. Values: a vector of each query's d outputs, the slots one at a time. Keys:
-# 64 slots, each query's dot product over d as one vector, summed across it (a vector along the slots would
-# gather keys d apart). Each measured against 1 query at a time and 16-wide vectors: those were slower.
-_ATTEND_CPU = ("attrs = {{compilation_info = #iree_codegen.compilation_info<lowering_config = #iree_cpu.lowering_config<"
-               "distribution = [1, {r}, {dist}, 0], vector_common_parallel = [1, {r}, {vec}, 0], "
-               "vector_reduction = [0, 0, 0, {red}]>, translation_info = #iree_codegen.translation_info<"
+_WEIGHTED_VALUES = r"""
+module {{
+util.func private @{name}(%p: tensor<{h}x{r}x?xf32>, %v: tensor<{h}x?x{d}xf32>) -> tensor<{h}x{r}x{d}xf32> {{
+  %zero = arith.constant 0.000000e+00 : f32
+  %e = tensor.empty() : tensor<{h}x{r}x{d}xf32>
+  %acc = linalg.fill ins(%zero : f32) outs(%e : tensor<{h}x{r}x{d}xf32>) -> tensor<{h}x{r}x{d}xf32>
+  %o = linalg.generic {{
+      indexing_maps = [affine_map<(h, r, i, j) -> (h, r, j)>, affine_map<(h, r, i, j) -> (h, j, i)>,
+                       affine_map<(h, r, i, j) -> (h, r, i)>],
+      iterator_types = ["parallel", "parallel", "parallel", "reduction"]}}
+      ins(%p, %v : tensor<{h}x{r}x?xf32>, tensor<{h}x?x{d}xf32>) outs(%acc : tensor<{h}x{r}x{d}xf32>) {attrs} {{
+  ^bb0(%x: f32, %y: f32, %s: f32):
+    %0 = math.fma %x, %y, %zero : f32
+    %1 = arith.addf %0, %s : f32
+    linalg.yield %1 : f32
+  }} -> tensor<{h}x{r}x{d}xf32>
+  util.return %o : tensor<{h}x{r}x{d}xf32>
+}}
+}}
+"""
+
+# Per workgroup one kv head's queries. Values: a vector of each query's d outputs, the slots one at a time. Scores:
+# 64 slots, each query's dot product with a key over d as one vector, summed across it (a vector along
+# the slots would gather keys d apart). Each measured against 1 query at a time and 16-wide vectors: those were
+# slower.
+_SCORES_CPU = ("attrs = {{compilation_info = #iree_codegen.compilation_info<lowering_config = #iree_cpu.lowering_config<"
+               "distribution = [1, {r}, 64, 0], vector_common_parallel = [1, {r}, 1, 0], "
+               "vector_reduction = [0, 0, 0, {d}]>, translation_info = #iree_codegen.translation_info<"
+               "pipeline = #iree_cpu.pipeline<DoubleTilingExpert>>>}}")
+_VALUES_CPU = ("attrs = {{compilation_info = #iree_codegen.compilation_info<lowering_config = #iree_cpu.lowering_config<"
+               "distribution = [1, {r}, {d}, 0], vector_common_parallel = [1, {r}, {d}, 0], "
+               "vector_reduction = [0, 0, 0, 1]>, translation_info = #iree_codegen.translation_info<"
                "pipeline = #iree_cpu.pipeline<DoubleTilingExpert>>>}}")
 
+
+_FIRST_SLOTS = r"""
+module {{
+util.func private @{name}(%t: tensor<{h}x{s}x{d}x{e}>, %like: tensor<?x{le}>) -> tensor<{h}x?x{d}x{e}> {{
+  %c0 = arith.constant 0 : index
+  %len = tensor.dim %like, %c0 : tensor<?x{le}>
+  %n = util.assume.int %len<umin = {step}, umax = {s}, udiv = {step}> : index
+  %r = tensor.extract_slice %t[0, 0, 0] [{h}, %n, {d}] [1, 1, 1] : tensor<{h}x{s}x{d}x{e}> to tensor<{h}x?x{d}x{e}>
+  util.return %r : tensor<{h}x?x{d}x{e}>
+}}
+}}
+"""
 
 def _cpu_lowering(tiles: int, reduction_dims: int, tile: int = TILE) -> str:
     """The decode product's compilation_info for llvm-cpu: workgroups of a few tiles (at least ~16 workgroups for
@@ -456,29 +514,30 @@ def _register() -> dict:
                 emit(kb, name, _MM_I8.format(name=name, **sizes))
 
     def select_attend(ksel: KernelSelection, keys: bool) -> None:
+        # The slots (keys' and values' dimension 1, probabilities' 2) stay dynamic: see model.py's `attended`.
         a, b = ksel.arg_tensor(0), ksel.arg_tensor(1)
-        a.specialize_all_dims()
-        b.specialize_all_dims()
+        a.specialize_all_dims() if keys else a.specialize_dims(0, 1)
+        b.specialize_dims(0, 2)
+        if keys:
+            ksel.arg_tensor(2)  # the mask: its one dimension is the slots
         ksel.return_new_tensor([a.t.shape[0], a.t.shape[1], b.t.shape[1 if keys else 2]], dtype=torch.float32)
 
     def generate_attend(kb: KernelBuilder, keys: bool) -> None:
-        (h, r, j), (_, b1, b2) = shape(kb, 0), shape(kb, 1)
-        i = b1 if keys else b2
-        name = f"eddy_{'qk' if keys else 'pv'}_{h}x{r}x{i}x{j}{'_cpu' if _cpu_tuned else ''}"
-        tiles = dict(dist=64, vec=1, red=j) if keys else dict(dist=i, vec=i, red=1)
-        attrs = _ATTEND_CPU.format(r=r, **tiles) if _cpu_tuned else ""
-        emit(kb, name, _ATTEND.format(name=name, h=h, r=r, i=i, j=j, b_shape=f"{h}x{b1}x{b2}",
-                                      b_map="(h, i, j)" if keys else "(h, j, i)", attrs=attrs))
+        (h, r, _), (_, _, d) = shape(kb, 0), shape(kb, 1)
+        name = f"eddy_{'qk' if keys else 'pv'}_{h}x{r}x{d}{'_cpu' if _cpu_tuned else ''}"
+        lowering, template = (_SCORES_CPU, _QUERY_KEYS) if keys else (_VALUES_CPU, _WEIGHTED_VALUES)
+        attrs = lowering.format(r=r, d=d, step=ATTEND_STEP) if _cpu_tuned else ""
+        emit(kb, name, template.format(name=name, h=h, r=r, d=d, step=ATTEND_STEP, attrs=attrs))
 
     @CustomOp.register(library=library)
     class attend_qk(CustomOp):
-        signature = "attend_qk(Tensor q, Tensor k) -> (Tensor)"
+        signature = "attend_qk(Tensor q, Tensor k, Tensor m) -> (Tensor)"
 
         def select(self, ksel: KernelSelection) -> None:
             select_attend(ksel, True)
 
-        def eager_execute(self, q, k):
-            return torch.matmul(q, k.transpose(1, 2))
+        def eager_execute(self, q, k, m):
+            return torch.matmul(q, k.transpose(1, 2)) + m
 
         def generate(self, ksel: KernelSelection, kb: KernelBuilder) -> None:
             generate_attend(kb, True)
@@ -496,7 +555,24 @@ def _register() -> dict:
         def generate(self, ksel: KernelSelection, kb: KernelBuilder) -> None:
             generate_attend(kb, False)
 
-    return {"q4": mmt_q4, "i8": mmt_i8, "qk": attend_qk, "pv": attend_pv}
+    @CustomOp.register(library=library)
+    class first_slots(CustomOp):
+        signature = "first_slots(Tensor kv, Tensor like) -> (Tensor)"
+
+        def select(self, ksel: KernelSelection) -> None:
+            kv, like = ksel.arg_tensor(0), ksel.arg_tensor(1)
+            kv.specialize_all_dims()
+            ksel.return_new_tensor([kv.t.shape[0], like.t.shape[0], kv.t.shape[2]], dtype=kv.t.dtype)
+
+        def eager_execute(self, kv, like):
+            return kv[:, : like.shape[0]].clone()
+
+        def generate(self, ksel: KernelSelection, kb: KernelBuilder) -> None:
+            (h, s, d), types = shape(kb, 0), [str(RankedTensorType(kb.arg_value(i).type).element_type) for i in (0, 1)]
+            name = f"eddy_first_slots_{h}x{s}x{d}x{types[0]}_{types[1]}"
+            emit(kb, name, _FIRST_SLOTS.format(name=name, h=h, s=s, d=d, e=types[0], le=types[1], step=ATTEND_STEP))
+
+    return {"q4": mmt_q4, "i8": mmt_i8, "qk": attend_qk, "pv": attend_pv, "slots": first_slots}
 
 
 def _mlir_isinstance_shim() -> None:

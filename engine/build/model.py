@@ -13,8 +13,12 @@ stay empty) and tells the module, per call:
   * `rope`       [tables, 2, n, head_dim/2]: cos/sin at each new token's absolute position, per RoPE table
                  (one, or two for Gemma 3, whose local layers have their own base: ModelConfig.rope_table);
   * `shift`      [tables, 2, head_dim/2]: cos/sin of the number of tokens evicted so far;
-  * `slot_pos`   the absolute position held by every slot after this write (a huge value when empty), then,
-                 when local layers keep their own ring (ModelConfig.local_ring), each ring slot's before it;
+  * `slot_pos`   the absolute position held by each of the cache's first `attended` slots after this write (a
+                 huge value when empty), then, when local layers keep their own ring (ModelConfig.local_ring),
+                 each ring slot's before it. Attention reads those first slots only: the host fills the cache
+                 from slot 0 and passes as few as cover every used slot, so a call's attention costs what the
+                 conversation holds, not what the build could hold (a window of 8188 costs a short chat what
+                 one of 1020 does);
   * `token_pos`  each new token's absolute position.
 Keys are stored rotated by their absolute position, so window keys never need re-rotation: their distance to
 a query is the same in the conversation as in the cache. Only the sinks sit closer to the queries in the cache
@@ -31,8 +35,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..arch import Family, family
-from ..config import Q4_TILE_ROWS, TILE_ROWS, BuildSettings, ModelConfig
-from .kernels import i8_linear, q4_linear, query_keys, tile_q8, tileable, tiled_rows, weighted_values
+from ..config import ATTEND_STEP, Q4_TILE_ROWS, TILE_ROWS, BuildSettings, ModelConfig
+from .kernels import (first_slots, i8_linear, q4_linear, query_keys, tile_q8, tileable, tiled_rows,
+                      weighted_values)
 from .q4 import Q4_GROUP, dequantise_q4, packable, quantise_q4, tile_q4
 
 TORCH_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
@@ -203,7 +208,8 @@ class Step:
     rope: torch.Tensor  # [tables, 2, n, D/2]
     shift: torch.Tensor  # [tables, 2, D/2]
     ring_slots: torch.Tensor | None  # where the new tokens go in the ring
-    mask: torch.Tensor  # global layers: [n, cache slots]
+    cache_pos: torch.Tensor  # the positions in the cache's slots attention reads: its first ones (model docstring)
+    mask: torch.Tensor  # global layers: [n, attended]
     local_mask: torch.Tensor  # local layers: over the shared cache, or over what an own-ring layer sees
     single: bool  # one query (decode)
 
@@ -247,14 +253,23 @@ class Attention(nn.Module):
             mask = step.local_mask if self.local else step.mask
         if step.single:
             # One query: custom ops read the cache in place (matmuls would re-pack it every step: kernels.py).
-            scores = self.capped(query_keys(q.view(kvh, rep, d), keys) * self.scale)  # [kvh, rep, C]
-            probs = torch.softmax(scores + mask.view(1, 1, -1), dim=-1)
+            q1, mask1 = (q * self.scale).view(kvh, rep, d), mask.view(-1)
+            if self.softcap is None:
+                scores = query_keys(q1, keys, mask1)  # [kvh, rep, C]
+            else:  # the cap comes before the mask
+                scores = self.capped(query_keys(q1, keys, torch.zeros_like(mask1))) + mask1
+            probs = self.softmax(scores)
             out = weighted_values(probs, values)  # [kvh, rep, d]
             return self.wo(out.reshape(1, cfg.n_heads * d))
         scores = torch.matmul(q.permute(1, 2, 0, 3), keys.transpose(1, 2).unsqueeze(1)) * self.scale  # [kvh, rep, n, C]
-        probs = torch.softmax(self.capped(scores) + mask, dim=-1)
+        probs = self.softmax(self.capped(scores) + mask)
         out = torch.matmul(probs, values.unsqueeze(1))  # [kvh, rep, n, d]
         return self.wo(out.permute(2, 0, 1, 3).reshape(n, cfg.n_heads * d))
+
+    def softmax(self, scores: torch.Tensor) -> torch.Tensor:
+        # A local ring's slots (and a prefill's new tokens after them) are not in blocks: softmax_in_blocks is for
+        # the cache's attended slots.
+        return torch.softmax(scores, dim=-1) if self.own_ring else softmax_in_blocks(scores)
 
     def capped(self, scores: torch.Tensor) -> torch.Tensor:
         """Gemma 2's soft cap on attention scores, before the mask."""
@@ -285,7 +300,8 @@ class Attention(nn.Module):
         return keys, values
 
     def write_cache(self, step: Step, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Stores the new keys/values at their slots; returns this layer's keys and values [kvh, C, d].
+        """Stores the new keys/values at their slots; returns this layer's keys and values in the attended slots
+        [kvh, attended, d].
 
         The cache is laid out [layers, 2, kv_heads, slots, head_dim] so attention reads it without a
         transpose. With sinks, `sink_keys` keeps each sink key as first stored (rotated by its own position;
@@ -305,7 +321,17 @@ class Attention(nn.Module):
             shifted = rotate(originals.transpose(0, 1), shift[0:1], shift[1:2]).transpose(0, 1)
             cache.index_put_((layer, torch.zeros_like(layer), heads, torch.arange(sinks).view(1, -1)),
                              to_kv(shifted, cache))
-        return from_kv(cache[i, 0]), from_kv(cache[i, 1])
+        return tuple(from_kv(first_slots(cache[i, kv], step.cache_pos)) for kv in (0, 1))
+
+
+def softmax_in_blocks(scores: torch.Tensor) -> torch.Tensor:
+    """Softmax over the slots (the last dimension), taken per block of ATTEND_STEP slots, then over the blocks. The
+    slot count is a dynamic dimension (model docstring), and IREE vectorises none of a softmax over a dynamic
+    innermost dimension (as linalg.softmax or spelled out: 3-4 ms a layer for 30 queries over 1024 slots, against
+    0.2 ms when that count was static); with a static block it vectorises along the block again."""
+    x = scores.unflatten(-1, (-1, ATTEND_STEP))
+    e = torch.exp(x - x.amax(dim=-1, keepdim=True).amax(dim=-2, keepdim=True))
+    return (e * torch.reciprocal(e.sum(dim=-1, keepdim=True).sum(dim=-2, keepdim=True))).flatten(-2)
 
 
 def to_kv(t: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
@@ -400,18 +426,20 @@ class StreamingLlama(nn.Module):
         return cls(cfg, settings).eval()
 
     def hidden(self, tokens, slots, rope, shift, slot_pos, token_pos, single: bool) -> torch.Tensor:
-        """slot_pos holds the cache's slots after this call's writes, then (own ring) the ring's before them."""
+        """slot_pos holds the cache's attended slots after this call's writes, then (own ring) the ring's before
+        them."""
         x = self.tok_embeddings.rows(tokens)
         if self.embed_scale is not None:
             x = x * self.embed_scale
-        n_slots, window, ring = self.settings.slots, self.cfg.local_window, self.ring
-        cache_pos, now = slot_pos[:n_slots], token_pos.unsqueeze(1)
+        window, ring = self.cfg.local_window, self.ring
+        n_slots = slot_pos.shape[0] - ring
+        cache_pos, now = slot_pos.narrow(0, 0, n_slots), token_pos.unsqueeze(1)
         neg = torch.full((), float("-inf"))
         mask = torch.where(cache_pos.unsqueeze(0) <= now, torch.zeros(()), neg)  # [n, C]
         local, ring_slots = mask, None
         if ring:
             ring_slots = torch.remainder(token_pos, ring)
-            ring_pos = slot_pos[n_slots:]
+            ring_pos = slot_pos.narrow(0, n_slots, ring)
             if single:  # what the ring holds once this token is written
                 seen = torch.where(torch.arange(ring) == ring_slots, token_pos, ring_pos)
             else:  # the ring as it was, then the new tokens
@@ -423,7 +451,8 @@ class StreamingLlama(nn.Module):
             # Local layers read the shared cache and also drop slots local_window or more tokens back (sinks
             # included, once that far).
             local = torch.where(cache_pos.unsqueeze(0) > now - window, mask, neg)
-        step = Step(self.cache, self.sink_keys, self.ring_cache, slots, rope, shift, ring_slots, mask, local, single)
+        step = Step(self.cache, self.sink_keys, self.ring_cache, slots, rope, shift, ring_slots, cache_pos, mask, local,
+                    single)
         for block in self.layers:
             x = block(x, step)
         return self.norm(x)

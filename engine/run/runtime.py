@@ -13,7 +13,7 @@ import numpy as np
 import iree.runtime as rt
 
 from . import rope
-from ..config import BuildSettings, ModelConfig
+from ..config import ATTEND_STEP, BuildSettings, ModelConfig
 from ..events import CacheStats
 from ..devices import driver
 from ..errors import ArtefactError, DeviceError
@@ -190,6 +190,13 @@ class StreamingEngine:
         order = np.argsort(self.slot_pos[used], kind="stable")
         return self.slot_token[used][order].tolist()
 
+    def attended(self) -> int:
+        """How many of the cache's first slots a call reads: every used slot (the cache fills from slot 0: sinks,
+        then the window's ring after the sink slots), so attention costs what the conversation holds."""
+        used = np.flatnonzero(self.slot_pos != EMPTY_SLOT)
+        last = int(used[-1]) + 1 if used.size else 1
+        return -(-last // ATTEND_STEP) * ATTEND_STEP  # the cache has whole blocks (BuildSettings.slots)
+
     def slot_of(self, positions: np.ndarray) -> np.ndarray:
         s, sinks = self.settings, self.sinks
         return np.where(positions < sinks, positions, s.sink_slots + (positions - sinks) % s.window)
@@ -205,7 +212,7 @@ class StreamingEngine:
         shift = rope.module_tables(self.freqs, [self.evicted])[:, :, 0]
         # The local ring's positions go after the cache's, as they were before this call (the module attends
         # to the ring and the new tokens, then writes these at position % ring).
-        slot_pos = np.concatenate([self.slot_pos, self.ring_pos])
+        slot_pos = np.concatenate([self.slot_pos[:self.attended()], self.ring_pos])
         if self.ring:
             self.ring_pos[positions % self.ring] = positions
         return ids, slots, rope.module_tables(self.freqs, positions), shift, slot_pos, positions
