@@ -86,7 +86,8 @@ def i8_linear(x: torch.Tensor, tiled: torch.Tensor) -> torch.Tensor:
 
 
 def query_keys(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """q [kvh, rep, d] . keys [kvh, C, d] + mask [C] -> [kvh, rep, C] (decode's attention scores, q already scaled):
+    """q [kvh, rep, d] . keys [kvh, C, d] + mask [C] -> [kvh, rep, C] (decode's attention scores, q already scaled;
+    keys may come as blocks, [kvh, C / ATTEND_STEP, ATTEND_STEP, d]: first_blocks):
     the custom op. The mask starts each sum: as an add after it, IREE fused that add into this op's dispatch,
     whose code then took twice as long."""
     return _ops()["qk"](q, keys, mask)
@@ -95,6 +96,13 @@ def query_keys(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch
 def weighted_values(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """probs [kvh, rep, C] @ values [kvh, C, d] -> [kvh, rep, d] (decode's attention output): the custom op."""
     return _ops()["pv"](probs, values)
+
+
+def first_blocks(kv: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """first_slots as blocks of ATTEND_STEP slots, [kvh, len(like) / ATTEND_STEP, ATTEND_STEP, d]: decode's keys
+    for query_keys, whose loops then have a static innermost extent (a view of the cache as blocks, then sliced:
+    reshaping the slice instead made IREE copy it)."""
+    return _ops()["blocks"](kv, like)
 
 
 def first_slots(kv: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -349,6 +357,39 @@ util.func private @{name}(%q: tensor<{h}x{r}x{d}xf32>, %k: tensor<{h}x?x{d}xf32>
 }}
 """
 
+# The same over keys in blocks (first_blocks): out[h, r, b, s] = mask[b, s] + sum over j of q[h, r, j] *
+# keys[h, b, s, j].
+_QUERY_BLOCKS = r"""
+module {{
+util.func private @{name}(%q: tensor<{h}x{r}x{d}xf32>, %k: tensor<{h}x?x{step}x{d}xf32>, %m: tensor<?xf32>) -> tensor<{h}x{r}x?xf32> {{
+  %zero = arith.constant 0.000000e+00 : f32
+  %c1 = arith.constant 1 : index
+  %blocks = tensor.dim %k, %c1 : tensor<{h}x?x{step}x{d}xf32>
+  %mb = tensor.expand_shape %m [[0, 1]] output_shape [%blocks, {step}] : tensor<?xf32> into tensor<?x{step}xf32>
+  %e = tensor.empty(%blocks) : tensor<{h}x{r}x?x{step}xf32>
+  %acc = linalg.generic {{
+      indexing_maps = [affine_map<(h, r, b, s) -> (b, s)>, affine_map<(h, r, b, s) -> (h, r, b, s)>],
+      iterator_types = ["parallel", "parallel", "parallel", "parallel"]}}
+      ins(%mb : tensor<?x{step}xf32>) outs(%e : tensor<{h}x{r}x?x{step}xf32>) {{
+  ^bb0(%x: f32, %o: f32):
+    linalg.yield %x : f32
+  }} -> tensor<{h}x{r}x?x{step}xf32>
+  %o = linalg.generic {{
+      indexing_maps = [affine_map<(h, r, b, s, j) -> (h, r, j)>, affine_map<(h, r, b, s, j) -> (h, b, s, j)>,
+                       affine_map<(h, r, b, s, j) -> (h, r, b, s)>],
+      iterator_types = ["parallel", "parallel", "parallel", "parallel", "reduction"]}}
+      ins(%q, %k : tensor<{h}x{r}x{d}xf32>, tensor<{h}x?x{step}x{d}xf32>) outs(%acc : tensor<{h}x{r}x?x{step}xf32>) {attrs} {{
+  ^bb0(%x: f32, %y: f32, %s: f32):
+    %0 = math.fma %x, %y, %zero : f32
+    %1 = arith.addf %0, %s : f32
+    linalg.yield %1 : f32
+  }} -> tensor<{h}x{r}x?x{step}xf32>
+  %out = tensor.collapse_shape %o [[0], [1], [2, 3]] : tensor<{h}x{r}x?x{step}xf32> into tensor<{h}x{r}x?xf32>
+  util.return %out : tensor<{h}x{r}x?xf32>
+}}
+}}
+"""
+
 _WEIGHTED_VALUES = r"""
 module {{
 util.func private @{name}(%p: tensor<{h}x{r}x?xf32>, %v: tensor<{h}x?x{d}xf32>) -> tensor<{h}x{r}x{d}xf32> {{
@@ -378,11 +419,29 @@ _SCORES_CPU = ("attrs = {{compilation_info = #iree_codegen.compilation_info<lowe
                "distribution = [1, {r}, 64, 0], vector_common_parallel = [1, {r}, 1, 0], "
                "vector_reduction = [0, 0, 0, {d}]>, translation_info = #iree_codegen.translation_info<"
                "pipeline = #iree_cpu.pipeline<DoubleTilingExpert>>>}}")
+_BLOCKS_CPU = ("attrs = {{compilation_info = #iree_codegen.compilation_info<lowering_config = #iree_cpu.lowering_config<"
+               "distribution = [1, {r}, 4, {step}, 0], vector_common_parallel = [1, {r}, 1, 1, 0], "
+               "vector_reduction = [0, 0, 0, 0, {d}]>, translation_info = #iree_codegen.translation_info<"
+               "pipeline = #iree_cpu.pipeline<DoubleTilingExpert>>>}}")
 _VALUES_CPU = ("attrs = {{compilation_info = #iree_codegen.compilation_info<lowering_config = #iree_cpu.lowering_config<"
                "distribution = [1, {r}, {d}, 0], vector_common_parallel = [1, {r}, {d}, 0], "
                "vector_reduction = [0, 0, 0, 1]>, translation_info = #iree_codegen.translation_info<"
                "pipeline = #iree_cpu.pipeline<DoubleTilingExpert>>>}}")
 
+
+_FIRST_BLOCKS = r"""
+module {{
+util.func private @{name}(%t: tensor<{h}x{s}x{d}x{e}>, %like: tensor<?x{le}>) -> tensor<{h}x?x{step}x{d}x{e}> {{
+  %c0 = arith.constant 0 : index
+  %step = arith.constant {step} : index
+  %len = tensor.dim %like, %c0 : tensor<?x{le}>
+  %blocks = arith.divui %len, %step : index
+  %tb = tensor.expand_shape %t [[0], [1, 2], [3]] output_shape [{h}, {sb}, {step}, {d}] : tensor<{h}x{s}x{d}x{e}> into tensor<{h}x{sb}x{step}x{d}x{e}>
+  %r = tensor.extract_slice %tb[0, 0, 0, 0] [{h}, %blocks, {step}, {d}] [1, 1, 1, 1] : tensor<{h}x{sb}x{step}x{d}x{e}> to tensor<{h}x?x{step}x{d}x{e}>
+  util.return %r : tensor<{h}x?x{step}x{d}x{e}>
+}}
+}}
+"""
 
 _FIRST_SLOTS = r"""
 module {{
@@ -517,15 +576,19 @@ def _register() -> dict:
         # The slots (keys' and values' dimension 1, probabilities' 2) stay dynamic: see model.py's `attended`.
         a, b = ksel.arg_tensor(0), ksel.arg_tensor(1)
         a.specialize_all_dims() if keys else a.specialize_dims(0, 1)
-        b.specialize_dims(0, 2)
+        blocked = len(b.t.shape) == 4  # keys as blocks (first_blocks)
+        b.specialize_dims(0, 2, 3) if blocked else b.specialize_dims(0, 2)
+        slots = b.t.shape[2]
         if keys:
-            ksel.arg_tensor(2)  # the mask: its one dimension is the slots
-        ksel.return_new_tensor([a.t.shape[0], a.t.shape[1], b.t.shape[1 if keys else 2]], dtype=torch.float32)
+            slots = ksel.arg_tensor(2).t.shape[0]  # the mask's one dimension is the slots
+        ksel.return_new_tensor([a.t.shape[0], a.t.shape[1], slots], dtype=torch.float32)
 
     def generate_attend(kb: KernelBuilder, keys: bool) -> None:
-        (h, r, _), (_, _, d) = shape(kb, 0), shape(kb, 1)
-        name = f"eddy_{'qk' if keys else 'pv'}_{h}x{r}x{d}{'_cpu' if _cpu_tuned else ''}"
-        lowering, template = (_SCORES_CPU, _QUERY_KEYS) if keys else (_VALUES_CPU, _WEIGHTED_VALUES)
+        (h, r, _), b = shape(kb, 0), shape(kb, 1)
+        blocked, d = len(b) == 4, b[-1]
+        name = f"eddy_{'qk' if keys else 'pv'}{'_blocks' if blocked else ''}_{h}x{r}x{d}{'_cpu' if _cpu_tuned else ''}"
+        lowering, template = ((_BLOCKS_CPU, _QUERY_BLOCKS) if blocked else (_SCORES_CPU, _QUERY_KEYS)) if keys else (
+            _VALUES_CPU, _WEIGHTED_VALUES)
         attrs = lowering.format(r=r, d=d, step=ATTEND_STEP) if _cpu_tuned else ""
         emit(kb, name, template.format(name=name, h=h, r=r, d=d, step=ATTEND_STEP, attrs=attrs))
 
@@ -537,7 +600,7 @@ def _register() -> dict:
             select_attend(ksel, True)
 
         def eager_execute(self, q, k, m):
-            return torch.matmul(q, k.transpose(1, 2)) + m
+            return torch.matmul(q, (k.flatten(1, 2) if k.dim() == 4 else k).transpose(1, 2)) + m
 
         def generate(self, ksel: KernelSelection, kb: KernelBuilder) -> None:
             generate_attend(kb, True)
@@ -572,7 +635,26 @@ def _register() -> dict:
             name = f"eddy_first_slots_{h}x{s}x{d}x{types[0]}_{types[1]}"
             emit(kb, name, _FIRST_SLOTS.format(name=name, h=h, s=s, d=d, e=types[0], le=types[1], step=ATTEND_STEP))
 
-    return {"q4": mmt_q4, "i8": mmt_i8, "qk": attend_qk, "pv": attend_pv, "slots": first_slots}
+    @CustomOp.register(library=library)
+    class first_blocks(CustomOp):
+        signature = "first_blocks(Tensor kv, Tensor like) -> (Tensor)"
+
+        def select(self, ksel: KernelSelection) -> None:
+            kv, like = ksel.arg_tensor(0), ksel.arg_tensor(1)
+            kv.specialize_all_dims()
+            h, _, d = kv.t.shape
+            ksel.return_new_tensor([h, like.t.shape[0] // ATTEND_STEP, ATTEND_STEP, d], dtype=kv.t.dtype)
+
+        def eager_execute(self, kv, like):
+            return kv[:, : like.shape[0]].unflatten(1, (-1, ATTEND_STEP)).clone()
+
+        def generate(self, ksel: KernelSelection, kb: KernelBuilder) -> None:
+            (h, s, d), types = shape(kb, 0), [str(RankedTensorType(kb.arg_value(i).type).element_type) for i in (0, 1)]
+            name = f"eddy_first_blocks_{h}x{s}x{d}x{types[0]}_{types[1]}"
+            emit(kb, name, _FIRST_BLOCKS.format(name=name, h=h, s=s, sb=s // ATTEND_STEP, d=d, e=types[0], le=types[1],
+                                                step=ATTEND_STEP))
+
+    return {"q4": mmt_q4, "i8": mmt_i8, "qk": attend_qk, "pv": attend_pv, "slots": first_slots, "blocks": first_blocks}
 
 
 def _mlir_isinstance_shim() -> None:

@@ -36,7 +36,7 @@ from torch import nn
 
 from ..arch import Family, family
 from ..config import ATTEND_STEP, Q4_TILE_ROWS, TILE_ROWS, BuildSettings, ModelConfig
-from .kernels import (first_slots, i8_linear, q4_linear, query_keys, tile_q8, tileable, tiled_rows,
+from .kernels import (first_blocks, first_slots, i8_linear, q4_linear, query_keys, tile_q8, tileable, tiled_rows,
                       weighted_values)
 from .q4 import Q4_GROUP, dequantise_q4, packable, quantise_q4, tile_q4
 
@@ -321,7 +321,9 @@ class Attention(nn.Module):
             shifted = rotate(originals.transpose(0, 1), shift[0:1], shift[1:2]).transpose(0, 1)
             cache.index_put_((layer, torch.zeros_like(layer), heads, torch.arange(sinks).view(1, -1)),
                              to_kv(shifted, cache))
-        return tuple(from_kv(first_slots(cache[i, kv], step.cache_pos)) for kv in (0, 1))
+        # One query reads the keys as blocks (kernels.first_blocks).
+        keys = (first_blocks if step.single else first_slots)(cache[i, 0], step.cache_pos)
+        return from_kv(keys), from_kv(first_slots(cache[i, 1], step.cache_pos))
 
 
 def softmax_in_blocks(scores: torch.Tensor) -> torch.Tensor:
