@@ -57,11 +57,12 @@ def export_module(model: StreamingLlama) -> "aot.ExportOutput":
     # Bounds are not checked at run time (a longer call silently computes garbage); the runtime chunks.
     n = torch.export.Dim("n", min=1, max=cfg.prefill_bound(settings))
     # The cache's slots a call attends to (model.py: StreamingLlama.hidden), then the local ring's, if any.
-    # A cache of one block has nothing to leave out (and a dimension of one value cannot be dynamic).
+    # At least 2 blocks: torch.export takes a dynamic size to be neither 0 nor 1 (and fixes one whose range then
+    # holds a single value), so a cache of 1 or 2 blocks is read whole (StreamingEngine.attended).
     blocks, ring = settings.slots // ATTEND_STEP, cfg.local_ring(settings)
     slot_pos = None
-    if blocks > 1:
-        attended = ATTEND_STEP * torch.export.Dim("blocks", min=1, max=blocks)
+    if blocks > 2:
+        attended = ATTEND_STEP * torch.export.Dim("blocks", min=2, max=blocks)
         slot_pos = {0: attended + ring if ring else attended}
     dyn = {"tokens": {0: n}, "slots": {0: n}, "rope": {2: n}, "shift": None, "slot_pos": slot_pos, "token_pos": {0: n}}
     fxb = aot.FxProgramsBuilder(model)

@@ -7,7 +7,8 @@ Two ops, each with two forms chosen by the number of rows multiplied:
 And two for decode's attention, which reads the cache in place:
   * `query_keys`: the query heads against the cached keys, plus the mask (the scores);
   * `weighted_values`: the probabilities times the cached values.
-And `first_slots`, a layer's keys or values in the cache's first slots (what a call attends to: model.py).
+And `first_slots` / `first_blocks`, a layer's keys or values in the cache's first slots (what a call attends to:
+model.py), as a plain slice or in blocks of ATTEND_STEP slots.
 As batch matmuls IREE data-tiles them and so re-packs the whole cache's keys and values on every step; as
 generics whose body is not a plain multiply-add (math.fma(a, b, 0) + acc) they are not taken for contractions,
 and carry a cpu lowering instead: 0.16 + 0.15 ms a layer for a 1B's 8 x 4 heads over 1024 slots against 0.38 +
@@ -325,9 +326,9 @@ util.func private @{name}(%a: tensor<1x{k}xf32>, %w: tensor<{nb}x{quads}x{qb}xi8
 """
 
 
-# Decode's attention. Scores: out[h, r, i] = mask[i] + sum over j of q[h, r, j] * keys[h, i, j]. Output rows: out[h, r, i] =
-# sum over j of probs[h, r, j] * values[h, j, i]. The product is math.fma(a, b, 0) plus the sum. The slots are
-# a dynamic dimension (model.py), known to be whole blocks of ATTEND_STEP (first_slots).
+# Decode's attention. Scores: out[h, r, i] = mask[i] + sum over j of q[h, r, j] * keys[h, i, j] (a local ring's
+# keys; the cache's come as blocks: _QUERY_BLOCKS). Output rows: out[h, r, i] = sum over j of probs[h, r, j] *
+# values[h, j, i]. The product is math.fma(a, b, 0) plus the sum. The slots are a dynamic dimension (model.py).
 _QUERY_KEYS = r"""
 module {{
 util.func private @{name}(%q: tensor<{h}x{r}x{d}xf32>, %k: tensor<{h}x?x{d}xf32>, %m: tensor<?xf32>) -> tensor<{h}x{r}x?xf32> {{
@@ -412,7 +413,7 @@ util.func private @{name}(%p: tensor<{h}x{r}x?xf32>, %v: tensor<{h}x?x{d}xf32>) 
 """
 
 # Per workgroup one kv head's queries. Values: a vector of each query's d outputs, the slots one at a time. Scores:
-# 64 slots, each query's dot product with a key over d as one vector, summed across it (a vector along
+# 64 slots (4 blocks), each query's dot product with a key over d as one vector, summed across it (a vector along
 # the slots would gather keys d apart). Each measured against 1 query at a time and 16-wide vectors: those were
 # slower.
 _SCORES_CPU = ("attrs = {{compilation_info = #iree_codegen.compilation_info<lowering_config = #iree_cpu.lowering_config<"
@@ -573,7 +574,7 @@ def _register() -> dict:
                 emit(kb, name, _MM_I8.format(name=name, **sizes))
 
     def select_attend(ksel: KernelSelection, keys: bool) -> None:
-        # The slots (keys' and values' dimension 1, probabilities' 2) stay dynamic: see model.py's `attended`.
+        # The slots (keys' and values' dimension 1, probabilities' 2) stay dynamic: model.py, Step.cache_pos.
         a, b = ksel.arg_tensor(0), ksel.arg_tensor(1)
         a.specialize_all_dims() if keys else a.specialize_dims(0, 1)
         blocked = len(b.t.shape) == 4  # keys as blocks (first_blocks)

@@ -194,8 +194,9 @@ class StreamingEngine:
         """How many of the cache's first slots a call reads: every used slot (the cache fills from slot 0: sinks,
         then the window's ring after the sink slots), so attention costs what the conversation holds."""
         used = np.flatnonzero(self.slot_pos != EMPTY_SLOT)
-        last = int(used[-1]) + 1 if used.size else 1
-        return -(-last // ATTEND_STEP) * ATTEND_STEP  # the cache has whole blocks (BuildSettings.slots)
+        blocks = -(-(int(used[-1]) + 1 if used.size else 1) // ATTEND_STEP)
+        # At least 2 blocks, as the module was exported (engine/build/export.py); the cache has whole blocks.
+        return ATTEND_STEP * min(max(blocks, 2), len(self.slot_pos) // ATTEND_STEP)
 
     def slot_of(self, positions: np.ndarray) -> np.ndarray:
         s, sinks = self.settings, self.sinks
