@@ -336,27 +336,41 @@ util.func private @{name}(%q: tensor<{h}x{r}x{d}xf32>, %k: tensor<{h}x?x{d}xf32>
   %c1 = arith.constant 1 : index
   %slots = tensor.dim %k, %c1 : tensor<{h}x?x{d}xf32>
   %e = tensor.empty(%slots) : tensor<{h}x{r}x?xf32>
-  %acc = linalg.generic {{
+  %masked = linalg.generic {{
       indexing_maps = [affine_map<(h, r, i) -> (i)>, affine_map<(h, r, i) -> (h, r, i)>],
       iterator_types = ["parallel", "parallel", "parallel"]}}
       ins(%m : tensor<?xf32>) outs(%e : tensor<{h}x{r}x?xf32>) {{
   ^bb0(%x: f32, %o: f32):
     linalg.yield %x : f32
   }} -> tensor<{h}x{r}x?xf32>
+  %zeros = linalg.fill ins(%zero : f32) outs(%e : tensor<{h}x{r}x?xf32>) -> tensor<{h}x{r}x?xf32>
   %o = linalg.generic {{
       indexing_maps = [affine_map<(h, r, i, j) -> (h, r, j)>, affine_map<(h, r, i, j) -> (h, i, j)>,
                        affine_map<(h, r, i, j) -> (h, r, i)>],
       iterator_types = ["parallel", "parallel", "parallel", "reduction"]}}
-      ins(%q, %k : tensor<{h}x{r}x{d}xf32>, tensor<{h}x?x{d}xf32>) outs(%acc : tensor<{h}x{r}x?xf32>) {attrs} {{
+      ins(%q, %k : tensor<{h}x{r}x{d}xf32>, tensor<{h}x?x{d}xf32>) outs({acc} : tensor<{h}x{r}x?xf32>) {attrs} {{
   ^bb0(%x: f32, %y: f32, %s: f32):
     %0 = math.fma %x, %y, %zero : f32
     %1 = arith.addf %0, %s : f32
     linalg.yield %1 : f32
   }} -> tensor<{h}x{r}x?xf32>
-  util.return %o : tensor<{h}x{r}x?xf32>
+  %out = linalg.generic {{
+      indexing_maps = [affine_map<(h, r, i) -> (h, r, i)>, affine_map<(h, r, i) -> (i)>, affine_map<(h, r, i) -> (h, r, i)>],
+      iterator_types = ["parallel", "parallel", "parallel"]}}
+      ins(%o, %m : tensor<{h}x{r}x?xf32>, tensor<?xf32>) outs(%e : tensor<{h}x{r}x?xf32>) {{
+  ^bb0(%x: f32, %y: f32, %z: f32):
+    %0 = arith.addf %x, %y : f32
+    linalg.yield %0 : f32
+  }} -> tensor<{h}x{r}x?xf32>
+  util.return {result} : tensor<{h}x{r}x?xf32>
 }}
 }}
 """
+
+# On a cpu the sums start at the mask (`acc`, `result`); off it they start at zero and the mask is added after them:
+# IREE's GPU pipeline failed on sums started at a broadcast mask ("map_load ... restricted to lane or thread
+# distributed contexts"). The unused ops are dropped.
+_MASK_FIRST = {True: dict(acc="%masked", result="%o"), False: dict(acc="%zeros", result="%out")}
 
 # The same over keys in blocks (first_blocks): out[h, r, b, s] = mask[b, s] + sum over j of q[h, r, j] *
 # keys[h, b, s, j].
@@ -591,7 +605,8 @@ def _register() -> dict:
         lowering, template = ((_BLOCKS_CPU, _QUERY_BLOCKS) if blocked else (_SCORES_CPU, _QUERY_KEYS)) if keys else (
             _VALUES_CPU, _WEIGHTED_VALUES)
         attrs = lowering.format(r=r, d=d, step=ATTEND_STEP) if _cpu_tuned else ""
-        emit(kb, name, template.format(name=name, h=h, r=r, d=d, step=ATTEND_STEP, attrs=attrs))
+        emit(kb, name, template.format(name=name, h=h, r=r, d=d, step=ATTEND_STEP, attrs=attrs,
+                                       **_MASK_FIRST[_cpu_tuned]))
 
     @CustomOp.register(library=library)
     class attend_qk(CustomOp):

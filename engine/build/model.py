@@ -218,6 +218,9 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, settings: BuildSettings, layer: int, index: int, own_ring: bool) -> None:
         super().__init__()
         self.cfg, self.sinks = cfg, settings.sink_slots
+        # Decode reads the keys in blocks on a cpu (kernels.first_blocks); IREE's GPU pipeline failed to bufferize
+        # that scores op, and takes the plain slice.
+        self.key_blocks = settings.device == "cpu"
         self.index = index  # this layer's place in the buffer it writes (the shared cache or the ring)
         self.local = layer in cfg.local_layers  # attends to the last local_window tokens only (Gemma)
         self.own_ring = own_ring
@@ -321,8 +324,8 @@ class Attention(nn.Module):
             shifted = rotate(originals.transpose(0, 1), shift[0:1], shift[1:2]).transpose(0, 1)
             cache.index_put_((layer, torch.zeros_like(layer), heads, torch.arange(sinks).view(1, -1)),
                              to_kv(shifted, cache))
-        # One query reads the keys as blocks (kernels.first_blocks).
-        keys = (first_blocks if step.single else first_slots)(cache[i, 0], step.cache_pos)
+        # One query reads the keys as blocks (kernels.first_blocks), where the device takes them.
+        keys = (first_blocks if step.single and self.key_blocks else first_slots)(cache[i, 0], step.cache_pos)
         return from_kv(keys), from_kv(first_slots(cache[i, 1], step.cache_pos))
 
 
