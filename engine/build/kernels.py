@@ -634,41 +634,43 @@ def _register() -> dict:
         def generate(self, ksel: KernelSelection, kb: KernelBuilder) -> None:
             generate_attend(kb, False)
 
+    def select_slice(ksel: KernelSelection, blocked: bool) -> None:
+        kv, like = ksel.arg_tensor(0), ksel.arg_tensor(1)
+        kv.specialize_all_dims()
+        (h, _, d), n = kv.t.shape, like.t.shape[0]
+        ksel.return_new_tensor([h, n // ATTEND_STEP, ATTEND_STEP, d] if blocked else [h, n, d], dtype=kv.t.dtype)
+
+    def generate_slice(kb: KernelBuilder, blocked: bool) -> None:
+        (h, s, d), types = shape(kb, 0), [str(RankedTensorType(kb.arg_value(i).type).element_type) for i in (0, 1)]
+        name = f"eddy_first_{'blocks' if blocked else 'slots'}_{h}x{s}x{d}x{types[0]}_{types[1]}"
+        emit(kb, name, (_FIRST_BLOCKS if blocked else _FIRST_SLOTS).format(
+            name=name, h=h, s=s, sb=s // ATTEND_STEP, d=d, e=types[0], le=types[1], step=ATTEND_STEP))
+
     @CustomOp.register(library=library)
     class first_slots(CustomOp):
         signature = "first_slots(Tensor kv, Tensor like) -> (Tensor)"
 
         def select(self, ksel: KernelSelection) -> None:
-            kv, like = ksel.arg_tensor(0), ksel.arg_tensor(1)
-            kv.specialize_all_dims()
-            ksel.return_new_tensor([kv.t.shape[0], like.t.shape[0], kv.t.shape[2]], dtype=kv.t.dtype)
+            select_slice(ksel, False)
 
         def eager_execute(self, kv, like):
             return kv[:, : like.shape[0]].clone()
 
         def generate(self, ksel: KernelSelection, kb: KernelBuilder) -> None:
-            (h, s, d), types = shape(kb, 0), [str(RankedTensorType(kb.arg_value(i).type).element_type) for i in (0, 1)]
-            name = f"eddy_first_slots_{h}x{s}x{d}x{types[0]}_{types[1]}"
-            emit(kb, name, _FIRST_SLOTS.format(name=name, h=h, s=s, d=d, e=types[0], le=types[1], step=ATTEND_STEP))
+            generate_slice(kb, False)
 
     @CustomOp.register(library=library)
     class first_blocks(CustomOp):
         signature = "first_blocks(Tensor kv, Tensor like) -> (Tensor)"
 
         def select(self, ksel: KernelSelection) -> None:
-            kv, like = ksel.arg_tensor(0), ksel.arg_tensor(1)
-            kv.specialize_all_dims()
-            h, _, d = kv.t.shape
-            ksel.return_new_tensor([h, like.t.shape[0] // ATTEND_STEP, ATTEND_STEP, d], dtype=kv.t.dtype)
+            select_slice(ksel, True)
 
         def eager_execute(self, kv, like):
             return kv[:, : like.shape[0]].unflatten(1, (-1, ATTEND_STEP)).clone()
 
         def generate(self, ksel: KernelSelection, kb: KernelBuilder) -> None:
-            (h, s, d), types = shape(kb, 0), [str(RankedTensorType(kb.arg_value(i).type).element_type) for i in (0, 1)]
-            name = f"eddy_first_blocks_{h}x{s}x{d}x{types[0]}_{types[1]}"
-            emit(kb, name, _FIRST_BLOCKS.format(name=name, h=h, s=s, sb=s // ATTEND_STEP, d=d, e=types[0], le=types[1],
-                                                step=ATTEND_STEP))
+            generate_slice(kb, True)
 
     return {"q4": mmt_q4, "i8": mmt_i8, "qk": attend_qk, "pv": attend_pv, "slots": first_slots, "blocks": first_blocks}
 
