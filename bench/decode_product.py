@@ -40,7 +40,7 @@ def weights(dtype: str, rows: int, cols: int) -> list:
     return [lin.weight, lin.scale, lin.offset] if dtype == "q4" else [lin.weight]
 
 
-def compiled(dtype: str, form: str | None, rows: int, cols: int, folder: Path) -> Path:
+def compiled(dtype: str, form: str | None, rows: int, cols: int, folder: Path, tokens: int = 1) -> Path:
     """The product of one row by a q4 or q8 matrix [rows, cols] (q8's before its rows' scales) taken as arguments
     (not parameters: nothing to inline or fold), exported with `form` and compiled for this host."""
     import iree.turbine.aot as aot
@@ -54,7 +54,7 @@ def compiled(dtype: str, form: str | None, rows: int, cols: int, folder: Path) -
 
     fxb = aot.FxProgramsBuilder(Product())
 
-    @fxb.export_program(name="main", args=(torch.zeros(1, cols), *weights(dtype, rows, cols)), strict=False)
+    @fxb.export_program(name="main", args=(torch.zeros(tokens, cols), *weights(dtype, rows, cols)), strict=False)
     def main(m, x, *w):
         return m(x, *w)
 
@@ -67,14 +67,14 @@ def compiled(dtype: str, form: str | None, rows: int, cols: int, folder: Path) -
     return out
 
 
-def timed(vmfb: Path, dtype: str, rows: int, cols: int) -> float:
+def timed(vmfb: Path, dtype: str, rows: int, cols: int, tokens: int = 1) -> float:
     """Median wall ms of 5 calls, 2 threads."""
     kinds = {"torch.int8": ("i8", 3), "torch.float16": ("f16", 0.01)}
     inputs = [f"--input={'x'.join(map(str, t.shape))}x{kinds[str(t.dtype)][0]}={kinds[str(t.dtype)][1]}"
               for t in weights(dtype, rows, cols)]
     out = subprocess.run([str(TOOLS / "iree-benchmark-module"), f"--module={vmfb}", "--function=main",
                           "--device=local-task", "--task_topology_max_group_count=2",
-                          f"--input=1x{cols}xf32=0.5", *inputs, "--benchmark_repetitions=5"],
+                          f"--input={tokens}x{cols}xf32=0.5", *inputs, "--benchmark_repetitions=5"],
                          check=True, capture_output=True, text=True).stdout
     line = next(ln for ln in out.splitlines() if "real_time_median" in ln)
     return float(line.split()[1])

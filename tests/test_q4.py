@@ -1,6 +1,6 @@
 """Eddy's 4-bit weights (engine/build/q4.py) against GGUF's Q4_1, the layout the default model ships in: the
-quantiser, the tiled layout, and each decode product this CPU runs compiled on its own (the generic one and the
-hand-written ones of engine/build/dot_products.py). A whole model's q4 build is held to its dequantised weights in
+quantiser, the tiled layout, and each product form this CPU runs compiled on its own (the generic ones and the
+hand-written ones of engine/build/dot_products.py and prefill_products.py). A whole model's q4 build is held to its dequantised weights in
 test_engine.py."""
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from engine.build.prefill_products import ROW_BLOCK, ROWS_PER_WORKGROUP
 from engine.build.q4 import Q4_GROUP, dequantise_q4, quantise_q4, unpack_q4
 
 
@@ -144,15 +145,20 @@ def _host_forms() -> list[str | None]:
     return [None, *host_dot_forms()]
 
 
+# Rows of prefill's product in the test: a second workgroup of rows, ending in a block not full
+# (engine/build/prefill_products.py).
+ROWS = ROWS_PER_WORKGROUP + ROW_BLOCK // 2 + 1
+
+
 @pytest.mark.parametrize("form", _host_forms())
 @pytest.mark.parametrize("dtype", ["q4", "q8"])
-def test_the_decode_product_is_the_codes_times_x_quantised_per_group(dtype, form, tmp_path):
-    """Each decode form this CPU runs, compiled, for q4 and q8: the generic one computes the dequantised weights
-    times x (float32 parity); a hand-written one (engine/build/dot_products.py) x quantised to int8 per group of 32
-    (dx = max|x| / 127), exactly as llama.cpp's Q8_1 activations, to float32 rounding: its only error against
-    float32 is that rounding of x, about 0.5 % of the output here. The tiles' order and a workgroup's share of them
-    are covered by rows of 9 tiles (WORKGROUPS = 16 workgroups of at least one tile), prefill's widening form by
-    3 rows."""
+def test_each_product_form_is_the_codes_times_x_quantised_per_group(dtype, form, tmp_path):
+    """Each product form this CPU runs, compiled, for q4 and q8, in one row (decode) and many (prefill): the generic
+    ones compute the dequantised weights times x (float32 parity); a hand-written one (engine/build/dot_products.py,
+    prefill_products.py) x quantised to int8 per group of 32 (dx = max|x| / 127), exactly as llama.cpp's Q8_1
+    activations, to float32 rounding: its only error against float32 is that rounding of x, about 0.5 % of the
+    output here. The tiles' order and a workgroup's share of them are covered by rows of 9 tiles (WORKGROUPS = 16
+    workgroups of at least one tile), the blocks of rows and their workgroups by ROWS rows."""
     import subprocess
     import sys
 
@@ -169,7 +175,7 @@ def test_the_decode_product_is_the_codes_times_x_quantised_per_group(dtype, form
     lin = Linear(out_f, in_f, dtype)
     for name, t in stored_matrix(w, dtype, tiled=True).items():
         getattr(lin, name).data = t
-    x1, x3 = (torch.from_numpy(rng.standard_normal((n, in_f)).astype(np.float32)) for n in (1, 3))
+    x1, xn = (torch.from_numpy(rng.standard_normal((n, in_f)).astype(np.float32)) for n in (1, ROWS))
 
     fxb = aot.FxProgramsBuilder(lin)
 
@@ -177,7 +183,7 @@ def test_the_decode_product_is_the_codes_times_x_quantised_per_group(dtype, form
     def decode(m, x):
         return m(x)
 
-    @fxb.export_program(name="prefill", args=(x3,), strict=False)
+    @fxb.export_program(name="prefill", args=(xn,), strict=False)
     def prefill(m, x):
         return m(x)
 
@@ -194,23 +200,26 @@ def test_the_decode_product_is_the_codes_times_x_quantised_per_group(dtype, form
 
     rows = stored_matrix(w, dtype)
     dense = dequantise_q4(*rows.values()) if dtype == "q4" else rows["weight"].float() * rows["scale"].unsqueeze(1)
-    exact = x1 @ dense.T
-    got = np.asarray(module.decode(x1.numpy()))[0]
-    if form is None:
-        want = exact[0].numpy()
-    else:
-        xg = x1.reshape(-1, Q4_GROUP).double()
-        dx = xg.abs().amax(1) / 127
-        q = torch.round(xg / dx.unsqueeze(1))
+
+    def quantised_x(x: torch.Tensor) -> np.ndarray:
+        """x's rows times the codes, x rounded to int8 per group of 32 (llama.cpp's Q8_1 activations)."""
+        xg = x.reshape(len(x), -1, Q4_GROUP).double()
+        dx = xg.abs().amax(-1) / 127
+        q = torch.round(xg / dx.unsqueeze(-1))
         if dtype == "q4":
             codes = unpack_q4(rows["weight"]).double().reshape(out_f, -1, Q4_GROUP)
-            want = ((codes * q).sum(-1) * rows["scale"] * dx + rows["offset"] * dx * q.sum(1)).sum(1).numpy()
-        else:
-            codes = rows["weight"].double().reshape(out_f, -1, Q4_GROUP)
-            want = ((codes * q).sum(-1) * dx).sum(1).mul(rows["scale"].double()).numpy()
-        rel = np.abs(got - exact[0].numpy()).max() / np.abs(exact.numpy()).max()
-        assert 1e-4 < rel < 2e-2  # x's rounding shows, and is small
-    assert np.abs(got - want).max() < 1e-5 * np.abs(want).max()
-    got3 = np.asarray(module.prefill(x3.numpy()))
-    want3 = (x3 @ dense.T).numpy()
-    assert np.abs(got3 - want3).max() < 1e-5 * np.abs(want3).max()
+            per_group = torch.einsum("rgp,ngp->nrg", codes, q) * rows["scale"] + rows["offset"] * q.sum(-1).unsqueeze(1)
+            return (per_group * dx.unsqueeze(1)).sum(-1).numpy()
+        codes = rows["weight"].double().reshape(out_f, -1, Q4_GROUP)
+        return (torch.einsum("rgp,ngp->nrg", codes, q) * dx.unsqueeze(1)).sum(-1).mul(rows["scale"].double()).numpy()
+
+    for program, x in (("decode", x1), ("prefill", xn)):
+        got = np.asarray(getattr(module, program)(x.numpy()))
+        exact = (x @ dense.T).numpy()
+        # Only q4's many-row product has a hand-written form (engine/build/prefill_products.py) so far.
+        by_hand = form is not None and (program == "decode" or dtype == "q4")
+        want = quantised_x(x) if by_hand else exact
+        if by_hand:
+            rel = np.abs(got - exact).max() / np.abs(exact).max()
+            assert 1e-4 < rel < 2e-2  # x's rounding shows, and is small
+        assert np.abs(got - want).max() < 1e-5 * np.abs(want).max(), program

@@ -59,16 +59,13 @@ def tiles_per_workgroup(tiles: int) -> int:
     return max(1, tiles // WORKGROUPS)
 
 
-def _quantise_x(k: int, groups: int) -> str:
-    """Body that quantises %x [k] into %xq [groups x 8] i32 (the group's 32 int8), %xd [groups] (dx) and %xm
-    [groups] (dx * sum q)."""
+def quantise_group(x_type: str) -> str:
+    """Body that quantises group %c of %x (`x_type`, k floats) into %q32 (vector<8xi32>: its 32 int8), %dx (its
+    scale, max|x| / 127) and %dxs (dx * sum q), rounding to nearest even: the one definition of x's rounding,
+    decode's and prefill's alike (engine/build/prefill_products.py)."""
     return f"""
-      %xq = memref.alloca() : memref<{groups}x8xi32>
-      %xd = memref.alloca() : memref<{groups}xf32>
-      %xm = memref.alloca() : memref<{groups}xf32>
-      scf.for %c = %c0 to %cg step %c1 {{
         %p = arith.muli %c, %c32 : index
-        %v = vector.load %x[%p] : memref<{k}xf32>, vector<32xf32>
+        %v = vector.load %x[%p] : {x_type}, vector<32xf32>
         %a = math.absf %v : vector<32xf32>
         %amax = vector.reduction <maxnumf>, %a : vector<32xf32> into f32
         %dx = arith.mulf %amax, %r127 : f32
@@ -82,9 +79,19 @@ def _quantise_x(k: int, groups: int) -> str:
         %sum = vector.reduction <add>, %qi : vector<32xi32> into i32
         %q8 = arith.trunci %qi : vector<32xi32> to vector<32xi8>
         %q32 = vector.bitcast %q8 : vector<32xi8> to vector<8xi32>
-        vector.store %q32, %xq[%c, %c0] : memref<{groups}x8xi32>, vector<8xi32>
         %sumf = arith.sitofp %sum : i32 to f32
-        %dxs = arith.mulf %dx, %sumf : f32
+        %dxs = arith.mulf %dx, %sumf : f32"""
+
+
+def _quantise_x(k: int, groups: int) -> str:
+    """Body that quantises %x [k] into %xq [groups x 8] i32 (the group's 32 int8), %xd [groups] (dx) and %xm
+    [groups] (dx * sum q)."""
+    return f"""
+      %xq = memref.alloca() : memref<{groups}x8xi32>
+      %xd = memref.alloca() : memref<{groups}xf32>
+      %xm = memref.alloca() : memref<{groups}xf32>
+      scf.for %c = %c0 to %cg step %c1 {{{quantise_group(f"memref<{k}xf32>")}
+        vector.store %q32, %xq[%c, %c0] : memref<{groups}x8xi32>, vector<8xi32>
         memref.store %dx, %xd[%c] : memref<{groups}xf32>
         memref.store %dxs, %xm[%c] : memref<{groups}xf32>
       }}"""

@@ -33,7 +33,7 @@ import torch
 from ..config import ATTEND_STEP
 from ..config import Q4_TILE_ROWS as Q4_TILE
 from ..config import TILE_ROWS as TILE
-from . import dot_products
+from . import dot_products, prefill_products
 
 
 def tileable(out_features: int, in_features: int) -> bool:
@@ -247,6 +247,21 @@ util.func private @{name}(%a: tensor<1x{k}xf32>, {args}) -> tensor<1x{n}xf32> {{
   %r1 = tensor.collapse_shape %r [[0, 1]] : tensor<{nb}x{t}xf32> into tensor<{n}xf32>
   %r2 = tensor.expand_shape %r1 [[0, 1]] output_shape [1, {n}] : tensor<{n}xf32> into tensor<1x{n}xf32>
   util.return %r2 : tensor<1x{n}xf32>
+}}
+}}
+"""
+
+# q4, any number of rows, on an x86 CPU: x quantised per group, then the hand-written integer product
+# (engine/build/prefill_products.py).
+_MM_X86 = r"""
+module {{
+{executables}
+util.func private @{name}(%a: tensor<?x{k}xf32>, {args}) -> tensor<?x{n}xf32> {{
+  %c0 = arith.constant 0 : index
+  %rows = tensor.dim %a, %c0 : tensor<?x{k}xf32>
+  {quantise}
+  {call}
+  util.return %r : tensor<?x{n}xf32>
 }}
 }}
 """
@@ -542,7 +557,17 @@ def _register() -> dict:
             sizes = dict(nb=nb, n=nb * Q4_TILE, k=k, gb=gb, gc=2 * gb, gw=gb // 4, t=Q4_TILE, groups=groups,
                          g=k // groups)
             tag = f"{nb * Q4_TILE}x{k}"
-            if rows != 1:
+            if rows != 1 and _dot_form:
+                name = f"eddy_mm_q4_{tag}_{_dot_form}"
+                qx, exe = f"eddy_qx_{tag}_{_dot_form}", f"eddy_q4_rows_{tag}_{_dot_form}"
+                emit(kb, name, _MM_X86.format(
+                    name=name, args=_Q4_ARGS.format(**sizes),
+                    executables=prefill_products.quantise_rows_executable(qx, k)
+                    + prefill_products.q4_rows_executable(_dot_form, exe, nb, k),
+                    quantise=prefill_products.quantise_rows_call(qx, k, "%a", "%rows", "%xq", "%xs"),
+                    call=prefill_products.q4_rows_call(exe, nb, k, "%xq", "%xs", "%rows", "%qs", "%d", "%m", "%r"),
+                    **sizes))
+            elif rows != 1:
                 name = f"eddy_mm_q4_{tag}"
                 emit(kb, name, _MM_Q4.format(name=name, **sizes))
             elif _dot_form:

@@ -1,0 +1,284 @@
+"""Prefill's and scoring's q4 matrix products (many rows of x) written by hand for x86, as decode's are
+(engine/build/dot_products.py): integer dot products of the 4-bit codes with x quantised to int8 per group of 32,
+llama.cpp's way of multiplying a 4-bit matrix by a batch.
+
+Why. IREE's own path for a product of many rows widens every weight to float32 (and packs it for its data-tiled
+matmul) in a dispatch of its own on every call: 60 of a 30-token turn's 145 ms on the default model went there
+(docs/BENCHMARKS.md). Here nothing is widened: each call reads the codes as they are stored and multiplies
+integers, so a short turn costs its few rows' arithmetic, not a pass over every weight in float32.
+
+Two dispatches a product:
+  * `quantise_rows_executable`: x [rows, k] f32 -> xq [rows, groups, 8] i32 (each group's 32 int8) and
+    xs [rows, groups, 2] f32 (dx, dx * sum q); x's rounding is decode's (dot_products._quantise_x), so a row's
+    logits do not depend on how many rows came with it;
+  * `q4_rows_executable`: out [rows, n] f32 from those and the tiled codes, scales and offsets. A workgroup takes
+    ROWS_PER_WORKGROUP rows of x against a few tiles of weights (small enough to stay in L2 while it goes over
+    its rows) and, within that, ROW_BLOCK rows at a time: each 64-byte load of codes, split into its two nibble
+    sets, feeds `vpdpbusd` for every row of the block, so the unpacking is shared by ROW_BLOCK rows. A block past
+    the last row repeats the last row and stores nothing.
+
+The row count is dynamic (the function's `%rows`, the dispatch's workload): prefill chunks and scoring take any.
+"""
+from __future__ import annotations
+
+from ..config import Q4_GROUP
+from ..config import Q4_TILE_ROWS as Q4_TILE
+from .dot_products import Q4_GROUP_BYTES, quantise_group
+
+# Rows of x a block of registers multiplies: each with its float32 accumulator (and an int32 one per group).
+ROW_BLOCK = 6
+# Rows of x a workgroup takes, in blocks of ROW_BLOCK, against its tiles of weights.
+ROWS_PER_WORKGROUP = 6 * ROW_BLOCK
+# Bytes of a workgroup's weights (codes, scales, offsets): kept in L2 while it goes over its rows.
+WORKGROUP_WEIGHT_BYTES = 96 * 1024
+# Rows a workgroup of the quantising dispatch takes.
+QUANTISE_ROWS = 8
+
+
+def tiles_per_workgroup(tiles: int, k: int) -> int:
+    """Tiles of weights per workgroup: as many as fit WORKGROUP_WEIGHT_BYTES, and at least 8 workgroups' worth
+    of tiles for the threads to share when the rows are few."""
+    tile_bytes = k // Q4_GROUP * (Q4_GROUP_BYTES + 2 * 2 * Q4_TILE)
+    return max(1, min(WORKGROUP_WEIGHT_BYTES // tile_bytes, -(-tiles // 8)))
+
+
+_QUANTISE = """
+stream.executable private @{name} {{
+  stream.executable.export public @{name} workgroups(%rows: index) -> (index, index, index) {{
+    %c1 = arith.constant 1 : index
+    %per = arith.constant {per} : index
+    %n = arith.ceildivui %rows, %per : index
+    stream.return %n, %c1, %c1 : index, index, index
+  }}
+  builtin.module {{
+    func.func @{name}(%xb: !stream.binding, %rows: index, %qb: !stream.binding, %sb: !stream.binding) {{
+      %c0 = arith.constant 0 : index
+      %c1 = arith.constant 1 : index
+      %c32 = arith.constant 32 : index
+      %cg = arith.constant {groups} : index
+      %per = arith.constant {per} : index
+      %zf = arith.constant 0.0 : f32
+      %f127 = arith.constant 127.0 : f32
+      %r127 = arith.constant 0.007874015748031496 : f32
+      %xa = stream.binding.subspan %xb[%c0] : !stream.binding -> memref<?x{k}xf32>{{%rows}}
+      %xqa = stream.binding.subspan %qb[%c0] : !stream.binding -> memref<?x{groups}x8xi32>{{%rows}}
+      %xsa = stream.binding.subspan %sb[%c0] : !stream.binding -> memref<?x{groups}x2xf32>{{%rows}}
+      %wg = stream.dispatch.workgroup.id[0] : index
+      %r0 = arith.muli %wg, %per : index
+      %r1a = arith.addi %r0, %per : index
+      %r1 = arith.minui %r1a, %rows : index
+      scf.for %row = %r0 to %r1 step %c1 {{
+        %x = memref.subview %xa[%row, 0] [1, {k}] [1, 1] : memref<?x{k}xf32> to memref<{k}xf32, strided<[1], offset: ?>>
+        scf.for %c = %c0 to %cg step %c1 {{{group}
+          vector.store %q32, %xqa[%row, %c, %c0] : memref<?x{groups}x8xi32>, vector<8xi32>
+          memref.store %dx, %xsa[%row, %c, %c0] : memref<?x{groups}x2xf32>
+          memref.store %dxs, %xsa[%row, %c, %c1] : memref<?x{groups}x2xf32>
+        }}
+      }}
+      return
+    }}
+  }}
+}}
+"""
+
+
+def quantise_rows_executable(name: str, k: int) -> str:
+    """The `stream.executable` @name quantising x [rows, k] f32 into xq [rows, k/32, 8] i32 and
+    xs [rows, k/32, 2] f32 (dx, dx * sum q) per group of 32."""
+    groups = k // Q4_GROUP
+    return _QUANTISE.format(name=name, k=k, groups=groups, per=QUANTISE_ROWS,
+                            group=quantise_group(f"memref<{k}xf32, strided<[1], offset: ?>>"))
+
+
+def quantise_rows_call(name: str, k: int, x: str, rows: str, xq: str, xs: str) -> str:
+    """The `flow.dispatch` of quantise_rows_executable @name: `xq`, `xs` from x (tensor<?x k x f32>, rows `rows`)."""
+    groups = k // Q4_GROUP
+    return (f"{xq}, {xs} = flow.dispatch @{name}::@{name}[{rows}]({x}, {rows}) : (tensor<?x{k}xf32>{{{rows}}}, index) "
+            f"-> (tensor<?x{groups}x8xi32>{{{rows}}}, tensor<?x{groups}x2xf32>{{{rows}}})")
+
+
+_Q4_ROWS = """
+stream.executable private @{name} {{
+  stream.executable.export public @{name} workgroups(%rows: index) -> (index, index, index) {{
+    %c1 = arith.constant 1 : index
+    %per = arith.constant {per_rows} : index
+    %tw = arith.constant {tile_groups} : index
+    %n = arith.ceildivui %rows, %per : index
+    stream.return %tw, %n, %c1 : index, index, index
+  }}
+  builtin.module {{
+    func.func @{name}(%xqb: !stream.binding, %xsb: !stream.binding, %qb: !stream.binding, %db: !stream.binding,
+                      %mb: !stream.binding, %rows: index, %ob: !stream.binding) {{
+      %c0 = arith.constant 0 : index
+      %c1 = arith.constant 1 : index
+      %c16 = arith.constant 16 : index
+      %cg = arith.constant {groups} : index
+      %cnb = arith.constant {nb} : index
+      %ctpw = arith.constant {per_tiles} : index
+      %crpw = arith.constant {per_rows} : index
+      %crb = arith.constant {block} : index
+      %zi = arith.constant dense<0> : vector<16xi32>
+      %zv = arith.constant dense<0.0> : vector<16xf32>
+      %mask = arith.constant dense<15> : vector<64xi8>
+      %four = arith.constant dense<4> : vector<64xi8>
+      %mask32 = arith.constant dense<15> : vector<32xi8>
+      %four32 = arith.constant dense<4> : vector<32xi8>
+      %ones16 = arith.constant dense<1> : vector<16xi16>
+{offsets}
+      %xq = stream.binding.subspan %xqb[%c0] : !stream.binding -> memref<?x{groups}x8xi32>{{%rows}}
+      %xs = stream.binding.subspan %xsb[%c0] : !stream.binding -> memref<?x{groups}x2xf32>{{%rows}}
+      %q = stream.binding.subspan %qb[%c0] : !stream.binding -> memref<{nb}x{groups}x{gb}xi8>
+      %d = stream.binding.subspan %db[%c0] : !stream.binding -> memref<{nb}x{groups}x16xf16>
+      %m = stream.binding.subspan %mb[%c0] : !stream.binding -> memref<{nb}x{groups}x16xf16>
+      %o = stream.binding.subspan %ob[%c0] : !stream.binding -> memref<?x{n}xf32>{{%rows}}
+      %last = arith.subi %rows, %c1 : index
+      %wx = stream.dispatch.workgroup.id[0] : index
+      %wy = stream.dispatch.workgroup.id[1] : index
+      %t0 = arith.muli %wx, %ctpw : index
+      %t1a = arith.addi %t0, %ctpw : index
+      %t1 = arith.minui %t1a, %cnb : index
+      %ra = arith.muli %wy, %crpw : index
+      %rza = arith.addi %ra, %crpw : index
+      %rz = arith.minui %rza, %rows : index
+      scf.for %rb = %ra to %rz step %crb {{{rows_of_block}
+        scf.for %b = %t0 to %t1 step %c1 {{
+          %acc:{block} = scf.for %c = %c0 to %cg step %c1 iter_args({iter_args}) -> ({acc_types}) {{{group}
+            %dh = vector.load %d[%b, %c, %c0] : memref<{nb}x{groups}x16xf16>, vector<16xf16>
+            %mh = vector.load %m[%b, %c, %c0] : memref<{nb}x{groups}x16xf16>, vector<16xf16>
+            %dv = arith.extf %dh : vector<16xf16> to vector<16xf32>
+            %mv = arith.extf %mh : vector<16xf16> to vector<16xf32>{scale}
+            scf.yield {yields} : {acc_types}
+          }}
+          %col = arith.muli %b, %c16 : index{stores}
+        }}
+      }}
+      return
+    }}
+  }}
+}}
+"""
+
+
+def _rows_of_block(block: int) -> str:
+    """%row{i}: the block's rows, the last row of x standing in for those past it; %in{i}: whether it is real."""
+    lines = []
+    for i in range(block):
+        lines.append(f"""
+        %rr{i} = arith.addi %rb, %i{i} : index
+        %row{i} = arith.minui %rr{i}, %last : index
+        %in{i} = arith.cmpi ult, %rr{i}, %rows : index""")
+    return "".join(lines)
+
+
+def _x_word(name: str, i: int, word: int, lanes: int) -> str:
+    """Row i's 4 int8 of x at word `word` of group %c, broadcast to `lanes` int32 lanes, viewed as bytes."""
+    return f"""
+            %{name}s = memref.load %xq[%row{i}, %c, %i{word}] : memref<?x{{groups}}x8xi32>
+            %{name}v = vector.broadcast %{name}s : i32 to vector<{lanes}xi32>
+            %{name} = vector.bitcast %{name}v : vector<{lanes}xi32> to vector<{4 * lanes}xi8>"""
+
+
+def _q4_vnni(block: int) -> tuple[str, list[str]]:
+    """One group of tile %b for the block's rows: the body, and per row the value of its 16 integer sums."""
+    lines = []
+    for h in range(4):
+        lines.append(f"""
+            %w{h} = vector.load %q[%b, %c, %o{h}] : memref<{{nb}}x{{groups}}x{Q4_GROUP_BYTES}xi8>, vector<64xi8>
+            %l{h} = arith.andi %w{h}, %mask : vector<64xi8>
+            %s{h} = arith.shrui %w{h}, %four : vector<64xi8>
+            %u{h} = arith.andi %s{h}, %mask : vector<64xi8>""")
+    acc = ["%zi"] * block
+    for h in range(4):
+        for i in range(block):
+            lines.append(_x_word(f"xl{i}_{h}", i, h, 16) + _x_word(f"xh{i}_{h}", i, h + 4, 16) + f"""
+            %p{i}_{h} = llvm.call_intrinsic "llvm.x86.avx512.vpdpbusd.512"({acc[i]}, %l{h}, %xl{i}_{h}) : (vector<16xi32>, vector<64xi8>, vector<64xi8>) -> vector<16xi32>
+            %r{i}_{h} = llvm.call_intrinsic "llvm.x86.avx512.vpdpbusd.512"(%p{i}_{h}, %u{h}, %xh{i}_{h}) : (vector<16xi32>, vector<64xi8>, vector<64xi8>) -> vector<16xi32>""")
+            acc[i] = f"%r{i}_{h}"
+    return "".join(lines), acc
+
+
+def _q4_avx2(block: int) -> tuple[str, list[str]]:
+    """_q4_vnni in AVX2: per row two ymm halves of 8 rows of the tile, `vpmaddubsw` pairs summed in 16 bits (codes
+    <= 15 and |q| <= 127 keep a group's sums unsaturated: dot_products), then `vpmaddwd` by ones."""
+    lines = []
+    for half in range(2):
+        for h in range(4):
+            v = f"{h}_{half}"
+            lines.append(f"""
+            %w{v} = vector.load %q[%b, %c, %o{h}h{half}] : memref<{{nb}}x{{groups}}x{Q4_GROUP_BYTES}xi8>, vector<32xi8>
+            %l{v} = arith.andi %w{v}, %mask32 : vector<32xi8>
+            %s{v} = arith.shrui %w{v}, %four32 : vector<32xi8>
+            %u{v} = arith.andi %s{v}, %mask32 : vector<32xi8>""")
+    sums = []
+    for i in range(block):
+        lines += [_x_word(f"xl{i}_{h}", i, h, 8) + _x_word(f"xh{i}_{h}", i, h + 4, 8) for h in range(4)]
+        for half in range(2):
+            prods = []
+            for h in range(4):
+                v, p = f"{h}_{half}", f"{i}_{h}_{half}"
+                lines.append(f"""
+            %pl{p} = llvm.call_intrinsic "llvm.x86.avx2.pmadd.ub.sw"(%l{v}, %xl{i}_{h}) : (vector<32xi8>, vector<32xi8>) -> vector<16xi16>
+            %pu{p} = llvm.call_intrinsic "llvm.x86.avx2.pmadd.ub.sw"(%u{v}, %xh{i}_{h}) : (vector<32xi8>, vector<32xi8>) -> vector<16xi16>""")
+                prods += [f"%pl{p}", f"%pu{p}"]
+            total = prods[0]
+            for j, p in enumerate(prods[1:]):
+                lines.append(f"\n            %t{i}_{j}_{half} = arith.addi {total}, {p} : vector<16xi16>")
+                total = f"%t{i}_{j}_{half}"
+            lines.append(f"""
+            %e{i}_{half} = llvm.call_intrinsic "llvm.x86.avx2.pmadd.wd"({total}, %ones16) : (vector<16xi16>, vector<16xi16>) -> vector<8xi32>""")
+        lines.append(f"\n            %isum{i} = vector.shuffle %e{i}_0, %e{i}_1 [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, "
+                     "13, 14, 15] : vector<8xi32>, vector<8xi32>")
+        sums.append(f"%isum{i}")
+    return "".join(lines), sums
+
+
+_Q4_FORMS = {"vnni": _q4_vnni, "avx2": _q4_avx2}
+
+
+def _offsets(block: int) -> str:
+    lines = [f"      %i{i} = arith.constant {i} : index" for i in range(max(8, block))]
+    lines += [f"      %o{h} = arith.constant {64 * h} : index" for h in range(4)]
+    lines += [f"      %o{h}h{half} = arith.constant {64 * h + 32 * half} : index" for h in range(4) for half in range(2)]
+    return "\n".join(lines)
+
+
+def q4_rows_executable(form: str, name: str, tiles: int, k: int) -> str:
+    """The `stream.executable` @name computing out [rows, tiles x 16] f32 from x quantised
+    (quantise_rows_executable's xq, xs), the codes [tiles x groups x Q4_GROUP_BYTES] i8 and scales, offsets
+    [tiles x groups x 16] f16."""
+    groups, block = k // Q4_GROUP, ROW_BLOCK
+    per_tiles = tiles_per_workgroup(tiles, k)
+    body, sums = _Q4_FORMS[form](block)
+    scale = []
+    for i in range(block):
+        scale.append(f"""
+            %fs{i} = arith.sitofp {sums[i]} : vector<16xi32> to vector<16xf32>
+            %dx{i} = memref.load %xs[%row{i}, %c, %c0] : memref<?x{groups}x2xf32>
+            %dm{i} = memref.load %xs[%row{i}, %c, %c1] : memref<?x{groups}x2xf32>
+            %dxv{i} = vector.broadcast %dx{i} : f32 to vector<16xf32>
+            %dmv{i} = vector.broadcast %dm{i} : f32 to vector<16xf32>
+            %sc{i} = arith.mulf %dv, %dxv{i} : vector<16xf32>
+            %a{i} = math.fma %fs{i}, %sc{i}, %af{i} : vector<16xf32>
+            %n{i} = math.fma %mv, %dmv{i}, %a{i} : vector<16xf32>""")
+    stores = "".join(f"""
+          scf.if %in{i} {{
+            vector.store %acc#{i}, %o[%row{i}, %col] : memref<?x{tiles * Q4_TILE}xf32>, vector<16xf32>
+          }}""" for i in range(block))
+    acc_types = ", ".join(["vector<16xf32>"] * block)
+    return _Q4_ROWS.format(
+        name=name, groups=groups, nb=tiles, n=tiles * Q4_TILE, gb=Q4_GROUP_BYTES, block=block,
+        per_rows=ROWS_PER_WORKGROUP, per_tiles=per_tiles, tile_groups=-(-tiles // per_tiles),
+        offsets=_offsets(block), rows_of_block=_rows_of_block(block),
+        iter_args=", ".join(f"%af{i} = %zv" for i in range(block)), acc_types=acc_types,
+        group=body.format(nb=tiles, groups=groups), scale="".join(scale),
+        yields=", ".join(f"%n{i}" for i in range(block)), stores=stores)
+
+
+def q4_rows_call(name: str, tiles: int, k: int, xq: str, xs: str, rows: str, q: str, d: str, m: str,
+                 out: str) -> str:
+    """The `flow.dispatch` of q4_rows_executable @name, binding `out` (tensor<?x tiles*16 x f32>)."""
+    groups = k // Q4_GROUP
+    return (f"{out} = flow.dispatch @{name}::@{name}[{rows}]({xq}, {xs}, {q}, {d}, {m}, {rows}) : "
+            f"(tensor<?x{groups}x8xi32>{{{rows}}}, tensor<?x{groups}x2xf32>{{{rows}}}, "
+            f"tensor<{tiles}x{groups}x{Q4_GROUP_BYTES}xi8>, tensor<{tiles}x{groups}x16xf16>, "
+            f"tensor<{tiles}x{groups}x16xf16>, index) -> tensor<?x{tiles * Q4_TILE}xf32>{{{rows}}}")
