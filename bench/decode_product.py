@@ -1,8 +1,11 @@
 #!/usr/bin/env python3
-"""A quantised type's decode product alone, in each form this CPU runs: the generic one and the hand-written ones
-(engine/build/dot_products.py), alternated, as iree-benchmark-module times them.
+"""A quantised type's product alone, in each form this CPU runs: the generic one and the hand-written ones
+(engine/build/dot_products.py; prefill_products.py for many rows), alternated, as iree-benchmark-module times them.
 
-    python bench/decode_product.py [--dtype q4|q8] [--rows 57344] [--cols 4096] [--rounds 3] [--json FILE]
+    python bench/decode_product.py [--dtype q4|q8] [--rows 57344] [--cols 4096] [--tokens 1] [--rounds 3] [--json FILE]
+
+--tokens is the rows of x: 1 is decode's matrix-vector product, more a prefill chunk's (iree-benchmark-module's
+time then includes uploading x; the weights are uploaded in every case).
 
 One matrix-vector product of a q4 or q8 matrix [rows, cols] (the default is four 14336 x 4096 matrices as one,
 147 MB in q4, 235 MB in q8: more than any L2, so the product reads memory, or the L3 of a large server CPU; a
@@ -85,6 +88,7 @@ def main() -> int:
     p.add_argument("--dtype", choices=("q4", "q8"), default="q4")
     p.add_argument("--rows", type=int, default=4 * 14336)
     p.add_argument("--cols", type=int, default=4096)
+    p.add_argument("--tokens", type=int, default=1, help="rows of x: 1 is decode's product, more prefill's")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "decode_product.json")
     a = p.parse_args()
@@ -94,12 +98,12 @@ def main() -> int:
     times: dict[str, list[float]] = {str(f): [] for f in forms}
     bandwidths = []
     with tempfile.TemporaryDirectory() as tmp:
-        modules = {str(f): compiled(a.dtype, f, a.rows, a.cols, Path(tmp)) for f in forms}
+        modules = {str(f): compiled(a.dtype, f, a.rows, a.cols, Path(tmp), a.tokens) for f in forms}
         for _ in range(a.rounds):
             bandwidths.append(read_bandwidth()["gb_per_s"])
             for name, vmfb in modules.items():
-                times[name].append(timed(vmfb, a.dtype, a.rows, a.cols))
-    print(f"{a.dtype} decode product, {a.rows} x {a.cols} ({megabytes:.0f} MB), 2 threads; "
+                times[name].append(timed(vmfb, a.dtype, a.rows, a.cols, a.tokens))
+    print(f"{a.dtype} product of {a.tokens} row(s), {a.rows} x {a.cols} ({megabytes:.0f} MB), 2 threads; "
           f"bandwidth {statistics.median(bandwidths):.1f} GB/s; {cpu_info().get('Model name', '')}")
     print("| form | median ms | samples | read at |\n| --- | ---: | --- | ---: |")
     rows = {}
@@ -109,7 +113,7 @@ def main() -> int:
         label = "generic" if name == "None" else name
         print(f"| {label} | {med:.2f} | {', '.join(f'{t:.2f}' for t in ms)} | {megabytes / med:.1f} GB/s |")
     a.json.parent.mkdir(parents=True, exist_ok=True)
-    a.json.write_text(json.dumps({"machine": cpu_info(), "dtype": a.dtype, "rows": a.rows, "cols": a.cols, "megabytes": megabytes,
+    a.json.write_text(json.dumps({"machine": cpu_info(), "dtype": a.dtype, "tokens": a.tokens, "rows": a.rows, "cols": a.cols, "megabytes": megabytes,
                                   "bandwidth_gb_per_s": bandwidths, "forms": rows}, indent=2))
     return 0
 
