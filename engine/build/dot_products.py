@@ -62,12 +62,14 @@ def tiles_per_workgroup(tiles: int) -> int:
 def quantise_group(x_type: str) -> str:
     """Body that quantises group %c of %x (`x_type`, k floats) into %q32 (vector<8xi32>: its 32 int8), %dx (its
     scale, max|x| / 127) and %dxs (dx * sum q), rounding to nearest even: the one definition of x's rounding,
-    decode's and prefill's alike (engine/build/prefill_products.py)."""
+    decode's and prefill's alike (engine/build/prefill_products.py). `maximumf`, not `maxnumf`: |x| holds no NaN
+    that the latter's extra compares would skip, and without them the quantising dispatch of 512 rows x 576 took
+    0.15 ms instead of 0.20."""
     return f"""
         %p = arith.muli %c, %c32 : index
         %v = vector.load %x[%p] : {x_type}, vector<32xf32>
         %a = math.absf %v : vector<32xf32>
-        %amax = vector.reduction <maxnumf>, %a : vector<32xf32> into f32
+        %amax = vector.reduction <maximumf>, %a : vector<32xf32> into f32
         %dx = arith.mulf %amax, %r127 : f32
         %pos = arith.cmpf ogt, %amax, %zf : f32
         %inv0 = arith.divf %f127, %amax : f32
