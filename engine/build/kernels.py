@@ -20,8 +20,9 @@ keeps one output row per vector lane and needs no horizontal sum. With whole row
 group (q4) or each vector of positions (q8) to a scalar inside the loop. Decode's form depends on the device
 (`lowering_for`): on an x86 CPU both are written by hand with integer dot products (engine/build/dot_products.py);
 otherwise each is one generic carrying an llvm-cpu lowering that keeps those lanes. Any other row count (prefill,
-scoring) widens the tile back to float32 rows inside the dispatch that packs the data-tiled matmul, then
-multiplies.
+scoring): q4 on an x86 CPU is written by hand too (engine/build/prefill_products.py: x rounded to int8, integer
+dot products of the codes as stored); q8, and q4 elsewhere, widen the tile back to float32 rows inside the
+dispatch that packs the data-tiled matmul, then multiply.
 """
 from __future__ import annotations
 
@@ -143,7 +144,7 @@ _Q4_VIEW = r"""
 _Q4_ARGS = ("%qs: tensor<{nb}x{groups}x{gb}xi8>, %d: tensor<{nb}x{groups}x{t}xf16>, "
             "%m: tensor<{nb}x{groups}x{t}xf16>")
 
-# q4, prefill (any number of rows): the tile is widened back to float32 rows in one generic, which IREE fuses
+# q4, prefill (any number of rows) off x86: the tile is widened back to float32 rows in one generic, which IREE fuses
 # with the packing of the data-tiled matmul, then a contraction over the groups and their weights.
 _MM_Q4 = r"""
 module {{

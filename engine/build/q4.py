@@ -14,9 +14,9 @@ and offsets [out, in/Q4_GROUP]; an embedding, which is looked up by row, stays s
 stored tiled (`tile_q4`), in tiles of Q4_TILE_ROWS (16) rows: codes [out/16, groups, 256], and per group of a tile
 four blocks of 64 bytes, block h's byte 4r + j holding row r's codes at positions 4h + j (low nibble) and
 4h + 16 + j (high nibble); scales and offsets [out/16, groups, 16]. That is the shape of the x86 integer dot
-products (`vpdpbusd`: 16 rows x 4 positions a register) that decode's hand-written product takes
-(engine/build/dot_products.py): one load and two masks feed two of them. The generic forms (prefill, other devices
-and CPUs) index the same bytes through a 6-d view.
+products (`vpdpbusd`: 16 rows x 4 positions a register) that the hand-written products take (decode's,
+engine/build/dot_products.py, and prefill's, prefill_products.py): one load and two masks feed two of them. The
+generic forms (other devices and CPUs) index the same bytes through a 6-d view.
 
 Bytes are stored in int8 tensors: the bytes are what matter, and int8 is the byte type turbine's parameters carry
 unchanged.
