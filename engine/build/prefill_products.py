@@ -9,7 +9,7 @@ integers, so a short turn costs its few rows' arithmetic, not a pass over every 
 
 Two dispatches a product:
   * `quantise_rows_executable`: x [rows, k] f32 -> xq [rows, groups, 8] i32 (each group's 32 int8) and
-    xs [rows, groups, 2] f32 (dx, dx * sum q); x's rounding is decode's (dot_products._quantise_x), so a row's
+    xs [rows, groups, 2] f32 (dx, dx * sum q); x's rounding is decode's (dot_products.quantise_group), so a row's
     logits do not depend on how many rows came with it;
   * `q4_rows_executable`: out [rows, n] f32 from those and the tiled codes, scales and offsets. A workgroup takes
     ROWS_PER_WORKGROUP rows of x against a few tiles of weights (small enough to stay in L2 while it goes over
