@@ -37,7 +37,7 @@ from torch import nn
 from ..arch import Family, family
 from ..config import ATTEND_STEP, Q4_TILE_ROWS, TILE_ROWS, BuildSettings, ModelConfig
 from .kernels import (first_blocks, first_slots, i8_linear, q4_linear, query_keys, tile_q8, tileable, tiled_rows,
-                      weighted_values)
+                      weighted_values, weighted_values_rows)
 from .q4 import Q4_GROUP, dequantise_q4, packable, quantise_q4, tile_q4
 
 TORCH_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
@@ -221,6 +221,9 @@ class Attention(nn.Module):
         # Decode reads the keys in blocks on a cpu (kernels.first_blocks); IREE's GPU pipeline failed to bufferize
         # that scores op, and takes the plain slice.
         self.key_blocks = settings.device == "cpu"
+        # Prefill's attention output as a custom op with a cpu lowering (kernels.weighted_values_rows); elsewhere a
+        # torch matmul, IREE's choice.
+        self.values_rows = settings.device == "cpu"
         self.index = index  # this layer's place in the buffer it writes (the shared cache or the ring)
         self.local = layer in cfg.local_layers  # attends to the last local_window tokens only (Gemma)
         self.own_ring = own_ring
@@ -266,8 +269,11 @@ class Attention(nn.Module):
             return self.wo(out.reshape(1, cfg.n_heads * d))
         scores = torch.matmul(q.permute(1, 2, 0, 3), keys.transpose(1, 2).unsqueeze(1)) * self.scale  # [kvh, rep, n, C]
         probs = self.softmax(self.capped(scores) + mask)
-        out = torch.matmul(probs, values.unsqueeze(1))  # [kvh, rep, n, d]
-        return self.wo(out.permute(2, 0, 1, 3).reshape(n, cfg.n_heads * d))
+        if self.values_rows:
+            out = weighted_values_rows(probs, values)  # [n, kvh, rep, d]
+        else:
+            out = torch.matmul(probs, values.unsqueeze(1)).permute(2, 0, 1, 3)
+        return self.wo(out.reshape(n, cfg.n_heads * d))
 
     def softmax(self, scores: torch.Tensor) -> torch.Tensor:
         # A local ring's slots (and a prefill's new tokens after them) are not in blocks: softmax_in_blocks is for
