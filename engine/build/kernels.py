@@ -6,7 +6,8 @@ Two ops, each with two forms chosen by the number of rows multiplied:
     (which the caller applies: it is one multiply of the output).
 And two for decode's attention, which reads the cache in place:
   * `query_keys`: the query heads against the cached keys, plus the mask (the scores);
-  * `weighted_values`: the probabilities times the cached values.
+  * `weighted_values`: the probabilities times the cached values;
+and `weighted_values_rows`, prefill's output (many queries) on a cpu, in the output projection's order.
 And `first_slots` / `first_blocks`, a layer's keys or values in the cache's first slots (what a call attends to:
 model.py), as a plain slice or in blocks of ATTEND_STEP slots.
 As batch matmuls IREE data-tiles them and so re-packs the whole cache's keys and values on every step; as
