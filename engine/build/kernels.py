@@ -104,8 +104,8 @@ def weighted_values(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
 def weighted_values_rows(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """probs [kvh, rep, n, C] @ values [kvh, C, d] -> [n, kvh, rep, d] (prefill's attention output, in the order
     the output projection takes it): the custom op, for a cpu. As a torch matmul broadcast over rep and then
-    permuted, IREE copied the values, transposed, once per query head and multiplied in a generic kernel with the
-    permutation fused in: 0.45 + 0.40 ms a layer for 30 queries over 1000 slots, against 0.24 ms here."""
+    permuted, IREE multiplied it in a generic kernel with the permutation fused in: 0.40 ms a layer for 30
+    queries over 1000 slots (default model), against 0.22 ms here."""
     return _ops()["pv_rows"](probs, values)
 
 
