@@ -261,17 +261,31 @@ util.func private @{name}(%a: tensor<1x{k}xf32>, {args}) -> tensor<1x{n}xf32> {{
 }}
 """
 
-# q4, any number of rows, on an x86 CPU: x quantised per group, then the hand-written integer product
-# (engine/build/prefill_products.py).
+# q4, any number of rows, on an x86 CPU: x and its rounding error quantised per group (two rows each), the
+# hand-written integer product of those rows, then each pair summed (engine/build/prefill_products.py).
 _MM_X86 = r"""
 module {{
 {executables}
 util.func private @{name}(%a: tensor<?x{k}xf32>, {args}) -> tensor<?x{n}xf32> {{
   %c0 = arith.constant 0 : index
+  %c2 = arith.constant 2 : index
   %rows = tensor.dim %a, %c0 : tensor<?x{k}xf32>
+  %rows2 = arith.muli %rows, %c2 : index
   {quantise}
   {call}
-  util.return %r : tensor<?x{n}xf32>
+  %r3 = tensor.expand_shape %r [[0, 1], [2]] output_shape [%rows, 2, {n}] : tensor<?x{n}xf32> into tensor<?x2x{n}xf32>
+  %zero = arith.constant 0.000000e+00 : f32
+  %e = tensor.empty(%rows) : tensor<?x{n}xf32>
+  %acc = linalg.fill ins(%zero : f32) outs(%e : tensor<?x{n}xf32>) -> tensor<?x{n}xf32>
+  %sum = linalg.generic {{
+      indexing_maps = [affine_map<(i, j, t) -> (i, t, j)>, affine_map<(i, j, t) -> (i, j)>],
+      iterator_types = ["parallel", "parallel", "reduction"]}}
+      ins(%r3 : tensor<?x2x{n}xf32>) outs(%acc : tensor<?x{n}xf32>) {{
+  ^bb0(%x: f32, %o: f32):
+    %0 = arith.addf %o, %x : f32
+    linalg.yield %0 : f32
+  }} -> tensor<?x{n}xf32>
+  util.return %sum : tensor<?x{n}xf32>
 }}
 }}
 """
@@ -606,8 +620,8 @@ def _register() -> dict:
                     name=name, args=_Q4_ARGS.format(**sizes),
                     executables=prefill_products.quantise_rows_executable(qx, k)
                     + prefill_products.q4_rows_executable(_dot_form, exe, nb, k),
-                    quantise=prefill_products.quantise_rows_call(qx, k, "%a", "%rows", "%xq", "%xs"),
-                    call=prefill_products.q4_rows_call(exe, nb, k, "%xq", "%xs", "%rows", "%qs", "%d", "%m", "%r"),
+                    quantise=prefill_products.quantise_rows_call(qx, k, "%a", "%rows", "%rows2", "%xq", "%xs"),
+                    call=prefill_products.q4_rows_call(exe, nb, k, "%xq", "%xs", "%rows2", "%qs", "%d", "%m", "%r"),
                     **sizes))
             elif rows != 1:
                 name = f"eddy_mm_q4_{tag}"

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from ..config import Q4_GROUP
 from ..config import Q4_TILE_ROWS as Q4_TILE
-from .dot_products import Q4_GROUP_BYTES, quantise_group
+from .dot_products import Q4_GROUP_BYTES, quantise_group, quantise_vector
 
 # Rows of x a block of registers multiplies: each with its float32 accumulator (and an int32 one per group).
 ROW_BLOCK = 6
@@ -61,18 +61,25 @@ stream.executable private @{name} {{
       %f127 = arith.constant 127.0 : f32
       %r127 = arith.constant 0.007874015748031496 : f32
       %xa = stream.binding.subspan %xb[%c0] : !stream.binding -> memref<?x{k}xf32>{{%rows}}
-      %xqa = stream.binding.subspan %qb[%c0] : !stream.binding -> memref<?x{groups}x8xi32>{{%rows}}
-      %xsa = stream.binding.subspan %sb[%c0] : !stream.binding -> memref<?x{groups}x2xf32>{{%rows}}
+      %c2 = arith.constant 2 : index
+      %rows2 = arith.muli %rows, %c2 : index
+      %xqa = stream.binding.subspan %qb[%c0] : !stream.binding -> memref<?x{groups}x8xi32>{{%rows2}}
+      %xsa = stream.binding.subspan %sb[%c0] : !stream.binding -> memref<?x{groups}x2xf32>{{%rows2}}
       %wg = stream.dispatch.workgroup.id[0] : index
       %r0 = arith.muli %wg, %per : index
       %r1a = arith.addi %r0, %per : index
       %r1 = arith.minui %r1a, %rows : index
       scf.for %row = %r0 to %r1 step %c1 {{
         %x = memref.subview %xa[%row, 0] [1, {k}] [1, 1] : memref<?x{k}xf32> to memref<{k}xf32, strided<[1], offset: ?>>
+        %at = arith.muli %row, %c2 : index
+        %at2 = arith.addi %at, %c1 : index
         scf.for %c = %c0 to %cg step %c1 {{{group}
-          vector.store %q32, %xqa[%row, %c, %c0] : memref<?x{groups}x8xi32>, vector<8xi32>
-          memref.store %dx, %xsa[%row, %c, %c0] : memref<?x{groups}x2xf32>
-          memref.store %dxs, %xsa[%row, %c, %c1] : memref<?x{groups}x2xf32>
+          vector.store %q32, %xqa[%at, %c, %c0] : memref<?x{groups}x8xi32>, vector<8xi32>
+          memref.store %dx, %xsa[%at, %c, %c0] : memref<?x{groups}x2xf32>
+          memref.store %dxs, %xsa[%at, %c, %c1] : memref<?x{groups}x2xf32>
+          vector.store %q322, %xqa[%at2, %c, %c0] : memref<?x{groups}x8xi32>, vector<8xi32>
+          memref.store %dx2, %xsa[%at2, %c, %c0] : memref<?x{groups}x2xf32>
+          memref.store %dxs2, %xsa[%at2, %c, %c1] : memref<?x{groups}x2xf32>
         }}
       }}
       return
@@ -83,18 +90,26 @@ stream.executable private @{name} {{
 
 
 def quantise_rows_executable(name: str, k: int) -> str:
-    """The `stream.executable` @name quantising x [rows, k] f32 into xq [rows, k/32, 8] i32 and
-    xs [rows, k/32, 2] f32 (dx, dx * sum q) per group of 32."""
+    """The `stream.executable` @name quantising x [rows, k] f32 per group of 32 into xq [2 rows, k/32, 8] i32 and
+    xs [2 rows, k/32, 2] f32 (dx, dx * sum q): row 2i is row i of x rounded to int8, row 2i + 1 the error of that
+    rounding rounded to int8 in its turn, so that the product of the two (summed) is x's to ~15 bits."""
     groups = k // Q4_GROUP
+    # The rounding's error, x - q dx, rounded again: its own 8 bits.
+    residual = """
+        %dxv = vector.broadcast %dx : f32 to vector<32xf32>
+        %back = arith.mulf %rn, %dxv : vector<32xf32>
+        %e = arith.subf %v, %back : vector<32xf32>"""
     return _QUANTISE.format(name=name, k=k, groups=groups, per=QUANTISE_ROWS,
-                            group=quantise_group(f"memref<{k}xf32, strided<[1], offset: ?>>"))
+                            group=quantise_group(f"memref<{k}xf32, strided<[1], offset: ?>>") + residual
+                            + quantise_vector("e", "2"))
 
 
-def quantise_rows_call(name: str, k: int, x: str, rows: str, xq: str, xs: str) -> str:
-    """The `flow.dispatch` of quantise_rows_executable @name: `xq`, `xs` from x (tensor<?x k x f32>, rows `rows`)."""
+def quantise_rows_call(name: str, k: int, x: str, rows: str, rows2: str, xq: str, xs: str) -> str:
+    """The `flow.dispatch` of quantise_rows_executable @name: `xq`, `xs` (`rows2` = 2 x `rows` rows: each row of x
+    then its rounding error) from x (tensor<?x k x f32>, rows `rows`)."""
     groups = k // Q4_GROUP
     return (f"{xq}, {xs} = flow.dispatch @{name}::@{name}[{rows}]({x}, {rows}) : (tensor<?x{k}xf32>{{{rows}}}, index) "
-            f"-> (tensor<?x{groups}x8xi32>{{{rows}}}, tensor<?x{groups}x2xf32>{{{rows}}})")
+            f"-> (tensor<?x{groups}x8xi32>{{{rows2}}}, tensor<?x{groups}x2xf32>{{{rows2}}})")
 
 
 _Q4_ROWS = """
