@@ -1,21 +1,28 @@
 """Prefill's and scoring's q4 matrix products (many rows of x) written by hand for x86, as decode's are
 (engine/build/dot_products.py): integer dot products of the 4-bit codes with x quantised to int8 per group of 32,
-llama.cpp's way of multiplying a 4-bit matrix by a batch.
+llama.cpp's way of multiplying a 4-bit matrix by a batch, but in two steps: x, then x's rounding error.
 
 Why. IREE's own path for a product of many rows widens every weight to float32 (and packs it for its data-tiled
 matmul) in a dispatch of its own on every call: 60 of a 30-token turn's 145 ms on the default model went there
 (docs/BENCHMARKS.md). Here nothing is widened: each call reads the codes as they are stored and multiplies
 integers, so a short turn costs its few rows' arithmetic, not a pass over every weight in float32.
 
+Why two steps. With x in 8 bits alone (llama.cpp's Q8_1 activations) the default model's greedy answer to "What
+is the capital of France?" became llama.cpp's own on the same Q4_1 file, "L'Etoile, la Marse...", looping
+(tests/test_cli.py); a prompt's every product rounded so moves a 135M model's hidden states that far. Rounding
+x's error again and multiplying it too leaves ~2e-5 of the product (float32's own order), and the answer is
+"The capital of France is Paris." again; it costs ~2.9x the integer product of one step (gate|up at 30 rows:
+0.12 -> 0.36 ms), still under the widening form (1.24 ms). Decode's products keep one step, as before.
+
 Two dispatches a product:
-  * `quantise_rows_executable`: x [rows, k] f32 -> xq [rows, groups, 8] i32 (each group's 32 int8) and
-    xs [rows, groups, 2] f32 (dx, dx * sum q); x's rounding is decode's (dot_products.quantise_group), so a row's
-    logits do not depend on how many rows came with it;
-  * `q4_rows_executable`: out [rows, n] f32 from those and the tiled codes, scales and offsets. A workgroup takes
-    ROWS_PER_WORKGROUP rows of x against a few tiles of weights (small enough to stay in L2 while it goes over
-    its rows) and, within that, ROW_BLOCK rows at a time: each 64-byte load of codes, split into its two nibble
-    sets, feeds `vpdpbusd` for every row of the block, so the unpacking is shared by ROW_BLOCK rows. A block past
-    the last row repeats the last row and stores nothing.
+  * `quantise_rows_executable`: x [rows, k] f32 -> xq [2 rows, groups, 8] i32 (each group's 32 int8) and
+    xs [2 rows, groups, 2] f32 (dx, dx * sum q): row 2i is x's row i, rounded as decode rounds it
+    (dot_products.quantise_group), row 2i + 1 that rounding's error, rounded the same way;
+  * `q4_rows_executable`: out [2 rows, n] f32 from those and the tiled codes, scales and offsets (the caller sums
+    each pair: kernels.py). A workgroup takes ROWS_PER_WORKGROUP rows against a few tiles of weights (small
+    enough to stay in L2 while it goes over its rows) and, within that, ROW_BLOCK rows at a time: each 64-byte
+    load of codes, split into its two nibble sets, feeds `vpdpbusd` for every row of the block, so the unpacking
+    is shared by ROW_BLOCK rows. A block past the last row repeats the last row and stores nothing.
 
 The row count is dynamic (the function's `%rows`, the dispatch's workload): prefill chunks and scoring take any.
 """
