@@ -308,8 +308,8 @@ _Q8_NO_BIAS = """
       %biasv = arith.constant dense<0.0> : vector<16xf32>"""
 
 
-def _offsets() -> str:
-    """Index constants: %i0..%i8; q4's %o0..%o3 (blocks) and %o{h}h{half} (their ymm halves); q8's %y0..%y3 (ymm
+def index_constants() -> str:
+    """Index constants (decode's and prefill's products): %i0..%i8; q4's %o0..%o3 (blocks) and %o{h}h{half} (their ymm halves); q8's %y0..%y3 (ymm
     quarters of 4 positions)."""
     lines = [f"      %i{i} = arith.constant {i} : index" for i in range(9)]
     lines += [f"      %o{h} = arith.constant {64 * h} : index" for h in range(4)]
@@ -323,7 +323,7 @@ def _executable(name: str, tiles: int, k: int, bindings: str, subspans: str, til
     per_workgroup = tiles_per_workgroup(tiles)
     return _EXECUTABLE.format(
         name=name, workgroups=-(-tiles // per_workgroup), groups=groups, nb=tiles, per_workgroup=per_workgroup, k=k,
-        bindings=bindings, offsets=_offsets(), subspans=subspans, quantise=_quantise_x(k, groups), tile=tile)
+        bindings=bindings, offsets=index_constants(), subspans=subspans, quantise=_quantise_x(k, groups), tile=tile)
 
 
 def q4_executable(form: str, name: str, tiles: int, k: int) -> str:

@@ -30,9 +30,10 @@ from __future__ import annotations
 
 from ..config import Q4_GROUP
 from ..config import Q4_TILE_ROWS as Q4_TILE
-from .dot_products import Q4_GROUP_BYTES, quantise_group, quantise_vector
+from .dot_products import Q4_GROUP_BYTES, index_constants, quantise_group, quantise_vector
 
 # Rows of x a block of registers multiplies: each with its float32 accumulator (and an int32 one per group).
+# At most 9: dot_products.index_constants names rows %i0..%i8.
 ROW_BLOCK = 6
 # Rows of x a workgroup takes, in blocks of ROW_BLOCK, against its tiles of weights.
 ROWS_PER_WORKGROUP = 6 * ROW_BLOCK
@@ -257,13 +258,6 @@ def _q4_avx2(block: int) -> tuple[str, list[str]]:
 _Q4_FORMS = {"vnni": _q4_vnni, "avx2": _q4_avx2}
 
 
-def _offsets(block: int) -> str:
-    lines = [f"      %i{i} = arith.constant {i} : index" for i in range(max(8, block))]
-    lines += [f"      %o{h} = arith.constant {64 * h} : index" for h in range(4)]
-    lines += [f"      %o{h}h{half} = arith.constant {64 * h + 32 * half} : index" for h in range(4) for half in range(2)]
-    return "\n".join(lines)
-
-
 def q4_rows_executable(form: str, name: str, tiles: int, k: int) -> str:
     """The `stream.executable` @name computing out [rows, tiles x 16] f32 from x quantised
     (quantise_rows_executable's xq, xs), the codes [tiles x groups x Q4_GROUP_BYTES] i8 and scales, offsets
@@ -290,7 +284,7 @@ def q4_rows_executable(form: str, name: str, tiles: int, k: int) -> str:
     return _Q4_ROWS.format(
         name=name, groups=groups, nb=tiles, n=tiles * Q4_TILE, gb=Q4_GROUP_BYTES, block=block,
         per_rows=ROWS_PER_WORKGROUP, per_tiles=per_tiles, tile_groups=-(-tiles // per_tiles),
-        offsets=_offsets(block), rows_of_block=_rows_of_block(block),
+        offsets=index_constants(), rows_of_block=_rows_of_block(block),
         iter_args=", ".join(f"%af{i} = %zv" for i in range(block)), acc_types=acc_types,
         group=body.format(nb=tiles, groups=groups), scale="".join(scale),
         yields=", ".join(f"%n{i}" for i in range(block)), stores=stores)
