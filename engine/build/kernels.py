@@ -7,7 +7,8 @@ Two ops, each with two forms chosen by the number of rows multiplied:
 And two for decode's attention, which reads the cache in place:
   * `query_keys`: the query heads against the cached keys, plus the mask (the scores);
   * `weighted_values`: the probabilities times the cached values;
-and `weighted_values_rows`, prefill's output (many queries) on a cpu, in the output projection's order.
+and `query_keys_rows` / `weighted_values_rows`, prefill's scores and output (many queries) on a cpu, the latter
+in the output projection's order.
 And `first_slots` / `first_blocks`, a layer's keys or values in the cache's first slots (what a call attends to:
 model.py), as a plain slice or in blocks of ATTEND_STEP slots.
 As batch matmuls IREE data-tiles them and so re-packs the whole cache's keys and values on every step; as
@@ -107,6 +108,14 @@ def weighted_values_rows(probs: torch.Tensor, values: torch.Tensor) -> torch.Ten
     permuted, IREE multiplied it in a generic kernel with the permutation fused in: 0.40 ms a layer for 30
     queries over 1000 slots (default model), against 0.22 ms here."""
     return _ops()["pv_rows"](probs, values)
+
+
+def query_keys_rows(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """q [kvh, rep, n, d] . keys [kvh, C, d] -> [kvh, rep, n, C] (prefill's attention scores, on a cpu): the
+    custom op, one matmul per kv head with its rep query heads' rows stacked. As a torch matmul broadcast over
+    rep, IREE copied the keys transposed once per query head before a batch matmul: 0.63 ms a layer for 30
+    queries over 1000 slots (default model), 0.45 of it the copy."""
+    return _ops()["qk_rows"](q, keys)
 
 
 def first_blocks(kv: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -261,31 +270,19 @@ util.func private @{name}(%a: tensor<1x{k}xf32>, {args}) -> tensor<1x{n}xf32> {{
 }}
 """
 
-# q4, any number of rows, on an x86 CPU: x and its rounding error quantised per group (two rows each), the
-# hand-written integer product of those rows, then each pair summed (engine/build/prefill_products.py).
+# q4, any number of rows, on an x86 CPU: x and its rounding error quantised per group (STEPS rows of xq each), then
+# the hand-written integer product of those rows, summed per row of x (engine/build/prefill_products.py).
 _MM_X86 = r"""
 module {{
 {executables}
 util.func private @{name}(%a: tensor<?x{k}xf32>, {args}) -> tensor<?x{n}xf32> {{
   %c0 = arith.constant 0 : index
-  %c2 = arith.constant 2 : index
+  %csteps = arith.constant {steps} : index
   %rows = tensor.dim %a, %c0 : tensor<?x{k}xf32>
-  %rows2 = arith.muli %rows, %c2 : index
+  %rows2 = arith.muli %rows, %csteps : index
   {quantise}
   {call}
-  %r3 = tensor.expand_shape %r [[0, 1], [2]] output_shape [%rows, 2, {n}] : tensor<?x{n}xf32> into tensor<?x2x{n}xf32>
-  %zero = arith.constant 0.000000e+00 : f32
-  %e = tensor.empty(%rows) : tensor<?x{n}xf32>
-  %acc = linalg.fill ins(%zero : f32) outs(%e : tensor<?x{n}xf32>) -> tensor<?x{n}xf32>
-  %sum = linalg.generic {{
-      indexing_maps = [affine_map<(i, j, t) -> (i, t, j)>, affine_map<(i, j, t) -> (i, j)>],
-      iterator_types = ["parallel", "parallel", "reduction"]}}
-      ins(%r3 : tensor<?x2x{n}xf32>) outs(%acc : tensor<?x{n}xf32>) {{
-  ^bb0(%x: f32, %o: f32):
-    %0 = arith.addf %o, %x : f32
-    linalg.yield %0 : f32
-  }} -> tensor<?x{n}xf32>
-  util.return %sum : tensor<?x{n}xf32>
+  util.return %r : tensor<?x{n}xf32>
 }}
 }}
 """
@@ -492,6 +489,40 @@ util.func private @{name}(%p: tensor<{h}x{r}x?x?xf32>, %v: tensor<{h}x?x{d}xf32>
 }}
 """
 
+# Prefill's scores: per kv head, its rep heads' queries as the rows of one matmul against the keys (transposed),
+# which IREE data-tiles. The keys are cloned first: read straight from the cache's slice, IREE fused their packing
+# into the matmul's dispatch, whose stack (80 kB) then passed its 32 kB limit; the clone is a plain copy (~0.03 ms
+# a layer at 1000 slots).
+_QUERY_KEYS_ROWS = r"""
+module {{
+util.func private @{name}(%q: tensor<{h}x{r}x?x{d}xf32>, %k: tensor<{h}x?x{d}xf32>) -> tensor<{h}x{r}x?x?xf32> {{
+  %zero = arith.constant 0.000000e+00 : f32
+  %c1 = arith.constant 1 : index
+  %c2 = arith.constant 2 : index
+  %cr = arith.constant {r} : index
+  %n = tensor.dim %q, %c2 : tensor<{h}x{r}x?x{d}xf32>
+  %s = tensor.dim %k, %c1 : tensor<{h}x?x{d}xf32>
+  %rn = arith.muli %n, %cr : index
+  %kc = flow.tensor.clone %k : tensor<{h}x?x{d}xf32>{{%s}}
+  %q2 = tensor.collapse_shape %q [[0], [1, 2], [3]] : tensor<{h}x{r}x?x{d}xf32> into tensor<{h}x?x{d}xf32>
+  %e = tensor.empty(%rn, %s) : tensor<{h}x?x?xf32>
+  %acc = linalg.fill ins(%zero : f32) outs(%e : tensor<{h}x?x?xf32>) -> tensor<{h}x?x?xf32>
+  %o = linalg.generic {{
+      indexing_maps = [affine_map<(b, m, n, k) -> (b, m, k)>, affine_map<(b, m, n, k) -> (b, n, k)>,
+                       affine_map<(b, m, n, k) -> (b, m, n)>],
+      iterator_types = ["parallel", "parallel", "parallel", "reduction"]}}
+      ins(%q2, %kc : tensor<{h}x?x{d}xf32>, tensor<{h}x?x{d}xf32>) outs(%acc : tensor<{h}x?x?xf32>) {{
+  ^bb0(%x: f32, %y: f32, %a: f32):
+    %0 = arith.mulf %x, %y : f32
+    %1 = arith.addf %a, %0 : f32
+    linalg.yield %1 : f32
+  }} -> tensor<{h}x?x?xf32>
+  %o4 = tensor.expand_shape %o [[0], [1, 2], [3]] output_shape [{h}, {r}, %n, %s] : tensor<{h}x?x?xf32> into tensor<{h}x{r}x?x?xf32>
+  util.return %o4 : tensor<{h}x{r}x?x?xf32>
+}}
+}}
+"""
+
 _VALUES_ROWS_CPU = ("attrs = {{compilation_info = #iree_codegen.compilation_info<lowering_config = "
                     "#iree_cpu.lowering_config<distribution = [1, {r}, 1, {d}, 0], vector_common_parallel = "
                     "[1, {r}, 1, {d}, 0], vector_reduction = [0, 0, 0, 0, 1]>, translation_info = "
@@ -617,11 +648,12 @@ def _register() -> dict:
                 name = f"eddy_mm_q4_{tag}_{_dot_form}"
                 qx, exe = f"eddy_qx_{tag}_{_dot_form}", f"eddy_q4_rows_{tag}_{_dot_form}"
                 emit(kb, name, _MM_X86.format(
-                    name=name, args=_Q4_ARGS.format(**sizes),
+                    name=name, args=_Q4_ARGS.format(**sizes), steps=prefill_products.STEPS,
                     executables=prefill_products.quantise_rows_executable(qx, k)
                     + prefill_products.q4_rows_executable(_dot_form, exe, nb, k),
                     quantise=prefill_products.quantise_rows_call(qx, k, "%a", "%rows", "%rows2", "%xq", "%xs"),
-                    call=prefill_products.q4_rows_call(exe, nb, k, "%xq", "%xs", "%rows2", "%qs", "%d", "%m", "%r"),
+                    call=prefill_products.q4_rows_call(exe, nb, k, "%xq", "%xs", "%rows", "%rows2", "%qs", "%d", "%m",
+                                                       "%r"),
                     **sizes))
             elif rows != 1:
                 name = f"eddy_mm_q4_{tag}"
@@ -735,6 +767,25 @@ def _register() -> dict:
             attrs = _VALUES_ROWS_CPU.format(r=r, d=d) if _cpu_tuned else ""
             emit(kb, name, _WEIGHTED_VALUES_ROWS.format(name=name, h=h, r=r, d=d, attrs=attrs))
 
+    @CustomOp.register(library=library)
+    class attend_qk_rows(CustomOp):
+        signature = "attend_qk_rows(Tensor q, Tensor k) -> (Tensor)"
+
+        def select(self, ksel: KernelSelection) -> None:
+            q, k = ksel.arg_tensor(0), ksel.arg_tensor(1)
+            q.specialize_dims(0, 1, 3)  # the queries and the slots stay dynamic
+            k.specialize_dims(0, 2)
+            h, r, n, _ = q.t.shape
+            ksel.return_new_tensor([h, r, n, k.t.shape[1]], dtype=torch.float32)
+
+        def eager_execute(self, q, k):
+            return torch.matmul(q, k.unsqueeze(1).transpose(2, 3))
+
+        def generate(self, ksel: KernelSelection, kb: KernelBuilder) -> None:
+            h, r, _, d = shape(kb, 0)
+            name = f"eddy_qk_rows_{h}x{r}x{d}"
+            emit(kb, name, _QUERY_KEYS_ROWS.format(name=name, h=h, r=r, d=d))
+
     def select_slice(ksel: KernelSelection, blocked: bool) -> None:
         kv, like = ksel.arg_tensor(0), ksel.arg_tensor(1)
         kv.specialize_all_dims()
@@ -773,7 +824,7 @@ def _register() -> dict:
         def generate(self, ksel: KernelSelection, kb: KernelBuilder) -> None:
             generate_slice(kb, True)
 
-    return {"q4": mmt_q4, "i8": mmt_i8, "qk": attend_qk, "pv": attend_pv, "pv_rows": attend_pv_rows,
+    return {"q4": mmt_q4, "i8": mmt_i8, "qk": attend_qk, "pv": attend_pv, "pv_rows": attend_pv_rows, "qk_rows": attend_qk_rows,
             "slots": first_slots, "blocks": first_blocks}
 
 

@@ -36,8 +36,8 @@ from torch import nn
 
 from ..arch import Family, family
 from ..config import ATTEND_STEP, Q4_TILE_ROWS, TILE_ROWS, BuildSettings, ModelConfig
-from .kernels import (first_blocks, first_slots, i8_linear, q4_linear, query_keys, tile_q8, tileable, tiled_rows,
-                      weighted_values, weighted_values_rows)
+from .kernels import (first_blocks, first_slots, i8_linear, q4_linear, query_keys, query_keys_rows, tile_q8, tileable,
+                      tiled_rows, weighted_values, weighted_values_rows)
 from .q4 import Q4_GROUP, dequantise_q4, packable, quantise_q4, tile_q4
 
 TORCH_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
@@ -221,9 +221,9 @@ class Attention(nn.Module):
         # Decode reads the keys in blocks on a cpu (kernels.first_blocks); IREE's GPU pipeline failed to bufferize
         # that scores op, and takes the plain slice.
         self.key_blocks = settings.device == "cpu"
-        # Prefill's attention output as a custom op with a cpu lowering (kernels.weighted_values_rows); elsewhere a
-        # torch matmul, IREE's choice.
-        self.values_rows = settings.device == "cpu"
+        # Prefill's attention scores and output as custom ops (kernels.query_keys_rows, weighted_values_rows) on a
+        # cpu; elsewhere torch matmuls, IREE's choice.
+        self.rows_ops = settings.device == "cpu"
         self.index = index  # this layer's place in the buffer it writes (the shared cache or the ring)
         self.local = layer in cfg.local_layers  # attends to the last local_window tokens only (Gemma)
         self.own_ring = own_ring
@@ -267,9 +267,12 @@ class Attention(nn.Module):
             probs = self.softmax(scores)
             out = weighted_values(probs, values)  # [kvh, rep, d]
             return self.wo(out.reshape(1, cfg.n_heads * d))
-        scores = torch.matmul(q.permute(1, 2, 0, 3), keys.transpose(1, 2).unsqueeze(1)) * self.scale  # [kvh, rep, n, C]
+        if self.rows_ops:
+            scores = query_keys_rows(q.permute(1, 2, 0, 3), keys) * self.scale  # [kvh, rep, n, C]
+        else:
+            scores = torch.matmul(q.permute(1, 2, 0, 3), keys.transpose(1, 2).unsqueeze(1)) * self.scale
         probs = self.softmax(self.capped(scores) + mask)
-        if self.values_rows:
+        if self.rows_ops:
             out = weighted_values_rows(probs, values)  # [n, kvh, rep, d]
         else:
             out = torch.matmul(probs, values.unsqueeze(1)).permute(2, 0, 1, 3)

@@ -11,18 +11,21 @@ Why two steps. With x in 8 bits alone (llama.cpp's Q8_1 activations) the default
 is the capital of France?" became llama.cpp's own on the same Q4_1 file, "L'Etoile, la Marse...", looping
 (tests/test_cli.py); a prompt's every product rounded so moves a 135M model's hidden states that far. Rounding
 x's error again and multiplying it too leaves ~2e-5 of the product (float32's own order), and the answer is
-"The capital of France is Paris." again; it costs ~2.9x the integer product of one step (gate|up at 30 rows:
-0.12 -> 0.36 ms), still under the widening form (1.24 ms). Decode's products keep one step, as before.
+"The capital of France is Paris." again. The first token's margin there is thin (0.03 of a logit, 'The' over
+'L'): with one step for every product but `down`, 'L' still won by 0.04. The two steps double the integer work,
+and that work runs at `vpdpbusd`'s one-a-cycle throughput: gate|up at 30 rows 0.12 -> 0.28 ms, still under the
+widening form (1.24 ms). Decode's products keep one step, as before.
 
 Two dispatches a product:
   * `quantise_rows_executable`: x [rows, k] f32 -> xq [2 rows, groups, 8] i32 (each group's 32 int8) and
     xs [2 rows, groups, 2] f32 (dx, dx * sum q): row 2i is x's row i, rounded as decode rounds it
     (dot_products.quantise_group), row 2i + 1 that rounding's error, rounded the same way;
-  * `q4_rows_executable`: out [2 rows, n] f32 from those and the tiled codes, scales and offsets (the caller sums
-    each pair: kernels.py). A workgroup takes ROWS_PER_WORKGROUP rows against a few tiles of weights (small
-    enough to stay in L2 while it goes over its rows) and, within that, ROW_BLOCK rows at a time: each 64-byte
-    load of codes, split into its two nibble sets, feeds `vpdpbusd` for every row of the block, so the unpacking
-    is shared by ROW_BLOCK rows. A block past the last row repeats the last row and stores nothing.
+  * `q4_rows_executable`: out [rows, n] f32 from those and the tiled codes, scales and offsets, each row of x's
+    STEPS rows of xq summed into one accumulator. A workgroup takes ROWS_PER_WORKGROUP rows of xq against a few
+    tiles of weights (small enough to stay in L2 while it goes over its rows) and, within that, ROW_BLOCK at a
+    time: each 64-byte load of codes, split into its two nibble sets, feeds `vpdpbusd` for every row of the block,
+    so the unpacking is shared by ROW_BLOCK rows. A block past the last row repeats the last row and stores
+    nothing. (The pairs were summed in a dispatch of their own at first: 0.04 ms more for gate|up at 30 rows.)
 
 The row count is dynamic (the function's `%rows`, the dispatch's workload): prefill chunks and scoring take any.
 """
@@ -32,9 +35,11 @@ from ..config import Q4_GROUP
 from ..config import Q4_TILE_ROWS as Q4_TILE
 from .dot_products import Q4_GROUP_BYTES, index_constants, quantise_group, quantise_vector
 
-# Rows of x a block of registers multiplies: each with its float32 accumulator (and an int32 one per group).
-# At most 9: dot_products.index_constants names rows %i0..%i8.
+# Rows of xq a block of registers multiplies, each with an int32 accumulator per group: ROW_BLOCK / STEPS rows of x,
+# each with its float32 accumulator. At most 9: dot_products.index_constants names rows %i0..%i8.
 ROW_BLOCK = 6
+# Rows of xq a row of x becomes: x rounded, then that rounding's error rounded.
+STEPS = 2
 # Rows of x a workgroup takes, in blocks of ROW_BLOCK, against its tiles of weights.
 ROWS_PER_WORKGROUP = 6 * ROW_BLOCK
 # Bytes of a workgroup's weights (codes, scales, offsets): kept in L2 while it goes over its rows.
@@ -139,7 +144,7 @@ stream.executable private @{name} {{
       %cnb = arith.constant {nb} : index
       %ctpw = arith.constant {per_tiles} : index
       %crpw = arith.constant {per_rows} : index
-      %crb = arith.constant {block} : index
+      %crb = arith.constant {real} : index
       %zi = arith.constant dense<0> : vector<16xi32>
       %zv = arith.constant dense<0.0> : vector<16xf32>
       %mask = arith.constant dense<15> : vector<64xi8>
@@ -148,8 +153,10 @@ stream.executable private @{name} {{
       %four32 = arith.constant dense<4> : vector<32xi8>
       %ones16 = arith.constant dense<1> : vector<16xi16>
 {offsets}
-      %xq = stream.binding.subspan %xqb[%c0] : !stream.binding -> memref<?x{groups}x8xi32>{{%rows}}
-      %xs = stream.binding.subspan %xsb[%c0] : !stream.binding -> memref<?x{groups}x2xf32>{{%rows}}
+      %csteps = arith.constant {steps} : index
+      %xrows = arith.muli %rows, %csteps : index
+      %xq = stream.binding.subspan %xqb[%c0] : !stream.binding -> memref<?x{groups}x8xi32>{{%xrows}}
+      %xs = stream.binding.subspan %xsb[%c0] : !stream.binding -> memref<?x{groups}x2xf32>{{%xrows}}
       %q = stream.binding.subspan %qb[%c0] : !stream.binding -> memref<{nb}x{groups}x{gb}xi8>
       %d = stream.binding.subspan %db[%c0] : !stream.binding -> memref<{nb}x{groups}x16xf16>
       %m = stream.binding.subspan %mb[%c0] : !stream.binding -> memref<{nb}x{groups}x16xf16>
@@ -165,7 +172,7 @@ stream.executable private @{name} {{
       %rz = arith.minui %rza, %rows : index
       scf.for %rb = %ra to %rz step %crb {{{rows_of_block}
         scf.for %b = %t0 to %t1 step %c1 {{
-          %acc:{block} = scf.for %c = %c0 to %cg step %c1 iter_args({iter_args}) -> ({acc_types}) {{{group}
+          %acc:{real} = scf.for %c = %c0 to %cg step %c1 iter_args({iter_args}) -> ({acc_types}) {{{group}
             %dh = vector.load %d[%b, %c, %c0] : memref<{nb}x{groups}x16xf16>, vector<16xf16>
             %mh = vector.load %m[%b, %c, %c0] : memref<{nb}x{groups}x16xf16>, vector<16xf16>
             %dv = arith.extf %dh : vector<16xf16> to vector<16xf32>
@@ -183,13 +190,17 @@ stream.executable private @{name} {{
 
 
 def _rows_of_block(block: int) -> str:
-    """%row{i}: the block's rows, the last row of x standing in for those past it; %in{i}: whether it is real."""
+    """%out{j}: the block's rows of x, the last row standing in for those past it; %in{j}: whether it is real;
+    %row{i}: the rows of xq (STEPS a row of x) the block multiplies."""
     lines = []
-    for i in range(block):
+    for j in range(block // STEPS):
         lines.append(f"""
-        %rr{i} = arith.addi %rb, %i{i} : index
-        %row{i} = arith.minui %rr{i}, %last : index
-        %in{i} = arith.cmpi ult, %rr{i}, %rows : index""")
+        %rr{j} = arith.addi %rb, %i{j} : index
+        %out{j} = arith.minui %rr{j}, %last : index
+        %in{j} = arith.cmpi ult, %rr{j}, %rows : index
+        %row{STEPS * j} = arith.muli %out{j}, %csteps : index""")
+        lines += [f"""
+        %row{STEPS * j + s} = arith.addi %row{STEPS * j}, %i{s} : index""" for s in range(1, STEPS)]
     return "".join(lines)
 
 
@@ -260,13 +271,15 @@ _Q4_FORMS = {"vnni": _q4_vnni, "avx2": _q4_avx2}
 
 def q4_rows_executable(form: str, name: str, tiles: int, k: int) -> str:
     """The `stream.executable` @name computing out [rows, tiles x 16] f32 from x quantised
-    (quantise_rows_executable's xq, xs), the codes [tiles x groups x Q4_GROUP_BYTES] i8 and scales, offsets
+    (quantise_rows_executable's xq, xs: STEPS rows each), the codes [tiles x groups x Q4_GROUP_BYTES] i8 and scales, offsets
     [tiles x groups x 16] f16."""
     groups, block = k // Q4_GROUP, ROW_BLOCK
     per_tiles = tiles_per_workgroup(tiles, k)
     body, sums = _Q4_FORMS[form](block)
     scale = []
     for i in range(block):
+        j = i // STEPS
+        acc = f"%af{j}" if i % STEPS == 0 else f"%n{i - 1}"
         scale.append(f"""
             %fs{i} = arith.sitofp {sums[i]} : vector<16xi32> to vector<16xf32>
             %dx{i} = memref.load %xs[%row{i}, %c, %c0] : memref<?x{groups}x2xf32>
@@ -274,27 +287,29 @@ def q4_rows_executable(form: str, name: str, tiles: int, k: int) -> str:
             %dxv{i} = vector.broadcast %dx{i} : f32 to vector<16xf32>
             %dmv{i} = vector.broadcast %dm{i} : f32 to vector<16xf32>
             %sc{i} = arith.mulf %dv, %dxv{i} : vector<16xf32>
-            %a{i} = math.fma %fs{i}, %sc{i}, %af{i} : vector<16xf32>
+            %a{i} = math.fma %fs{i}, %sc{i}, {acc} : vector<16xf32>
             %n{i} = math.fma %mv, %dmv{i}, %a{i} : vector<16xf32>""")
+    real = block // STEPS
     stores = "".join(f"""
-          scf.if %in{i} {{
-            vector.store %acc#{i}, %o[%row{i}, %col] : memref<?x{tiles * Q4_TILE}xf32>, vector<16xf32>
-          }}""" for i in range(block))
-    acc_types = ", ".join(["vector<16xf32>"] * block)
+          scf.if %in{j} {{
+            vector.store %acc#{j}, %o[%out{j}, %col] : memref<?x{tiles * Q4_TILE}xf32>, vector<16xf32>
+          }}""" for j in range(real))
+    acc_types = ", ".join(["vector<16xf32>"] * real)
     return _Q4_ROWS.format(
         name=name, groups=groups, nb=tiles, n=tiles * Q4_TILE, gb=Q4_GROUP_BYTES, block=block,
-        per_rows=ROWS_PER_WORKGROUP, per_tiles=per_tiles, tile_groups=-(-tiles // per_tiles),
+        per_rows=ROWS_PER_WORKGROUP // STEPS, real=real, steps=STEPS, per_tiles=per_tiles, tile_groups=-(-tiles // per_tiles),
         offsets=index_constants(), rows_of_block=_rows_of_block(block),
-        iter_args=", ".join(f"%af{i} = %zv" for i in range(block)), acc_types=acc_types,
+        iter_args=", ".join(f"%af{j} = %zv" for j in range(real)), acc_types=acc_types,
         group=body.format(nb=tiles, groups=groups), scale="".join(scale),
-        yields=", ".join(f"%n{i}" for i in range(block)), stores=stores)
+        yields=", ".join(f"%n{STEPS * j + STEPS - 1}" for j in range(real)), stores=stores)
 
 
-def q4_rows_call(name: str, tiles: int, k: int, xq: str, xs: str, rows: str, q: str, d: str, m: str,
+def q4_rows_call(name: str, tiles: int, k: int, xq: str, xs: str, rows: str, rows2: str, q: str, d: str, m: str,
                  out: str) -> str:
-    """The `flow.dispatch` of q4_rows_executable @name, binding `out` (tensor<?x tiles*16 x f32>)."""
+    """The `flow.dispatch` of q4_rows_executable @name, binding `out` (tensor<?x tiles*16 x f32>, `rows` rows; xq
+    and xs have `rows2` = STEPS x `rows`)."""
     groups = k // Q4_GROUP
     return (f"{out} = flow.dispatch @{name}::@{name}[{rows}]({xq}, {xs}, {q}, {d}, {m}, {rows}) : "
-            f"(tensor<?x{groups}x8xi32>{{{rows}}}, tensor<?x{groups}x2xf32>{{{rows}}}, "
+            f"(tensor<?x{groups}x8xi32>{{{rows2}}}, tensor<?x{groups}x2xf32>{{{rows2}}}, "
             f"tensor<{tiles}x{groups}x{Q4_GROUP_BYTES}xi8>, tensor<{tiles}x{groups}x16xf16>, "
             f"tensor<{tiles}x{groups}x16xf16>, index) -> tensor<?x{tiles * Q4_TILE}xf32>{{{rows}}}")
