@@ -60,6 +60,21 @@ def test_cached_turns_equal_recomputing_from_scratch(tiny):
         assert np.abs(eng.prefill(history) - logits).max() < TOL
 
 
+def test_a_fresh_module_is_empty_without_its_reset(tiny):
+    """The first reset after a load skips the module's (which would hold a second cache): what a fresh module
+    computes must equal what it computes after a real reset of a used cache."""
+    from engine.loader import open_folder
+
+    ids = random_ids(12, 7)
+    fresh = open_folder(tiny.folder).engine  # its __init__ resets: the module's own is skipped
+    assert fresh.module.clean
+    first = fresh.prefill(ids)
+    assert not fresh.module.clean
+    fresh.reset()  # a used cache: the module's reset runs
+    assert fresh.module.clean
+    assert np.abs(fresh.prefill(ids) - first).max() < TOL
+
+
 @pytest.mark.parametrize("chunks", [[1] * 192, [16, 3, 16, 9, 16, 16, 1, 1, 16, 7, 16, 16, 16, 11, 16, 12, 5]])
 def test_eviction_matches_torch_streaming_reference(family_model, family_reference, chunks):
     """Three times the capacity, one token at a time, and in prefill chunks that wrap the window ring."""
