@@ -2,7 +2,9 @@
 
 gguf.GGUFReader builds numpy views for every metadata item (each of the ~100k tokenizer strings), which costs
 ~2 s for the default model; a struct-based walk over an mmap does the same job in a fraction of that, which
-matters because resolve runs on every start.
+matters because resolve runs on every start. Arrays of strings (the vocabulary, the merges) are only stepped
+over there and decoded when first read (`_Strings`): decoding them took 110 of the 120 ms resolve spent on the
+default model, a quarter of a one-shot answer, and only a build reads them.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Callable
 
 from engine import arch
@@ -43,6 +46,35 @@ class _GGUFInfo:
 
 class _Truncated(Exception):
     pass
+
+
+class _Strings(Sequence):
+    """A GGUF array of `count` strings at byte `start` of the file, decoded on first use."""
+
+    def __init__(self, path: Path, endian: str, start: int, count: int) -> None:
+        self.path, self.endian, self.start, self.count = path, endian, start, count
+        self._items: list[str] | None = None
+
+    def _load(self) -> list[str]:
+        if self._items is None:
+            length = struct.Struct(self.endian + "Q").unpack_from
+            items, pos = [], self.start
+            with open(self.path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+                for _ in range(self.count):
+                    (n,) = length(mm, pos)
+                    items.append(mm[pos + 8 : pos + 8 + n].decode("utf-8", errors="replace"))
+                    pos += 8 + n
+            self._items = items
+        return self._items
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, i):  # type: ignore[override]
+        return self._load()[i]
+
+    def __eq__(self, other: object) -> bool:
+        return list(self) == list(other) if isinstance(other, Sequence) else NotImplemented
 
 
 _gguf_cache: dict[tuple[str, int, int], _GGUFInfo] = {}
@@ -125,6 +157,13 @@ def _parse_gguf(path: Path, mm: mmap.mmap) -> _GGUFInfo:
                 pos += width * count
                 return values
             need(8 * count)  # every string or array item takes at least 8 bytes
+            if item_type == _GGUF_STRING:
+                # Stepped over, not decoded; a length past the end makes unpack_from raise struct.error (corrupt).
+                start, length = pos, struct.Struct(e + "Q").unpack_from
+                for _ in range(count):
+                    pos += 8 + length(mm, pos)[0]
+                need(0)
+                return _Strings(path, e, start, count)
             return [read_value(item_type) for _ in range(count)]
         raise _Truncated
 
