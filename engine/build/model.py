@@ -191,11 +191,16 @@ class Piece:
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding in the Hugging Face (rotate-half) layout. x [n, heads, D], cos/sin [n, D/2]."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+    """Rotary embedding in the Hugging Face (rotate-half) layout. x [n, heads, D], cos/sin [n, D/2].
+
+    x's halves as a dimension of 2, each half times cos plus the other half (flipped) times +-sin: one elementwise
+    op, the same products and sums as rotate-half's x1 c - x2 s, x2 c + x1 s. As the two halves concatenated, IREE
+    wrote each half in a transpose dispatch of its own."""
+    n, heads, d = x.shape
+    halves = x.view(n, heads, 2, d // 2)
+    c = cos.view(-1, 1, 1, d // 2)  # cos and sin may have one row for all of x's
+    s = torch.stack([-sin, sin], dim=1).view(-1, 1, 2, d // 2)
+    return (halves * c + halves.flip(2) * s).view(n, heads, d)
 
 
 @dataclass
