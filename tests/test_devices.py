@@ -1,6 +1,10 @@
 """The device table is the one place a device is described, and the artefact key covers it."""
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 from conftest import ROOT
 
 
@@ -23,10 +27,19 @@ def test_one_device_table_feeds_config_cli_and_runtime():
 def test_export_code_hash_covers_model_export_and_compile_flags():
     from engine.build import artefacts
 
-    sources = [ROOT / "engine" / name for name in artefacts.EXPORT_SOURCES]
+    sources = artefacts.export_sources()
     assert all(p.is_file() for p in sources)
     covered = {p.relative_to(ROOT / "engine").as_posix() for p in sources}
     assert {"build/model.py", "build/export.py", "devices.py"} <= covered
+    # Every engine module an export loads is in the key (build/prefill_products.py once was not).
+    run = subprocess.run([sys.executable, "-c", "import sys, engine.build.export, engine.build.model; "
+                          "print('\\n'.join(m.__file__ for n, m in list(sys.modules.items()) "
+                          "if n.startswith('engine') and getattr(m, '__file__', None)))"],
+                         cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    loaded = {Path(f).resolve().relative_to(ROOT / "engine").as_posix() for f in run.stdout.split()}
+    no_effect = {"__init__.py", "errors.py", "paths.py"}  # messages and cache locations, not what is compiled
+    assert loaded - no_effect <= covered, loaded - no_effect - covered
     # Nothing the compiled module depends on hides in a module the hash does not read.
     assert "COMPILE_FLAGS" not in (ROOT / "engine" / "build" / "export.py").read_text()
     assert len(artefacts.export_code_hash()) == 16

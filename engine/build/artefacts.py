@@ -32,8 +32,9 @@ BUILT_FILES = ("module.vmfb", "weights.irpa", "tokenizer.json", "chat.json")
 # Source files (under engine/) whose content decides what gets compiled: editing them invalidates every entry.
 # devices.py holds the iree-compile flags, arch.py the families the model is built from, irpa.py and
 # weights_file.py how the weights file is laid out and filled.
-EXPORT_SOURCES = ("build/model.py", "build/q4.py", "build/dot_products.py", "build/kernels.py", "build/export.py",
-                  "build/irpa.py", "build/weights_file.py", "devices.py", "arch.py")
+# What an export's result depends on: every source of the build (a kernel generator missing from a hand-kept list
+# once left its changes out of the key), the devices' flags, the families and the constants.
+EXPORT_SOURCES = ("build", "devices.py", "arch.py", "config.py")
 SAMPLE = 1 << 20  # bytes hashed at each end of a large file: catches truncation and foreign files cheaply
 BUNDLED_ENV = "EDDY_BUNDLED_MODELS"  # os.pathsep-separated folders holding precompiled entries
 # Modules that building an entry needs; a packaged Eddy leaves them out.
@@ -49,11 +50,19 @@ def _version(dist: str) -> str:
         return "none"
 
 
+def export_sources() -> list[Path]:
+    """The files EXPORT_SOURCES names (a folder: its Python files)."""
+    here = Path(__file__).parents[1]
+    return [p for name in EXPORT_SOURCES
+            for p in (sorted((here / name).rglob("*.py")) if (here / name).is_dir() else [here / name])]
+
+
 def export_code_hash() -> str:
     here = Path(__file__).parents[1]
     h = hashlib.sha256()
-    for name in EXPORT_SOURCES:
-        h.update((here / name).read_bytes())
+    for path in export_sources():
+        h.update(str(path.relative_to(here)).encode())
+        h.update(path.read_bytes())
     return h.hexdigest()[:16]
 
 
