@@ -8,7 +8,7 @@ And two for decode's attention, which reads the cache in place:
   * `query_keys`: the query heads against the cached keys, plus the mask (the scores);
   * `weighted_values`: the probabilities times the cached values;
 and `query_keys_rows` / `weighted_values_rows`, prefill's scores and output (many queries) on a cpu, the latter
-in the output projection's order.
+in the output projection's order; `softmax_over_slots`, attention's softmax on a cpu, one dispatch a layer.
 And `first_slots` / `first_blocks`, a layer's keys or values in the cache's first slots (what a call attends to:
 model.py), as a plain slice or in blocks of ATTEND_STEP slots.
 As batch matmuls IREE data-tiles them and so re-packs the whole cache's keys and values on every step; as
@@ -36,7 +36,7 @@ import torch
 from ..config import ATTEND_STEP
 from ..config import Q4_TILE_ROWS as Q4_TILE
 from ..config import TILE_ROWS as TILE
-from . import dot_products, prefill_products
+from . import dot_products, prefill_products, softmax_rows
 
 
 def tileable(out_features: int, in_features: int) -> bool:
@@ -116,6 +116,12 @@ def query_keys_rows(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     rep, IREE copied the keys transposed once per query head before a batch matmul: 0.63 ms a layer for 30
     queries over 1000 slots (default model), 0.45 of it the copy."""
     return _ops()["qk_rows"](q, keys)
+
+
+def softmax_over_slots(scores: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(scores [kvh, rep, C] or [kvh, rep, n, C] (+ mask [n, C])) over the slots, on a cpu: the custom op,
+    one dispatch a layer (engine/build/softmax_rows.py). Decode's scores hold their mask already."""
+    return _ops()["softmax"](scores) if mask is None else _ops()["softmax_masked"](scores, mask)
 
 
 def first_blocks(kv: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -523,6 +529,43 @@ util.func private @{name}(%q: tensor<{h}x{r}x?x{d}xf32>, %k: tensor<{h}x?x{d}xf3
 }}
 """
 
+# Softmax over the slots: the scores as rows (kv heads x rep x queries), one hand-written dispatch.
+_SOFTMAX_MASKED = r"""
+module {{
+{executable}
+util.func private @{name}(%s: tensor<{h}x{r}x?x?xf32>, %m: tensor<?x?xf32>) -> tensor<{h}x{r}x?x?xf32> {{
+  %c2 = arith.constant 2 : index
+  %c3 = arith.constant 3 : index
+  %chr = arith.constant {hr} : index
+  %n = tensor.dim %s, %c2 : tensor<{h}x{r}x?x?xf32>
+  %cols = tensor.dim %s, %c3 : tensor<{h}x{r}x?x?xf32>
+  %rows = arith.muli %n, %chr : index
+  %s2 = tensor.collapse_shape %s [[0, 1, 2], [3]] : tensor<{h}x{r}x?x?xf32> into tensor<?x?xf32>
+  {call}
+  %r4 = tensor.expand_shape %r [[0, 1, 2], [3]] output_shape [{h}, {r}, %n, %cols] : tensor<?x?xf32> into tensor<{h}x{r}x?x?xf32>
+  util.return %r4 : tensor<{h}x{r}x?x?xf32>
+}}
+}}
+"""
+
+_SOFTMAX = r"""
+module {{
+{executable}
+util.func private @{name}(%s: tensor<{h}x{r}x?xf32>) -> tensor<{h}x{r}x?xf32> {{
+  %c1 = arith.constant 1 : index
+  %c2 = arith.constant 2 : index
+  %rows = arith.constant {hr} : index
+  %cols = tensor.dim %s, %c2 : tensor<{h}x{r}x?xf32>
+  %s1 = tensor.collapse_shape %s [[0, 1], [2]] : tensor<{h}x{r}x?xf32> into tensor<{hr}x?xf32>
+  %s2 = tensor.cast %s1 : tensor<{hr}x?xf32> to tensor<?x?xf32>
+  {call}
+  %r1 = tensor.cast %r : tensor<?x?xf32> to tensor<{hr}x?xf32>
+  %r3 = tensor.expand_shape %r1 [[0, 1], [2]] output_shape [{h}, {r}, %cols] : tensor<{hr}x?xf32> into tensor<{h}x{r}x?xf32>
+  util.return %r3 : tensor<{h}x{r}x?xf32>
+}}
+}}
+"""
+
 _VALUES_ROWS_CPU = ("attrs = {{compilation_info = #iree_codegen.compilation_info<lowering_config = "
                     "#iree_cpu.lowering_config<distribution = [1, {r}, 1, {d}, 0], vector_common_parallel = "
                     "[1, {r}, 1, {d}, 0], vector_reduction = [0, 0, 0, 0, 1]>, translation_info = "
@@ -786,6 +829,48 @@ def _register() -> dict:
             name = f"eddy_qk_rows_{h}x{r}x{d}"
             emit(kb, name, _QUERY_KEYS_ROWS.format(name=name, h=h, r=r, d=d))
 
+    def select_softmax(ksel: KernelSelection, masked: bool) -> None:
+        s = ksel.arg_tensor(0)
+        s.specialize_dims(0, 1)  # the queries and the slots stay dynamic
+        if masked:
+            ksel.arg_tensor(1)
+        ksel.return_new_tensor(list(s.t.shape), dtype=torch.float32)
+
+    def generate_softmax(kb: KernelBuilder, masked: bool) -> None:
+        h, r = shape(kb, 0)[:2]
+        name = f"eddy_softmax_{'masked_' if masked else ''}{h}x{r}"
+        exe = f"{name}_rows"
+        call = softmax_rows.softmax_rows_call(exe, masked, "%s2", "%m", "%rows", "%n" if masked else "%c1",
+                                              "%cols", "%r")
+        emit(kb, name, (_SOFTMAX_MASKED if masked else _SOFTMAX).format(
+            name=name, h=h, r=r, hr=h * r, executable=softmax_rows.softmax_rows_executable(exe, masked), call=call))
+
+    @CustomOp.register(library=library)
+    class attend_softmax(CustomOp):
+        signature = "attend_softmax(Tensor s) -> (Tensor)"
+
+        def select(self, ksel: KernelSelection) -> None:
+            select_softmax(ksel, False)
+
+        def eager_execute(self, s):
+            return torch.softmax(s, dim=-1)
+
+        def generate(self, ksel: KernelSelection, kb: KernelBuilder) -> None:
+            generate_softmax(kb, False)
+
+    @CustomOp.register(library=library)
+    class attend_softmax_masked(CustomOp):
+        signature = "attend_softmax_masked(Tensor s, Tensor m) -> (Tensor)"
+
+        def select(self, ksel: KernelSelection) -> None:
+            select_softmax(ksel, True)
+
+        def eager_execute(self, s, m):
+            return torch.softmax(s + m, dim=-1)
+
+        def generate(self, ksel: KernelSelection, kb: KernelBuilder) -> None:
+            generate_softmax(kb, True)
+
     def select_slice(ksel: KernelSelection, blocked: bool) -> None:
         kv, like = ksel.arg_tensor(0), ksel.arg_tensor(1)
         kv.specialize_all_dims()
@@ -825,6 +910,7 @@ def _register() -> dict:
             generate_slice(kb, True)
 
     return {"q4": mmt_q4, "i8": mmt_i8, "qk": attend_qk, "pv": attend_pv, "pv_rows": attend_pv_rows, "qk_rows": attend_qk_rows,
+            "softmax": attend_softmax, "softmax_masked": attend_softmax_masked,
             "slots": first_slots, "blocks": first_blocks}
 
 

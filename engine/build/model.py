@@ -36,8 +36,8 @@ from torch import nn
 
 from ..arch import Family, family
 from ..config import ATTEND_STEP, Q4_TILE_ROWS, TILE_ROWS, BuildSettings, ModelConfig
-from .kernels import (first_blocks, first_slots, i8_linear, q4_linear, query_keys, query_keys_rows, tile_q8, tileable,
-                      tiled_rows, weighted_values, weighted_values_rows)
+from .kernels import (first_blocks, first_slots, i8_linear, q4_linear, query_keys, query_keys_rows, softmax_over_slots,
+                      tile_q8, tileable, tiled_rows, weighted_values, weighted_values_rows)
 from .q4 import Q4_GROUP, dequantise_q4, packable, quantise_q4, tile_q4
 
 TORCH_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
@@ -272,21 +272,25 @@ class Attention(nn.Module):
             probs = self.softmax(scores)
             out = weighted_values(probs, values)  # [kvh, rep, d]
             return self.wo(out.reshape(1, cfg.n_heads * d))
-        if self.rows_ops:
-            scores = query_keys_rows(q.permute(1, 2, 0, 3), keys) * self.scale  # [kvh, rep, n, C]
+        if self.rows_ops:  # q scaled first, as decode's: a scale after the op was a dispatch of its own
+            scores = query_keys_rows((q * self.scale).permute(1, 2, 0, 3), keys)  # [kvh, rep, n, C]
         else:
             scores = torch.matmul(q.permute(1, 2, 0, 3), keys.transpose(1, 2).unsqueeze(1)) * self.scale
-        probs = self.softmax(self.capped(scores) + mask)
+        probs = self.softmax(self.capped(scores), mask)
         if self.rows_ops:
             out = weighted_values_rows(probs, values)  # [n, kvh, rep, d]
         else:
             out = torch.matmul(probs, values.unsqueeze(1)).permute(2, 0, 1, 3)
         return self.wo(out.reshape(n, cfg.n_heads * d))
 
-    def softmax(self, scores: torch.Tensor) -> torch.Tensor:
-        # A local ring's slots (and a prefill's new tokens after them) are not in blocks: softmax_in_blocks is for
-        # the cache's attended slots.
-        return torch.softmax(scores, dim=-1) if self.own_ring else softmax_in_blocks(scores)
+    def softmax(self, scores: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        # A local ring's slots (and a prefill's new tokens after them) are not in blocks: the others are for the
+        # cache's attended slots.
+        if self.own_ring:
+            return torch.softmax(scores if mask is None else scores + mask, dim=-1)
+        if self.rows_ops:
+            return softmax_over_slots(scores, mask)
+        return softmax_in_blocks(scores if mask is None else scores + mask)
 
     def capped(self, scores: torch.Tensor) -> torch.Tensor:
         """Gemma 2's soft cap on attention scores, before the mask."""
