@@ -36,7 +36,7 @@ import torch
 from ..config import ATTEND_STEP
 from ..config import Q4_TILE_ROWS as Q4_TILE
 from ..config import TILE_ROWS as TILE
-from . import dot_products, prefill_products, softmax_rows
+from . import attention_rows, dot_products, prefill_products
 
 
 def tileable(out_features: int, in_features: int) -> bool:
@@ -120,7 +120,7 @@ def query_keys_rows(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
 
 def softmax_over_slots(scores: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(scores [kvh, rep, C] or [kvh, rep, n, C] (+ mask [n, C])) over the slots, on a cpu: the custom op,
-    one dispatch a layer (engine/build/softmax_rows.py). Decode's scores hold their mask already."""
+    one dispatch a layer (engine/build/attention_rows.py). Decode's scores hold their mask already."""
     return _ops()["softmax"](scores) if mask is None else _ops()["softmax_masked"](scores, mask)
 
 
@@ -566,6 +566,21 @@ util.func private @{name}(%s: tensor<{h}x{r}x?xf32>) -> tensor<{h}x{r}x?xf32> {{
 }}
 """
 
+# The same by hand on a cpu (engine/build/attention_rows.py): values read once per block of queries.
+_VALUES_BY_HAND = r"""
+module {{
+{executable}
+util.func private @{name}(%p: tensor<{h}x{r}x?x?xf32>, %v: tensor<{h}x?x{d}xf32>) -> tensor<?x{h}x{r}x{d}xf32> {{
+  %c1 = arith.constant 1 : index
+  %c2 = arith.constant 2 : index
+  %n = tensor.dim %p, %c2 : tensor<{h}x{r}x?x?xf32>
+  %cols = tensor.dim %v, %c1 : tensor<{h}x?x{d}xf32>
+  {call}
+  util.return %o : tensor<?x{h}x{r}x{d}xf32>
+}}
+}}
+"""
+
 _VALUES_ROWS_CPU = ("attrs = {{compilation_info = #iree_codegen.compilation_info<lowering_config = "
                     "#iree_cpu.lowering_config<distribution = [1, {r}, 1, {d}, 0], vector_common_parallel = "
                     "[1, {r}, 1, {d}, 0], vector_reduction = [0, 0, 0, 0, 1]>, translation_info = "
@@ -806,6 +821,13 @@ def _register() -> dict:
 
         def generate(self, ksel: KernelSelection, kb: KernelBuilder) -> None:
             (h, r, _, _), d = shape(kb, 0), shape(kb, 1)[-1]
+            if _cpu_tuned and d % 16 == 0 and attention_rows.values_block(r, d):
+                name = f"eddy_pv_rows_{h}x{r}x{d}_hand"
+                exe = f"{name}_e"
+                emit(kb, name, _VALUES_BY_HAND.format(
+                    name=name, h=h, r=r, d=d, executable=attention_rows.weighted_values_executable(exe, h, r, d),
+                    call=attention_rows.weighted_values_call(exe, h, r, d, "%p", "%v", "%n", "%cols", "%o")))
+                return
             name = f"eddy_pv_rows_{h}x{r}x{d}{'_cpu' if _cpu_tuned else ''}"
             attrs = _VALUES_ROWS_CPU.format(r=r, d=d) if _cpu_tuned else ""
             emit(kb, name, _WEIGHTED_VALUES_ROWS.format(name=name, h=h, r=r, d=d, attrs=attrs))
@@ -840,10 +862,10 @@ def _register() -> dict:
         h, r = shape(kb, 0)[:2]
         name = f"eddy_softmax_{'masked_' if masked else ''}{h}x{r}"
         exe = f"{name}_rows"
-        call = softmax_rows.softmax_rows_call(exe, masked, "%s2", "%m", "%rows", "%n" if masked else "%c1",
+        call = attention_rows.softmax_rows_call(exe, masked, "%s2", "%m", "%rows", "%n" if masked else "%c1",
                                               "%cols", "%r")
         emit(kb, name, (_SOFTMAX_MASKED if masked else _SOFTMAX).format(
-            name=name, h=h, r=r, hr=h * r, executable=softmax_rows.softmax_rows_executable(exe, masked), call=call))
+            name=name, h=h, r=r, hr=h * r, executable=attention_rows.softmax_rows_executable(exe, masked), call=call))
 
     @CustomOp.register(library=library)
     class attend_softmax(CustomOp):
