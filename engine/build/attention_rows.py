@@ -170,9 +170,10 @@ def weighted_values_executable(name: str, h: int, r: int, d: int) -> str:
         %b{q}_{rr} = vector.broadcast %p{q}_{rr} : f32 to vector<16xf32>""")
             products += [f"""
         %n{q}_{rr}_{k} = math.fma %b{q}_{rr}, %v{k}, {name_of[(q, rr, k)]} : vector<16xf32>""" for k in range(parts)]
+    out_type = f"memref<?x{h}x{r}x{d}xf32>"
     stores = "".join(f"""
       scf.if %in{q} {{""" + "".join(f"""
-        vector.store %acc#{accs.index((q, rr, k))}, %o[%row{q}, %kh, %r{rr}, %k{k}] : memref<?x{h}x{r}x{d}xf32>, vector<16xf32>"""
+        vector.store %acc#{accs.index((q, rr, k))}, %o[%row{q}, %kh, %r{rr}, %k{k}] : {out_type}, vector<16xf32>"""
                                   for rr in range(r) for k in range(parts)) + """
       }""" for q in range(qb))
     types = ", ".join(["vector<16xf32>"] * len(accs))

@@ -931,8 +931,8 @@ def _register() -> dict:
         def generate(self, ksel: KernelSelection, kb: KernelBuilder) -> None:
             generate_slice(kb, True)
 
-    return {"q4": mmt_q4, "i8": mmt_i8, "qk": attend_qk, "pv": attend_pv, "pv_rows": attend_pv_rows, "qk_rows": attend_qk_rows,
-            "softmax": attend_softmax, "softmax_masked": attend_softmax_masked,
+    return {"q4": mmt_q4, "i8": mmt_i8, "qk": attend_qk, "pv": attend_pv, "pv_rows": attend_pv_rows,
+            "qk_rows": attend_qk_rows, "softmax": attend_softmax, "softmax_masked": attend_softmax_masked,
             "slots": first_slots, "blocks": first_blocks}
 
 

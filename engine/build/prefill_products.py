@@ -40,7 +40,7 @@ from .dot_products import Q4_GROUP_BYTES, index_constants, quantise_group, quant
 ROW_BLOCK = 6
 # Rows of xq a row of x becomes: x rounded, then that rounding's error rounded.
 STEPS = 2
-# Rows of x a workgroup takes, in blocks of ROW_BLOCK, against its tiles of weights.
+# Rows of xq a workgroup takes, in blocks of ROW_BLOCK, against its tiles of weights.
 ROWS_PER_WORKGROUP = 6 * ROW_BLOCK
 # Bytes of a workgroup's weights (codes, scales, offsets): kept in L2 while it goes over its rows.
 WORKGROUP_WEIGHT_BYTES = 96 * 1024
@@ -271,8 +271,8 @@ _Q4_FORMS = {"vnni": _q4_vnni, "avx2": _q4_avx2}
 
 def q4_rows_executable(form: str, name: str, tiles: int, k: int) -> str:
     """The `stream.executable` @name computing out [rows, tiles x 16] f32 from x quantised
-    (quantise_rows_executable's xq, xs: STEPS rows each), the codes [tiles x groups x Q4_GROUP_BYTES] i8 and scales, offsets
-    [tiles x groups x 16] f16."""
+    (quantise_rows_executable's xq, xs: STEPS rows each), the codes [tiles x groups x Q4_GROUP_BYTES] i8 and
+    scales, offsets [tiles x groups x 16] f16."""
     groups, block = k // Q4_GROUP, ROW_BLOCK
     per_tiles = tiles_per_workgroup(tiles, k)
     body, sums = _Q4_FORMS[form](block)
@@ -297,7 +297,8 @@ def q4_rows_executable(form: str, name: str, tiles: int, k: int) -> str:
     acc_types = ", ".join(["vector<16xf32>"] * real)
     return _Q4_ROWS.format(
         name=name, groups=groups, nb=tiles, n=tiles * Q4_TILE, gb=Q4_GROUP_BYTES, block=block,
-        per_rows=ROWS_PER_WORKGROUP // STEPS, real=real, steps=STEPS, per_tiles=per_tiles, tile_groups=-(-tiles // per_tiles),
+        per_rows=ROWS_PER_WORKGROUP // STEPS, real=real, steps=STEPS, per_tiles=per_tiles,
+        tile_groups=-(-tiles // per_tiles),
         offsets=index_constants(), rows_of_block=_rows_of_block(block),
         iter_args=", ".join(f"%af{j} = %zv" for j in range(real)), acc_types=acc_types,
         group=body.format(nb=tiles, groups=groups), scale="".join(scale),

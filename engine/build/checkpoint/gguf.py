@@ -12,9 +12,9 @@ import math
 import mmap
 import re
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Callable
 
 from engine import arch
