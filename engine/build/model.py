@@ -297,11 +297,11 @@ class Attention(nn.Module):
         return scores if self.softcap is None else torch.tanh(scores / self.softcap) * self.softcap
 
     def _put(self, buffer: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        layer = torch.full((1, 1), self.index, dtype=torch.int64)
-        heads = torch.arange(self.cfg.n_kv_heads).view(-1, 1)
-        kv = torch.zeros_like(layer)
-        buffer.index_put_((layer, kv, heads, slots.view(1, -1)), k.transpose(0, 1))
-        buffer.index_put_((layer, kv + 1, heads, slots.view(1, -1)), v.transpose(0, 1))
+        # Keys and values in one write (one scatter dispatch; two index_put_ calls were two).
+        layer = torch.full((1, 1, 1), self.index, dtype=torch.int64)
+        kv = torch.arange(2).view(-1, 1, 1)
+        heads = torch.arange(self.cfg.n_kv_heads).view(1, -1, 1)
+        buffer.index_put_((layer, kv, heads, slots.view(1, 1, -1)), torch.stack([k, v]).transpose(1, 2))
 
     def ring_kv(self, step: Step, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A local layer's own ring of local_window slots: the keys and values its queries see, [kvh, *, d].
