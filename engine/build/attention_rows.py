@@ -106,7 +106,7 @@ def softmax_rows_call(name: str, masked: bool, scores: str, mask: str, rows: str
 
 
 # Prefill's attention output: out[i, h, r, j] = sum over s of probs[h, r, i, s] * values[h, s, j], in the output
-# projection's order. A workgroup takes a kv head and a block of QUERY_BLOCK queries; for each slot it loads the
+# projection's order. A workgroup takes a kv head and a block of values_block() queries; for each slot it loads the
 # value row once (d / 16 vectors) and multiplies it into every (query, rep) row's accumulators, so the values are
 # read once per block of queries, not once per query.
 _VALUES = """
