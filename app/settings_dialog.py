@@ -14,7 +14,7 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDialog, QDialogButtonBox, 
                                QGroupBox, QHBoxLayout, QLabel, QLineEdit, QPlainTextEdit, QPushButton, QSpinBox,
                                QVBoxLayout, QWidget)
 
-from engine.config import AUTO_DTYPE, DTYPE_CHOICES, PIN_SLOTS
+from engine.config import AUTO_DTYPE, DTYPE_CHOICES, KV_CHOICES, PIN_SLOTS
 from engine.gpu import device_choices
 from engine.run.generation import ChatDefaults, SamplingOverrides
 from engine.run.sampling import OPTIONS, Option
@@ -26,6 +26,7 @@ from .settings import AppSettings
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 DEFAULT_MODEL_LABEL = f"{DEFAULT_MODEL_NAME} (default)"
 AUTO_LABEL = "auto (q4 for a 4-bit GGUF, else q8)"
+AUTO_KV_LABEL = "auto (f16, f32 for f32 weights)"
 
 
 def _spin(lo: int, hi: int, value: int, name: str, special: str | None = None) -> QSpinBox:
@@ -102,6 +103,13 @@ class SettingsDialog(QDialog):
         self.dtype.setCurrentIndex(max(0, self.dtype.findData(build.dtype)))
         self.dtype.setToolTip("Bits a weight is stored in: fewer make a smaller, faster model, at some quality")
         self.dtype.setAccessibleName("Weight type")
+        self.kv_dtype = QComboBox()
+        for name in KV_CHOICES:
+            self.kv_dtype.addItem(AUTO_KV_LABEL if name == AUTO_DTYPE else name, name)
+        self.kv_dtype.setCurrentIndex(max(0, self.kv_dtype.findData(build.kv_dtype)))
+        self.kv_dtype.setToolTip("Type of the keys and values the model keeps: 16 bits read half the memory per "
+                                 "token over a long window")
+        self.kv_dtype.setAccessibleName("KV cache type")
         self.device = QComboBox()
         for name, label, available in device_choices():
             self.device.addItem(label, name)
@@ -114,6 +122,7 @@ class SettingsDialog(QDialog):
         form.addRow("Attention sinks", self.sinks)
         form.addRow("Window", self.window)
         form.addRow("Weight type", self.dtype)
+        form.addRow("KV cache type", self.kv_dtype)
         form.addRow("Device", self.device)
         form.addRow("Prefill chunk", self.max_chunk)
         columns = QHBoxLayout()  # side by side: the dialog fits a small screen's height
@@ -185,7 +194,7 @@ class SettingsDialog(QDialog):
 
         for w in (self.sinks, self.window, self.max_chunk):
             w.valueChanged.connect(self._changed)
-        for c in (self.dtype, self.device):
+        for c in (self.dtype, self.kv_dtype, self.device):
             c.currentTextChanged.connect(self._changed)
         self.pin_system.toggled.connect(self._changed)
         self.model.textChanged.connect(self._changed)
@@ -204,7 +213,8 @@ class SettingsDialog(QDialog):
     def value(self) -> AppSettings:
         c = self.current
         build = replace(c.build, sinks=self.sinks.value(), window=self.window.value(),
-                        dtype=self.dtype.currentData(), device=self.device.currentData(),
+                        dtype=self.dtype.currentData(), kv_dtype=self.kv_dtype.currentData(),
+                        device=self.device.currentData(),
                         max_chunk=self.max_chunk.value())
         chat = replace(c.chat, max_new_tokens=self.max_new_tokens.value(), seed=self.seed.value(),
                        system_prompt=self.system_prompt.toPlainText().strip(), pin_system=self.pin_system.isChecked(),

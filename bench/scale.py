@@ -308,14 +308,20 @@ def measure_llama_run(gguf: Path, cfg: dict, runs: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def decode_bytes(cfg: dict, irpa_bytes: int, dtype: str, context: int = 1000) -> int:
+def kv_element_bytes(folder: Path) -> int:
+    """Bytes of one KV cache element in the build at `folder`, from its manifest (float32 before it was named)."""
+    settings = json.loads((folder / "manifest.json").read_text()).get("settings", {})
+    return 4 if settings.get("kv_dtype", "f32") == "f32" else 2
+
+
+def decode_bytes(cfg: dict, irpa_bytes: int, dtype: str, kv_bytes: int, context: int = 1000) -> int:
     """Bytes one decode step reads: the weights file, less an untied embedding (a step reads one of its rows),
-    plus the KV cache slots attended (float32 keys and values of every layer)."""
+    plus the KV cache slots attended (keys and values of every layer, `kv_bytes` an element)."""
     embed = 0
     if not cfg["tie_word_embeddings"]:
         per_weight = {"q8": 1.0, "q4": 0.625, "f16": 2.0, "bf16": 2.0, "f32": 4.0}[dtype]
         embed = int(cfg["vocab_size"] * cfg["hidden_size"] * per_weight)
-    kv = context * cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * 4
+    kv = context * cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * kv_bytes
     return irpa_bytes - embed + kv
 
 
@@ -382,7 +388,8 @@ def main() -> None:
                     step = gguf_decode_bytes(cfg, folder)
                 else:
                     result.update(measure_run(folder, code, cache, a.runs))
-                    step = decode_bytes(cfg, result["artefact_bytes"].get("weights.irpa", 0), dtype)
+                    step = decode_bytes(cfg, result["artefact_bytes"].get("weights.irpa", 0), dtype,
+                                        kv_element_bytes(folder))
                 floor = result["bandwidth_gb_per_s"] * 1e9 / step
                 result.update(decode_bytes_per_token=step, floor_tok_s=round(floor, 2),
                               decode_fraction_of_floor=round(result["decode_1000_tok_s"] / floor, 3))

@@ -8,7 +8,7 @@ import threading
 from typing import TYPE_CHECKING, Sequence
 
 from .devices import CUDA_TARGETS
-from .config import DEVICES, DTYPE_CHOICES, KV_DTYPES, PIN_SLOTS, TARGET_CPUS, BuildSettings
+from .config import DEVICES, DTYPE_CHOICES, KV_CHOICES, PIN_SLOTS, TARGET_CPUS, BuildSettings
 from .errors import EddyError
 from .events import Done, Error, Event, Prefill, PrefillProgress, Token
 
@@ -37,8 +37,9 @@ def _build_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default=d.dtype,
                    help="weight type; q8 = int8 with per-row scales, q4 = 4-bit codes in groups of 32 with a scale and "
                         "offset; auto (the default) = q4 for a 4-bit GGUF such as the default model, q8 otherwise")
-    p.add_argument("--kv-dtype", choices=KV_DTYPES, default=d.kv_dtype,
-                   help=f"KV cache type; 16 bits halve what attention reads over a long window (default {d.kv_dtype})")
+    p.add_argument("--kv-dtype", choices=KV_CHOICES, default=d.kv_dtype,
+                   help="KV cache type; 16 bits halve what attention reads over a long window; auto (the default) = "
+                        "f32 for f32 weights, bf16 for bf16, f16 otherwise")
     p.add_argument("--device", choices=DEVICES, default=d.device)
     p.add_argument("--gpu-target", choices=CUDA_TARGETS, default=None,
                    help="cuda device: the CUDA target to build for (default: this machine's GPU; name one to build "

@@ -18,6 +18,11 @@ DTYPE_CHOICES = (AUTO_DTYPE, *DTYPES)
 # The KV cache's element type: 16 bits halve what attention reads per token over a long window (bf16 keeps f32's
 # range with 8 bits of precision, f16 11 bits with a narrower range).
 KV_DTYPES = ("f32", "f16", "bf16")
+# The KV cache type a build takes when none is named, by weight type: f32 stays the exact parity build; the others
+# already round their products, and f16's 11 bits cost no measurable quality (docs/QUALITY.md: ppl 35.669 against
+# 35.670 at q4) while decode over a full window gains ~16 % (docs/BENCHMARKS.md). bf16 weights keep bf16's range.
+AUTO_KV_DTYPE = {"f32": "f32", "f16": "f16", "bf16": "bf16", "q8": "f16", "q4": "f16"}
+KV_CHOICES = (AUTO_DTYPE, *KV_DTYPES)
 # q4's group: weights per scale and offset along a row (GGUF Q4_0/Q4_1's block, so their codes pass through).
 Q4_GROUP = 32
 # q8 matrices that are multiplied are stored in tiles of this many rows, a tile's 4 positions at a time
@@ -158,7 +163,7 @@ class BuildSettings:
     # Sink slots compiled (0: just `sinks`). The sink count is chosen per conversation up to this bound: a pinned
     # system prompt's tokens all become sinks; slots not used as sinks stay empty.
     max_sinks: int = 0
-    kv_dtype: str = "f32"  # see KV_DTYPES
+    kv_dtype: str = AUTO_DTYPE  # see KV_CHOICES; "auto" follows the weight type (AUTO_KV_DTYPE)
     # cuda only: the CUDA target (devices.CUDA_TARGETS); "" until engine.gpu.resolve_target takes it from the GPU.
     gpu_target: str = ""
 
@@ -169,8 +174,8 @@ class BuildSettings:
             raise ValueError(f"need max sinks >= 0 (got {self.max_sinks})")
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)} (got {self.dtype!r})")
-        if self.kv_dtype not in KV_DTYPES:
-            raise ValueError(f"KV cache dtype must be one of {', '.join(KV_DTYPES)} (got {self.kv_dtype!r})")
+        if self.kv_dtype not in KV_CHOICES:
+            raise ValueError(f"KV cache dtype must be one of {', '.join(KV_CHOICES)} (got {self.kv_dtype!r})")
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {', '.join(DEVICES)} (got {self.device!r})")
         if self.target_cpu not in TARGET_CPUS:
@@ -182,8 +187,10 @@ class BuildSettings:
             raise ValueError(f"a GPU target is for the cuda device (got device {self.device!r})")
 
     def for_source(self, source: Any) -> "BuildSettings":
-        """These settings with "auto" replaced by the weight type `source` (a ModelSource) takes by default."""
-        return replace(self, dtype=source.auto_dtype()) if self.dtype == AUTO_DTYPE else self
+        """These settings with "auto" replaced by the weight type `source` (a ModelSource) takes by default, and
+        an "auto" KV cache type by the one that weight type takes."""
+        dtype = source.auto_dtype() if self.dtype == AUTO_DTYPE else self.dtype
+        return replace(self, dtype=dtype, kv_dtype=auto_kv_dtype(dtype, self.kv_dtype))
 
     @property
     def target(self) -> str:
@@ -212,3 +219,8 @@ class BuildSettings:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def auto_kv_dtype(dtype: str, kv_dtype: str = AUTO_DTYPE) -> str:
+    """The KV cache type a build of weight type `dtype` (not "auto") gets: `kv_dtype` unless that is "auto"."""
+    return AUTO_KV_DTYPE[dtype] if kv_dtype == AUTO_DTYPE else kv_dtype

@@ -187,7 +187,9 @@ def run_ppl(model: str | None, text_file: str | os.PathLike, mode: str, sinks: i
     if not text.strip():
         raise TextError(f"{text_file} holds no text to score")
     source = resolve_model(model)
-    dtype = BuildSettings(dtype=dtype).for_source(source).dtype  # "auto": the weight type reported is the one built
+    # "auto": the weight and KV cache types reported are the ones built
+    built = BuildSettings(dtype=dtype, kv_dtype=kv_dtype).for_source(source)
+    dtype, kv_dtype = built.dtype, built.kv_dtype
     cfg = ModelConfig.from_hf(read_config(source))
     note = None
     if mode == "dense":

@@ -378,19 +378,24 @@ def test_settings_dialog_shows_the_models_defaults_and_resets_to_them(qtbot):
     assert not dialog.reset_sampling.isEnabled() and not rows["top_k"].font().bold()
 
 
-def test_the_weight_type_starts_at_auto_and_a_named_one_is_kept(qtbot):
+def test_the_weight_and_kv_cache_types_start_at_auto_and_a_named_one_is_kept(qtbot):
     from app.settings import AppSettings
-    from app.settings_dialog import AUTO_LABEL, SettingsDialog
+    from app.settings_dialog import AUTO_KV_LABEL, AUTO_LABEL, SettingsDialog
 
     dialog = SettingsDialog(AppSettings(), None)
     qtbot.addWidget(dialog)
     assert dialog.dtype.currentText() == AUTO_LABEL and dialog.value().build.dtype == "auto"
+    assert dialog.kv_dtype.currentText() == AUTO_KV_LABEL and dialog.value().build.kv_dtype == "auto"
     assert dialog.rebuild_note.isHidden()
     dialog.dtype.setCurrentIndex(dialog.dtype.findData("q8"))
     assert dialog.value().build.dtype == "q8" and not dialog.rebuild_note.isHidden()
-    named = SettingsDialog(AppSettings.of(dtype="f16"), None)
+    dialog.dtype.setCurrentIndex(dialog.dtype.findData("auto"))
+    dialog.kv_dtype.setCurrentIndex(dialog.kv_dtype.findData("f32"))
+    assert dialog.value().build.kv_dtype == "f32" and not dialog.rebuild_note.isHidden()
+    named = SettingsDialog(AppSettings.of(dtype="f16", kv_dtype="bf16"), None)
     qtbot.addWidget(named)
     assert named.dtype.currentText() == "f16" and named.value().build.dtype == "f16"
+    assert named.kv_dtype.currentText() == "bf16" and named.value().build.kv_dtype == "bf16"
 
 
 def test_a_rebuild_inside_the_session_moves_the_marker_to_the_right_message(qtbot, tmp_path, tiny, tiny_reference):

@@ -57,6 +57,14 @@ def test_cache_list_shows_each_build_with_its_size_and_rm_deletes_it(tiny, tmp_p
     assert FAKE_KEY[:12] not in out and out.splitlines()[-1].startswith("1 cached build,")
 
 
+def test_the_listing_names_a_kv_cache_type_only_when_it_is_not_the_weight_types_own():
+    from engine.build.cache import settings_summary
+
+    assert settings_summary({"dtype": "q4", "kv_dtype": "f16"}) == "q4, 4 sinks + 1020 window, cpu"
+    assert settings_summary({"dtype": "f32", "kv_dtype": "f32"}) == "f32, 4 sinks + 1020 window, cpu"
+    assert settings_summary({"dtype": "q4", "kv_dtype": "f32"}) == "q4, 4 sinks + 1020 window, KV cache f32, cpu"
+
+
 def test_cache_rm_of_an_unknown_key_is_a_clear_error(tiny, tmp_path, monkeypatch, capsys):
     root, real, other = _cache_with_copies(tiny, tmp_path, monkeypatch)
     code, _, err = _run(capsys, "cache", "rm", "nonexistent")

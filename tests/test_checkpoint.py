@@ -752,3 +752,23 @@ def test_the_default_model_builds_at_q4_by_default_and_other_checkpoints_at_q8()
     assert _as_built(BuildSettings(), {"auto_dtype": "q4"})["dtype"] == "q4"
     assert _as_built(BuildSettings(), {})["dtype"] == "q8"
     assert _as_built(BuildSettings(dtype="f16"), {"auto_dtype": "q4"})["dtype"] == "f16"
+
+
+def test_the_kv_cache_type_follows_the_weight_type_unless_named():
+    """A quantised build keeps its cache in float16 (half the bytes decode reads over a long window); a float32
+    build stays exact, the parity build; a named type is kept; "auto" and what it picks are one entry."""
+    from engine.build.artefacts import _as_built, artefact_key
+    from engine.config import BuildSettings
+
+    default, tiny = resolve_model(None), resolve_model("tiny-random")
+    assert BuildSettings().kv_dtype == "auto" and BuildSettings().for_source(default).kv_dtype == "f16"
+    assert BuildSettings().for_source(tiny).kv_dtype == "f16"  # q8
+    assert BuildSettings(dtype="f32").for_source(tiny).kv_dtype == "f32"
+    assert BuildSettings(dtype="bf16").for_source(tiny).kv_dtype == "bf16"  # float16's range is narrower
+    assert BuildSettings(kv_dtype="f32").for_source(default) == BuildSettings(dtype="q4", kv_dtype="f32")
+    assert artefact_key(default, BuildSettings()) == artefact_key(default, BuildSettings(dtype="q4", kv_dtype="f16"))
+    assert artefact_key(default, BuildSettings()) != artefact_key(default, BuildSettings(kv_dtype="f32"))
+    assert _as_built(BuildSettings(), {"auto_dtype": "q4"})["kv_dtype"] == "f16"
+    assert _as_built(BuildSettings(dtype="f32"), {})["kv_dtype"] == "f32"
+    with pytest.raises(ValueError, match="KV cache dtype"):
+        BuildSettings(kv_dtype="q4")

@@ -19,7 +19,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from ..config import AUTO_DTYPE, BuildSettings, ModelConfig
+from ..config import AUTO_DTYPE, BuildSettings, ModelConfig, auto_kv_dtype
 from ..errors import ArtefactError, ModelError
 from ..paths import cache_dir
 
@@ -224,10 +224,12 @@ def find_bundled(name: str, settings: BuildSettings) -> Path | None:
 
 def _as_built(settings: BuildSettings, manifest: dict) -> dict:
     """`settings` as the entry's build would have resolved them: "auto" is the entry's auto_dtype (q8 for an
-    entry from before it was recorded, when q8 was every build's default)."""
+    entry from before it was recorded, when q8 was every build's default), and an "auto" KV cache type that
+    weight type's own."""
     wanted = settings.to_dict()
     if settings.dtype == AUTO_DTYPE:
         wanted["dtype"] = manifest.get("auto_dtype", "q8")
+    wanted["kv_dtype"] = auto_kv_dtype(wanted["dtype"], settings.kv_dtype)
     return wanted
 
 

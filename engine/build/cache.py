@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from ..config import BuildSettings
+from ..config import AUTO_KV_DTYPE, BuildSettings
 from ..errors import EddyError
 from .artefacts import BUILT_FILES, MANIFEST, artefacts_root
 from .progress import megabytes
@@ -69,7 +69,7 @@ def settings_summary(settings: dict) -> str:
         parts.append(f"{s['max_sinks']} sink slots")
     if s["max_chunk"] != d["max_chunk"]:
         parts.append(f"chunk {s['max_chunk']}")
-    if s["kv_dtype"] != d["kv_dtype"]:
+    if s["kv_dtype"] != AUTO_KV_DTYPE.get(s["dtype"], d["kv_dtype"]):  # named only when not the weight type's own
         parts.append(f"KV cache {s['kv_dtype']}")
     if s["device"] == "cuda":
         parts.append(f"cuda {s['gpu_target']}".strip())
