@@ -119,14 +119,15 @@ stream.executable private @{name} {{
     stream.return %w, %h, %c1 : index, index, index
   }}
   builtin.module {{
-    func.func @{name}(%pb: !stream.binding, %vb: !stream.binding, %n: index, %cols: index, %ob: !stream.binding) {{
+    func.func @{name}(%pb: !stream.binding, %vb: !stream.binding, %n: index, %cols: index, %slots: index,
+                      %ob: !stream.binding) {{
       %c0 = arith.constant 0 : index
       %c1 = arith.constant 1 : index
       %qb = arith.constant {qb} : index
       %zv = arith.constant dense<0.0> : vector<16xf32>
 {constants}
       %p = stream.binding.subspan %pb[%c0] : !stream.binding -> memref<{h}x{r}x?x?xf32>{{%n, %cols}}
-      %v = stream.binding.subspan %vb[%c0] : !stream.binding -> memref<{h}x?x{d}xf32>{{%cols}}
+      %v = stream.binding.subspan %vb[%c0] : !stream.binding -> memref<{h}x?x{d}x{e}>{{%slots}}
       %o = stream.binding.subspan %ob[%c0] : !stream.binding -> memref<?x{h}x{r}x{d}xf32>{{%n}}
       %wq = stream.dispatch.workgroup.id[0] : index
       %kh = stream.dispatch.workgroup.id[1] : index
@@ -148,8 +149,18 @@ def values_block(r: int, d: int) -> int:
     return 24 // (r * d // 16)
 
 
-def weighted_values_executable(name: str, h: int, r: int, d: int) -> str:
-    """The `stream.executable` @name: out [n, h, r, d] from probs [h, r, n, slots] and values [h, slots, d]."""
+def widen(value: str, e: str, lanes: int, out: str) -> str:
+    """MLIR setting `out` to vector `value` of `lanes` elements of a 16-bit KV cache type `e` (f16, or i16:
+    bfloat16's bits, engine/build/model.py's KV_STORAGE) as float32."""
+    if e == "f16":
+        return f"\n        {out} = arith.extf {value} : vector<{lanes}xf16> to vector<{lanes}xf32>"
+    return (f"\n        {out}_b = arith.bitcast {value} : vector<{lanes}xi16> to vector<{lanes}xbf16>"
+            f"\n        {out} = arith.extf {out}_b : vector<{lanes}xbf16> to vector<{lanes}xf32>")
+
+
+def weighted_values_executable(name: str, h: int, r: int, d: int, e: str = "f32") -> str:
+    """The `stream.executable` @name: out [n, h, r, d] from probs [h, r, n, cols] and the first cols of values
+    [h, slots, d] (slots >= cols: a layer of the cache, read in place), stored as `e` (f32, f16, i16 for bf16)."""
     qb, parts = values_block(r, d), d // 16
     accs = [(q, rr, k) for q in range(qb) for rr in range(r) for k in range(parts)]
     name_of = {a: f"%a{a[0]}_{a[1]}_{a[2]}" for a in accs}
@@ -161,7 +172,9 @@ def weighted_values_executable(name: str, h: int, r: int, d: int) -> str:
       %row{q} = arith.minui %ii{q}, %last : index
       %in{q} = arith.cmpi ult, %ii{q}, %n : index""" for q in range(qb))
     values = "".join(f"""
-        %v{k} = vector.load %v[%kh, %s, %k{k}] : memref<{h}x?x{d}xf32>, vector<16xf32>""" for k in range(parts))
+        %v{k} = vector.load %v[%kh, %s, %k{k}] : memref<{h}x?x{d}x{e}>, vector<16x{e}>""" if e == "f32" else f"""
+        %w{k} = vector.load %v[%kh, %s, %k{k}] : memref<{h}x?x{d}x{e}>, vector<16x{e}>""" + widen(f"%w{k}", e, 16, f"%v{k}")
+                     for k in range(parts))
     products = []
     for q in range(qb):
         for rr in range(r):
@@ -178,14 +191,14 @@ def weighted_values_executable(name: str, h: int, r: int, d: int) -> str:
       }""" for q in range(qb))
     types = ", ".join(["vector<16xf32>"] * len(accs))
     return _VALUES.format(
-        name=name, h=h, r=r, d=d, qb=qb, constants=constants, queries=queries, count=len(accs),
+        name=name, h=h, r=r, d=d, e=e, qb=qb, constants=constants, queries=queries, count=len(accs),
         iter_args=", ".join(f"{name_of[a]} = %zv" for a in accs), types=types, values=values,
         products="".join(products), yields=", ".join(f"%n{q}_{rr}_{k}" for q, rr, k in accs), stores=stores)
 
 
-def weighted_values_call(name: str, h: int, r: int, d: int, probs: str, values: str, n: str, cols: str,
-                         out: str) -> str:
+def weighted_values_call(name: str, h: int, r: int, d: int, e: str, probs: str, values: str, n: str, cols: str,
+                         slots: str, out: str) -> str:
     """The `flow.dispatch` of weighted_values_executable @name, binding `out` (tensor<?x h x r x d x f32>)."""
-    return (f"{out} = flow.dispatch @{name}::@{name}[{n}]({probs}, {values}, {n}, {cols}) : "
-            f"(tensor<{h}x{r}x?x?xf32>{{{n}, {cols}}}, tensor<{h}x?x{d}xf32>{{{cols}}}, index, index) "
+    return (f"{out} = flow.dispatch @{name}::@{name}[{n}]({probs}, {values}, {n}, {cols}, {slots}) : "
+            f"(tensor<{h}x{r}x?x?xf32>{{{n}, {cols}}}, tensor<{h}x?x{d}x{e}>{{{slots}}}, index, index, index) "
             f"-> tensor<?x{h}x{r}x{d}xf32>{{{n}}}")

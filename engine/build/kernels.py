@@ -103,16 +103,24 @@ def weighted_values(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
 
 
 def weighted_values_rows(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """probs [kvh, rep, n, C] @ values [kvh, C, d] -> [n, kvh, rep, d] (prefill's attention output, in the order
-    the output projection takes it): the custom op, for a cpu. As a torch matmul broadcast over rep and then
-    permuted, IREE multiplied it in a generic kernel with the permutation fused in: 0.40 ms a layer for 30
-    queries over 1000 slots (default model), against 0.22 ms here."""
+    """probs [kvh, rep, n, C] @ values[:, :C] -> [n, kvh, rep, d] (prefill's attention output, in the order the
+    output projection takes it): the custom op, for a cpu. `values` [kvh, slots >= C, d] may be a layer of the
+    cache as stored (model.KV_STORAGE), read in place and widened as it is read: as a float32 slice it was a
+    conversion (or a copy) of its own, 1.1 ms a 30-token turn at 1000 of context (default model). As a torch
+    matmul broadcast over rep and then permuted, IREE multiplied it in a generic kernel with the permutation fused
+    in: 0.40 ms a layer for 30 queries over 1000 slots, against 0.22 ms here."""
     return _ops()["pv_rows"](probs, values)
 
 
+def _as_float(t: torch.Tensor) -> torch.Tensor:
+    """Stored keys or values (model.KV_STORAGE: bfloat16 as int16 bits) as float32, for an op's eager form."""
+    return (t.view(torch.bfloat16) if t.dtype == torch.int16 else t).float()
+
+
 def query_keys_rows(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """q [kvh, rep, n, d] . keys [kvh, C, d] -> [kvh, rep, n, C] (prefill's attention scores, on a cpu): the
-    custom op, one matmul per kv head with its rep query heads' rows stacked. As a torch matmul broadcast over
+    """q [kvh, rep, n, d] . keys [kvh, C, d] (as the cache stores them: model.KV_STORAGE) -> [kvh, rep, n, C]
+    (prefill's attention scores, on a cpu): the custom op, one matmul per kv head with its rep query heads' rows
+    stacked. As a torch matmul broadcast over
     rep, IREE copied the keys transposed once per query head before a batch matmul: 0.63 ms a layer for 30
     queries over 1000 slots (default model), 0.45 of it the copy."""
     return _ops()["qk_rows"](q, keys)
@@ -474,10 +482,21 @@ util.func private @{name}(%p: tensor<{h}x{r}x?xf32>, %v: tensor<{h}x?x{d}xf32>) 
 # or five at a time took 2.4x and 3.8x as long.
 _WEIGHTED_VALUES_ROWS = r"""
 module {{
-util.func private @{name}(%p: tensor<{h}x{r}x?x?xf32>, %v: tensor<{h}x?x{d}xf32>) -> tensor<?x{h}x{r}x{d}xf32> {{
+util.func private @{name}(%p: tensor<{h}x{r}x?x?xf32>, %vall: tensor<{h}x?x{d}x{e}>) -> tensor<?x{h}x{r}x{d}xf32> {{
   %zero = arith.constant 0.000000e+00 : f32
   %c2 = arith.constant 2 : index
+  %c3 = arith.constant 3 : index
   %n = tensor.dim %p, %c2 : tensor<{h}x{r}x?x?xf32>
+  %cols = tensor.dim %p, %c3 : tensor<{h}x{r}x?x?xf32>
+  %vs = tensor.extract_slice %vall[0, 0, 0] [{h}, %cols, {d}] [1, 1, 1] : tensor<{h}x?x{d}x{e}> to tensor<{h}x?x{d}x{e}>
+  %ve = tensor.empty(%cols) : tensor<{h}x?x{d}xf32>
+  %v = linalg.generic {{
+      indexing_maps = [affine_map<(h, s, j) -> (h, s, j)>, affine_map<(h, s, j) -> (h, s, j)>],
+      iterator_types = ["parallel", "parallel", "parallel"]}}
+      ins(%vs : tensor<{h}x?x{d}x{e}>) outs(%ve : tensor<{h}x?x{d}xf32>) {{
+  ^bb0(%x: {e}, %o: f32):
+    {widen}
+  }} -> tensor<{h}x?x{d}xf32>
   %e = tensor.empty(%n) : tensor<?x{h}x{r}x{d}xf32>
   %acc = linalg.fill ins(%zero : f32) outs(%e : tensor<?x{h}x{r}x{d}xf32>) -> tensor<?x{h}x{r}x{d}xf32>
   %o = linalg.generic {{
@@ -495,21 +514,39 @@ util.func private @{name}(%p: tensor<{h}x{r}x?x?xf32>, %v: tensor<{h}x?x{d}xf32>
 }}
 """
 
+_KEYS_AS_FLOAT = r"""%ke = tensor.empty(%s) : tensor<{h}x?x{d}xf32>
+  %kc = linalg.generic {{
+      indexing_maps = [affine_map<(h, s, j) -> (h, s, j)>, affine_map<(h, s, j) -> (h, s, j)>],
+      iterator_types = ["parallel", "parallel", "parallel"]}}
+      ins(%k : tensor<{h}x?x{d}x{e}>) outs(%ke : tensor<{h}x?x{d}xf32>) {{
+  ^bb0(%x: {e}, %o: f32):
+    {widen}
+  }} -> tensor<{h}x?x{d}xf32>"""
+
+# A stored KV element `%x` (block argument of type e: model.KV_STORAGE) as float32, yielded.
+_WIDEN_SCALAR = {
+    "f32": "linalg.yield %x : f32",
+    "f16": "%w = arith.extf %x : f16 to f32\n    linalg.yield %w : f32",
+    "i16": "%b = arith.bitcast %x : i16 to bf16\n    %w = arith.extf %b : bf16 to f32\n    linalg.yield %w : f32",
+}
+
+
 # Prefill's scores: per kv head, its rep heads' queries as the rows of one matmul against the keys (transposed),
-# which IREE data-tiles. The keys are cloned first: read straight from the cache's slice, IREE fused their packing
-# into the matmul's dispatch, whose stack (80 kB) then passed its 32 kB limit; the clone is a plain copy (~0.03 ms
-# a layer at 1000 slots).
+# which IREE data-tiles. Float32 keys are cloned first: read straight from the cache's slice, IREE fused their
+# packing into the matmul's dispatch, whose stack (80 kB) then passed its 32 kB limit; the clone is a plain copy
+# (~0.03 ms a layer at 1000 slots). 16-bit keys are widened instead (_KEYS_AS_FLOAT), and IREE packs them in the
+# widening's dispatch: one dispatch where a conversion, the clone and the packing were three.
 _QUERY_KEYS_ROWS = r"""
 module {{
-util.func private @{name}(%q: tensor<{h}x{r}x?x{d}xf32>, %k: tensor<{h}x?x{d}xf32>) -> tensor<{h}x{r}x?x?xf32> {{
+util.func private @{name}(%q: tensor<{h}x{r}x?x{d}xf32>, %k: tensor<{h}x?x{d}x{e}>) -> tensor<{h}x{r}x?x?xf32> {{
   %zero = arith.constant 0.000000e+00 : f32
   %c1 = arith.constant 1 : index
   %c2 = arith.constant 2 : index
   %cr = arith.constant {r} : index
   %n = tensor.dim %q, %c2 : tensor<{h}x{r}x?x{d}xf32>
-  %s = tensor.dim %k, %c1 : tensor<{h}x?x{d}xf32>
+  %s = tensor.dim %k, %c1 : tensor<{h}x?x{d}x{e}>
   %rn = arith.muli %n, %cr : index
-  %kc = flow.tensor.clone %k : tensor<{h}x?x{d}xf32>{{%s}}
+  {keys}
   %q2 = tensor.collapse_shape %q [[0], [1, 2], [3]] : tensor<{h}x{r}x?x{d}xf32> into tensor<{h}x?x{d}xf32>
   %e = tensor.empty(%rn, %s) : tensor<{h}x?x?xf32>
   %acc = linalg.fill ins(%zero : f32) outs(%e : tensor<{h}x?x?xf32>) -> tensor<{h}x?x?xf32>
@@ -570,11 +607,13 @@ util.func private @{name}(%s: tensor<{h}x{r}x?xf32>) -> tensor<{h}x{r}x?xf32> {{
 _VALUES_BY_HAND = r"""
 module {{
 {executable}
-util.func private @{name}(%p: tensor<{h}x{r}x?x?xf32>, %v: tensor<{h}x?x{d}xf32>) -> tensor<?x{h}x{r}x{d}xf32> {{
+util.func private @{name}(%p: tensor<{h}x{r}x?x?xf32>, %v: tensor<{h}x?x{d}x{e}>) -> tensor<?x{h}x{r}x{d}xf32> {{
   %c1 = arith.constant 1 : index
   %c2 = arith.constant 2 : index
+  %c3 = arith.constant 3 : index
   %n = tensor.dim %p, %c2 : tensor<{h}x{r}x?x?xf32>
-  %cols = tensor.dim %v, %c1 : tensor<{h}x?x{d}xf32>
+  %cols = tensor.dim %p, %c3 : tensor<{h}x{r}x?x?xf32>
+  %slots = tensor.dim %v, %c1 : tensor<{h}x?x{d}x{e}>
   {call}
   util.return %o : tensor<?x{h}x{r}x{d}xf32>
 }}
@@ -817,20 +856,24 @@ def _register() -> dict:
             ksel.return_new_tensor([n, h, r, v.t.shape[2]], dtype=torch.float32)
 
         def eager_execute(self, p, v):
-            return torch.matmul(p, v.unsqueeze(1)).permute(2, 0, 1, 3)
+            return torch.matmul(p, _as_float(v[:, : p.shape[-1]]).unsqueeze(1)).permute(2, 0, 1, 3)
 
         def generate(self, ksel: KernelSelection, kb: KernelBuilder) -> None:
             (h, r, _, _), d = shape(kb, 0), shape(kb, 1)[-1]
+            e = str(RankedTensorType(kb.arg_value(1).type).element_type)
             if _cpu_tuned and d % 16 == 0 and attention_rows.values_block(r, d):
-                name = f"eddy_pv_rows_{h}x{r}x{d}_hand"
+                name = f"eddy_pv_rows_{h}x{r}x{d}x{e}_hand"
                 exe = f"{name}_e"
                 emit(kb, name, _VALUES_BY_HAND.format(
-                    name=name, h=h, r=r, d=d, executable=attention_rows.weighted_values_executable(exe, h, r, d),
-                    call=attention_rows.weighted_values_call(exe, h, r, d, "%p", "%v", "%n", "%cols", "%o")))
+                    name=name, h=h, r=r, d=d, e=e,
+                    executable=attention_rows.weighted_values_executable(exe, h, r, d, e),
+                    call=attention_rows.weighted_values_call(exe, h, r, d, e, "%p", "%v", "%n", "%cols", "%slots",
+                                                             "%o")))
                 return
-            name = f"eddy_pv_rows_{h}x{r}x{d}{'_cpu' if _cpu_tuned else ''}"
+            name = f"eddy_pv_rows_{h}x{r}x{d}x{e}{'_cpu' if _cpu_tuned else ''}"
             attrs = _VALUES_ROWS_CPU.format(r=r, d=d) if _cpu_tuned else ""
-            emit(kb, name, _WEIGHTED_VALUES_ROWS.format(name=name, h=h, r=r, d=d, attrs=attrs))
+            emit(kb, name, _WEIGHTED_VALUES_ROWS.format(name=name, h=h, r=r, d=d, e=e, attrs=attrs,
+                                                        widen=_WIDEN_SCALAR[e]))
 
     @CustomOp.register(library=library)
     class attend_qk_rows(CustomOp):
@@ -844,12 +887,15 @@ def _register() -> dict:
             ksel.return_new_tensor([h, r, n, k.t.shape[1]], dtype=torch.float32)
 
         def eager_execute(self, q, k):
-            return torch.matmul(q, k.unsqueeze(1).transpose(2, 3))
+            return torch.matmul(q, _as_float(k).unsqueeze(1).transpose(2, 3))
 
         def generate(self, ksel: KernelSelection, kb: KernelBuilder) -> None:
             h, r, _, d = shape(kb, 0)
-            name = f"eddy_qk_rows_{h}x{r}x{d}"
-            emit(kb, name, _QUERY_KEYS_ROWS.format(name=name, h=h, r=r, d=d))
+            e = str(RankedTensorType(kb.arg_value(1).type).element_type)
+            name = f"eddy_qk_rows_{h}x{r}x{d}x{e}"
+            keys = ("%kc = flow.tensor.clone %k : tensor<{h}x?x{d}xf32>{{%s}}" if e == "f32" else
+                    _KEYS_AS_FLOAT).format(h=h, d=d, e=e, widen=_WIDEN_SCALAR[e])
+            emit(kb, name, _QUERY_KEYS_ROWS.format(name=name, h=h, r=r, d=d, e=e, keys=keys))
 
     def select_softmax(ksel: KernelSelection, masked: bool) -> None:
         s = ksel.arg_tensor(0)

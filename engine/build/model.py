@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..arch import Family, family
-from ..config import ATTEND_STEP, Q4_TILE_ROWS, TILE_ROWS, BuildSettings, ModelConfig
+from ..config import ATTEND_STEP, Q4_TILE_ROWS, TILE_ROWS, BuildSettings, ModelConfig, auto_kv_dtype
 from .kernels import (first_blocks, first_slots, i8_linear, q4_linear, query_keys, query_keys_rows, softmax_over_slots,
                       tile_q8, tileable, tiled_rows, weighted_values, weighted_values_rows)
 from .q4 import Q4_GROUP, dequantise_q4, packable, quantise_q4, tile_q4
@@ -322,7 +322,8 @@ class Attention(nn.Module):
 
     def write_cache(self, step: Step, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Stores the new keys/values at their slots; returns this layer's keys and values in the attended slots
-        [kvh, attended, d].
+        [kvh, attended, d] (prefill's on a cpu: the keys as stored, and the whole layer's values as stored:
+        kernels.query_keys_rows and weighted_values_rows widen them as they read).
 
         The cache is laid out [layers, 2, kv_heads, slots, head_dim] so attention reads it without a
         transpose. With sinks, `sink_keys` keeps each sink key as first stored (rotated by its own position;
@@ -344,6 +345,8 @@ class Attention(nn.Module):
                              to_kv(shifted, cache))
         # One query reads the keys as blocks (kernels.first_blocks), where the device takes them.
         keys = (first_blocks if step.single and self.key_blocks else first_slots)(cache[i, 0], step.cache_pos)
+        if self.rows_ops and not step.single:  # prefill's ops widen what they read: the keys' slice as stored, and
+            return keys, cache[i, 1]  # the layer's values read in place
         return from_kv(keys), from_kv(first_slots(cache[i, 1], step.cache_pos))
 
 
@@ -429,7 +432,7 @@ class StreamingLlama(nn.Module):
         # zero-splat initialiser gave wrong logits in IREE. Their type is the build's kv_dtype (values are written
         # rounded to it and read back widened to float32); the sinks' original keys stay float32: they are
         # rotated again on every call, and there are only a few.
-        kvh, d, kv = cfg.n_kv_heads, cfg.head_dim, KV_STORAGE[settings.kv_dtype]
+        kvh, d, kv = cfg.n_kv_heads, cfg.head_dim, KV_STORAGE[auto_kv_dtype(settings.dtype, settings.kv_dtype)]
         self.register_buffer("cache", torch.zeros(len(shared), 2, kvh, settings.slots, d, dtype=kv), persistent=False)
         sinks = torch.zeros(len(shared), kvh, settings.sink_slots + 1, d) if settings.sink_slots else None
         self.register_buffer("sink_keys", sinks, persistent=False)
