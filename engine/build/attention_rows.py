@@ -149,13 +149,17 @@ def values_block(r: int, d: int) -> int:
     return 24 // (r * d // 16)
 
 
-def widen(value: str, e: str, lanes: int, out: str) -> str:
-    """MLIR setting `out` to vector `value` of `lanes` elements of a 16-bit KV cache type `e` (f16, or i16:
-    bfloat16's bits, engine/build/model.py's KV_STORAGE) as float32."""
+def widen(value: str, e: str, out: str, lanes: int = 0) -> list[str]:
+    """MLIR lines setting `out` to `value` (a scalar, or a vector of `lanes`) of KV cache type `e` (f16, or i16:
+    bfloat16's bits, engine/build/model.py's KV_STORAGE) as float32; none for f32, whose `value` is used as it is."""
+    def of(t: str) -> str:
+        return f"vector<{lanes}x{t}>" if lanes else t
+    if e == "f32":
+        return []
     if e == "f16":
-        return f"\n        {out} = arith.extf {value} : vector<{lanes}xf16> to vector<{lanes}xf32>"
-    return (f"\n        {out}_b = arith.bitcast {value} : vector<{lanes}xi16> to vector<{lanes}xbf16>"
-            f"\n        {out} = arith.extf {out}_b : vector<{lanes}xbf16> to vector<{lanes}xf32>")
+        return [f"{out} = arith.extf {value} : {of('f16')} to {of('f32')}"]
+    return [f"{out}_b = arith.bitcast {value} : {of('i16')} to {of('bf16')}",
+            f"{out} = arith.extf {out}_b : {of('bf16')} to {of('f32')}"]
 
 
 def weighted_values_executable(name: str, h: int, r: int, d: int, e: str = "f32") -> str:
@@ -171,10 +175,12 @@ def weighted_values_executable(name: str, h: int, r: int, d: int, e: str = "f32"
       %ii{q} = arith.addi %i0, %q{q} : index
       %row{q} = arith.minui %ii{q}, %last : index
       %in{q} = arith.cmpi ult, %ii{q}, %n : index""" for q in range(qb))
-    values = "".join(f"""
-        %v{k} = vector.load %v[%kh, %s, %k{k}] : memref<{h}x?x{d}x{e}>, vector<16x{e}>""" if e == "f32" else f"""
-        %w{k} = vector.load %v[%kh, %s, %k{k}] : memref<{h}x?x{d}x{e}>, vector<16x{e}>""" + widen(f"%w{k}", e, 16, f"%v{k}")
-                     for k in range(parts))
+    values = []
+    for k in range(parts):
+        loaded = f"%v{k}" if e == "f32" else f"%w{k}"  # a 16-bit row is widened as it is loaded
+        values.append(f"""
+        {loaded} = vector.load %v[%kh, %s, %k{k}] : memref<{h}x?x{d}x{e}>, vector<16x{e}>""")
+        values += [f"\n        {line}" for line in widen(loaded, e, f"%v{k}", 16)]
     products = []
     for q in range(qb):
         for rr in range(r):
@@ -192,7 +198,7 @@ def weighted_values_executable(name: str, h: int, r: int, d: int, e: str = "f32"
     types = ", ".join(["vector<16xf32>"] * len(accs))
     return _VALUES.format(
         name=name, h=h, r=r, d=d, e=e, qb=qb, constants=constants, queries=queries, count=len(accs),
-        iter_args=", ".join(f"{name_of[a]} = %zv" for a in accs), types=types, values=values,
+        iter_args=", ".join(f"{name_of[a]} = %zv" for a in accs), types=types, values="".join(values),
         products="".join(products), yields=", ".join(f"%n{q}_{rr}_{k}" for q, rr, k in accs), stores=stores)
 
 

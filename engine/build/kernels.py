@@ -120,9 +120,8 @@ def _as_float(t: torch.Tensor) -> torch.Tensor:
 def query_keys_rows(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """q [kvh, rep, n, d] . keys [kvh, C, d] (as the cache stores them: model.KV_STORAGE) -> [kvh, rep, n, C]
     (prefill's attention scores, on a cpu): the custom op, one matmul per kv head with its rep query heads' rows
-    stacked. As a torch matmul broadcast over
-    rep, IREE copied the keys transposed once per query head before a batch matmul: 0.63 ms a layer for 30
-    queries over 1000 slots (default model), 0.45 of it the copy."""
+    stacked. As a torch matmul broadcast over rep, IREE copied the keys transposed once per query head before a
+    batch matmul: 0.63 ms a layer for 30 queries over 1000 slots (default model), 0.45 of it the copy."""
     return _ops()["qk_rows"](q, keys)
 
 
@@ -523,12 +522,11 @@ _KEYS_AS_FLOAT = r"""%ke = tensor.empty(%s) : tensor<{h}x?x{d}xf32>
     {widen}
   }} -> tensor<{h}x?x{d}xf32>"""
 
-# A stored KV element `%x` (block argument of type e: model.KV_STORAGE) as float32, yielded.
-_WIDEN_SCALAR = {
-    "f32": "linalg.yield %x : f32",
-    "f16": "%w = arith.extf %x : f16 to f32\n    linalg.yield %w : f32",
-    "i16": "%b = arith.bitcast %x : i16 to bf16\n    %w = arith.extf %b : bf16 to f32\n    linalg.yield %w : f32",
-}
+
+def _yield_widened(e: str) -> str:
+    """A generic's body yielding its stored KV element `%x` (of type e: model.KV_STORAGE) as float32."""
+    lines = attention_rows.widen("%x", e, "%w")
+    return "\n    ".join(lines + [f"linalg.yield {'%w' if lines else '%x'} : f32"])
 
 
 # Prefill's scores: per kv head, its rep heads' queries as the rows of one matmul against the keys (transposed),
@@ -873,7 +871,7 @@ def _register() -> dict:
             name = f"eddy_pv_rows_{h}x{r}x{d}x{e}{'_cpu' if _cpu_tuned else ''}"
             attrs = _VALUES_ROWS_CPU.format(r=r, d=d) if _cpu_tuned else ""
             emit(kb, name, _WEIGHTED_VALUES_ROWS.format(name=name, h=h, r=r, d=d, e=e, attrs=attrs,
-                                                        widen=_WIDEN_SCALAR[e]))
+                                                        widen=_yield_widened(e)))
 
     @CustomOp.register(library=library)
     class attend_qk_rows(CustomOp):
@@ -894,7 +892,7 @@ def _register() -> dict:
             e = str(RankedTensorType(kb.arg_value(1).type).element_type)
             name = f"eddy_qk_rows_{h}x{r}x{d}x{e}"
             keys = ("%kc = flow.tensor.clone %k : tensor<{h}x?x{d}xf32>{{%s}}" if e == "f32" else
-                    _KEYS_AS_FLOAT).format(h=h, d=d, e=e, widen=_WIDEN_SCALAR[e])
+                    _KEYS_AS_FLOAT).format(h=h, d=d, e=e, widen=_yield_widened(e))
             emit(kb, name, _QUERY_KEYS_ROWS.format(name=name, h=h, r=r, d=d, e=e, keys=keys))
 
     def select_softmax(ksel: KernelSelection, masked: bool) -> None:
