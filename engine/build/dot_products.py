@@ -247,18 +247,7 @@ stream.executable private @{name} {{
 
 _Q4_TILE = """
         %pft = arith.muli %b, %cg : index
-        %acc = scf.for %c = %c0 to %cg step %c1 iter_args(%af = %zv) -> vector<16xf32> {{
-          %pfg = arith.addi %pft, %c : index
-          %pfa = arith.addi %pfg, %cpfd : index
-          %pfm = arith.minui %pfa, %clast : index
-          %pf0 = arith.muli %pfm, %c256 : index
-          %pf1 = arith.addi %pf0, %c64 : index
-          %pf2 = arith.addi %pf0, %c128 : index
-          %pf3 = arith.addi %pf0, %c192 : index
-          memref.prefetch %qf[%pf0], read, locality<3>, data : memref<{flat}xi8>
-          memref.prefetch %qf[%pf1], read, locality<3>, data : memref<{flat}xi8>
-          memref.prefetch %qf[%pf2], read, locality<3>, data : memref<{flat}xi8>
-          memref.prefetch %qf[%pf3], read, locality<3>, data : memref<{flat}xi8>{group}
+        %acc = scf.for %c = %c0 to %cg step %c1 iter_args(%af = %zv) -> vector<16xf32> {{{prefetch}{group}
           %fs = arith.sitofp {isum} : vector<16xi32> to vector<16xf32>
           %dh = vector.load %d[%b, %c, %c0] : memref<{nb}x{groups}x16xf16>, vector<16xf16>
           %mh = vector.load %m[%b, %c, %c0] : memref<{nb}x{groups}x16xf16>, vector<16xf16>
@@ -318,6 +307,26 @@ def index_constants() -> str:
     return "\n".join(lines)
 
 
+def q4_prefetch_constants(tiles: int, groups: int) -> str:
+    """What q4_prefetch needs: the codes (binding %qb) as one flat array %qf, and its constants."""
+    return f"""
+      %qf = stream.binding.subspan %qb[%c0] : !stream.binding -> memref<{tiles * groups * Q4_GROUP_BYTES}xi8>
+      %cpfd = arith.constant {Q4_PREFETCH_GROUPS} : index
+      %clast = arith.constant {tiles * groups - 1} : index
+      %cgb = arith.constant {Q4_GROUP_BYTES} : index"""
+
+
+def q4_prefetch(tiles: int, groups: int) -> str:
+    """The codes of the group Q4_PREFETCH_GROUPS after group %c of tile %b prefetched (one per 64-byte line), in a
+    loop over a tile's groups (decode's and prefill's q4 products); %pft = %b x groups, index_constants' %o1-%o3."""
+    flat = tiles * groups * Q4_GROUP_BYTES
+    lines = ["%pfg = arith.addi %pft, %c : index", "%pfa = arith.addi %pfg, %cpfd : index",
+             "%pfm = arith.minui %pfa, %clast : index", "%pf0 = arith.muli %pfm, %cgb : index"]
+    lines += [f"%pf{i} = arith.addi %pf0, %o{i} : index" for i in range(1, 4)]
+    lines += [f"memref.prefetch %qf[%pf{i}], read, locality<3>, data : memref<{flat}xi8>" for i in range(4)]
+    return "".join(f"\n          {line}" for line in lines)
+
+
 def _executable(name: str, tiles: int, k: int, bindings: str, subspans: str, tile: str) -> str:
     groups = k // Q4_GROUP
     per_workgroup = tiles_per_workgroup(tiles)
@@ -333,17 +342,12 @@ def q4_executable(form: str, name: str, tiles: int, k: int) -> str:
     body, isum = _Q4_GROUPS[form]()
     subspans = f"""
       %q = stream.binding.subspan %qb[%c0] : !stream.binding -> memref<{tiles}x{groups}x{Q4_GROUP_BYTES}xi8>
-      %qf = stream.binding.subspan %qb[%c0] : !stream.binding -> memref<{tiles * groups * Q4_GROUP_BYTES}xi8>
-      %cpfd = arith.constant {Q4_PREFETCH_GROUPS} : index
-      %clast = arith.constant {tiles * groups - 1} : index
-      %c128 = arith.constant 128 : index
-      %c192 = arith.constant 192 : index
-      %c256 = arith.constant 256 : index
+{q4_prefetch_constants(tiles, groups)}
       %d = stream.binding.subspan %db[%c0] : !stream.binding -> memref<{tiles}x{groups}x16xf16>
       %m = stream.binding.subspan %mb[%c0] : !stream.binding -> memref<{tiles}x{groups}x16xf16>
       %o = stream.binding.subspan %ob[%c0] : !stream.binding -> memref<{tiles}x16xf32>"""
     tile = _Q4_TILE.format(nb=tiles, groups=groups, group=body.format(nb=tiles, groups=groups), isum=isum,
-                           flat=tiles * groups * Q4_GROUP_BYTES)
+                           prefetch=q4_prefetch(tiles, groups))
     return _executable(name, tiles, k, "%qb: !stream.binding, %db: !stream.binding, %mb: !stream.binding",
                        subspans, tile)
 

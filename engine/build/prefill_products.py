@@ -25,9 +25,10 @@ Two dispatches a product:
     tiles of weights (small enough to stay in L2 while it goes over its rows) and, within that, ROW_BLOCK at a
     time: each 64-byte load of codes, split into its two nibble sets, feeds `vpdpbusd` for every row of the block,
     so the unpacking is shared by ROW_BLOCK rows. A block past the last row repeats the last row and stores
-    nothing. The codes are prefetched Q4_PREFETCH_GROUPS groups ahead, as decode's are: a short call's first pass
-    over its tiles reads memory, and without it did so between its arithmetic, not under it (default model, 30-token
-    turn at 1000: the products 21.2-21.6 -> 20.2-20.9 ms; at 2 tokens 4.8 -> 3.3 ms; a 512-token chunk -4 %). (The pairs were summed in a dispatch of their own at first: 0.04 ms more for gate|up at 30 rows.)
+    nothing. (The pairs were summed in a dispatch of their own at first: 0.04 ms more for gate|up at 30 rows.)
+    The codes are prefetched a few groups ahead, as decode's are (dot_products.q4_prefetch): a short call's first
+    pass over its tiles reads memory, and without it did so between its arithmetic, not under it (default model,
+    30-token turn at 1000: the products 21.2-21.6 -> 20.2-20.9 ms; at 2 tokens 4.8 -> 3.3 ms; 512 tokens -4 %).
 
 The row count is dynamic (the function's `%rows`, the dispatch's workload): prefill chunks and scoring take any.
 """
@@ -35,7 +36,8 @@ from __future__ import annotations
 
 from ..config import Q4_GROUP
 from ..config import Q4_TILE_ROWS as Q4_TILE
-from .dot_products import Q4_GROUP_BYTES, Q4_PREFETCH_GROUPS, index_constants, quantise_group, quantise_vector
+from .dot_products import (Q4_GROUP_BYTES, index_constants, q4_prefetch, q4_prefetch_constants, quantise_group,
+                           quantise_vector)
 
 # Rows of xq a block of registers multiplies, each with an int32 accumulator per group: ROW_BLOCK / STEPS rows of x,
 # each with its float32 accumulator. At most 9: dot_products.index_constants names rows %i0..%i8.
@@ -160,10 +162,7 @@ stream.executable private @{name} {{
       %xq = stream.binding.subspan %xqb[%c0] : !stream.binding -> memref<?x{groups}x8xi32>{{%xrows}}
       %xs = stream.binding.subspan %xsb[%c0] : !stream.binding -> memref<?x{groups}x2xf32>{{%xrows}}
       %q = stream.binding.subspan %qb[%c0] : !stream.binding -> memref<{nb}x{groups}x{gb}xi8>
-      %qf = stream.binding.subspan %qb[%c0] : !stream.binding -> memref<{flat}xi8>
-      %cpfd = arith.constant {ahead} : index
-      %clast = arith.constant {last_group} : index
-      %cgb = arith.constant {gb} : index
+{prefetch_constants}
       %d = stream.binding.subspan %db[%c0] : !stream.binding -> memref<{nb}x{groups}x16xf16>
       %m = stream.binding.subspan %mb[%c0] : !stream.binding -> memref<{nb}x{groups}x16xf16>
       %o = stream.binding.subspan %ob[%c0] : !stream.binding -> memref<?x{n}xf32>{{%rows}}
@@ -179,18 +178,7 @@ stream.executable private @{name} {{
       scf.for %rb = %ra to %rz step %crb {{{rows_of_block}
         scf.for %b = %t0 to %t1 step %c1 {{
           %pft = arith.muli %b, %cg : index
-          %acc:{real} = scf.for %c = %c0 to %cg step %c1 iter_args({iter_args}) -> ({acc_types}) {{
-            %pfg = arith.addi %pft, %c : index
-            %pfa = arith.addi %pfg, %cpfd : index
-            %pfm = arith.minui %pfa, %clast : index
-            %pf0 = arith.muli %pfm, %cgb : index
-            %pf1 = arith.addi %pf0, %o1 : index
-            %pf2 = arith.addi %pf0, %o2 : index
-            %pf3 = arith.addi %pf0, %o3 : index
-            memref.prefetch %qf[%pf0], read, locality<3>, data : memref<{flat}xi8>
-            memref.prefetch %qf[%pf1], read, locality<3>, data : memref<{flat}xi8>
-            memref.prefetch %qf[%pf2], read, locality<3>, data : memref<{flat}xi8>
-            memref.prefetch %qf[%pf3], read, locality<3>, data : memref<{flat}xi8>{group}
+          %acc:{real} = scf.for %c = %c0 to %cg step %c1 iter_args({iter_args}) -> ({acc_types}) {{{prefetch}{group}
             %dh = vector.load %d[%b, %c, %c0] : memref<{nb}x{groups}x16xf16>, vector<16xf16>
             %mh = vector.load %m[%b, %c, %c0] : memref<{nb}x{groups}x16xf16>, vector<16xf16>
             %dv = arith.extf %dh : vector<16xf16> to vector<16xf32>
@@ -315,7 +303,7 @@ def q4_rows_executable(form: str, name: str, tiles: int, k: int) -> str:
     acc_types = ", ".join(["vector<16xf32>"] * real)
     return _Q4_ROWS.format(
         name=name, groups=groups, nb=tiles, n=tiles * Q4_TILE, gb=Q4_GROUP_BYTES, block=block,
-        flat=tiles * groups * Q4_GROUP_BYTES, ahead=Q4_PREFETCH_GROUPS, last_group=tiles * groups - 1,
+        prefetch_constants=q4_prefetch_constants(tiles, groups), prefetch=q4_prefetch(tiles, groups),
         per_rows=ROWS_PER_WORKGROUP // STEPS, real=real, steps=STEPS, per_tiles=per_tiles,
         tile_groups=-(-tiles // per_tiles),
         offsets=index_constants(), rows_of_block=_rows_of_block(block),
