@@ -52,6 +52,8 @@ sys.path.insert(0, str(ROOT))
 from bandwidth import read_bandwidth  # noqa: E402  (bench/bandwidth.py, beside this script)
 from machine import cpu_info  # noqa: E402  (bench/machine.py, beside this script)
 
+from engine.build.artefacts import MANIFEST  # noqa: E402
+
 # config.json of each size, from the models' cards (the fields Eddy reads).
 SIZES = {
     "llama-3.2-1b": {
@@ -310,7 +312,7 @@ def measure_llama_run(gguf: Path, cfg: dict, runs: int) -> dict:
 
 def kv_element_bytes(folder: Path) -> int:
     """Bytes of one KV cache element in the build at `folder`, from its manifest (float32 before it was named)."""
-    settings = json.loads((folder / "manifest.json").read_text()).get("settings", {})
+    settings = json.loads((folder / MANIFEST).read_text()).get("settings", {})
     return 4 if settings.get("kv_dtype", "f32") == "f32" else 2
 
 

@@ -112,7 +112,7 @@ def weighted_values_rows(probs: torch.Tensor, values: torch.Tensor) -> torch.Ten
     return _ops()["pv_rows"](probs, values)
 
 
-def _as_float(t: torch.Tensor) -> torch.Tensor:
+def _eager_float(t: torch.Tensor) -> torch.Tensor:
     """Stored keys or values (model.KV_STORAGE: bfloat16 as int16 bits) as float32, for an op's eager form."""
     return (t.view(torch.bfloat16) if t.dtype == torch.int16 else t).float()
 
@@ -488,14 +488,7 @@ util.func private @{name}(%p: tensor<{h}x{r}x?x?xf32>, %vall: tensor<{h}x?x{d}x{
   %n = tensor.dim %p, %c2 : tensor<{h}x{r}x?x?xf32>
   %cols = tensor.dim %p, %c3 : tensor<{h}x{r}x?x?xf32>
   %vs = tensor.extract_slice %vall[0, 0, 0] [{h}, %cols, {d}] [1, 1, 1] : tensor<{h}x?x{d}x{e}> to tensor<{h}x?x{d}x{e}>
-  %ve = tensor.empty(%cols) : tensor<{h}x?x{d}xf32>
-  %v = linalg.generic {{
-      indexing_maps = [affine_map<(h, s, j) -> (h, s, j)>, affine_map<(h, s, j) -> (h, s, j)>],
-      iterator_types = ["parallel", "parallel", "parallel"]}}
-      ins(%vs : tensor<{h}x?x{d}x{e}>) outs(%ve : tensor<{h}x?x{d}xf32>) {{
-  ^bb0(%x: {e}, %o: f32):
-    {widen}
-  }} -> tensor<{h}x?x{d}xf32>
+  {values}
   %e = tensor.empty(%n) : tensor<?x{h}x{r}x{d}xf32>
   %acc = linalg.fill ins(%zero : f32) outs(%e : tensor<?x{h}x{r}x{d}xf32>) -> tensor<?x{h}x{r}x{d}xf32>
   %o = linalg.generic {{
@@ -513,26 +506,28 @@ util.func private @{name}(%p: tensor<{h}x{r}x?x?xf32>, %vall: tensor<{h}x?x{d}x{
 }}
 """
 
-_KEYS_AS_FLOAT = r"""%ke = tensor.empty(%s) : tensor<{h}x?x{d}xf32>
-  %kc = linalg.generic {{
+_AS_FLOAT = r"""{out}_e = tensor.empty({slots}) : tensor<{h}x?x{d}xf32>
+  {out} = linalg.generic {{
       indexing_maps = [affine_map<(h, s, j) -> (h, s, j)>, affine_map<(h, s, j) -> (h, s, j)>],
       iterator_types = ["parallel", "parallel", "parallel"]}}
-      ins(%k : tensor<{h}x?x{d}x{e}>) outs(%ke : tensor<{h}x?x{d}xf32>) {{
+      ins({src} : tensor<{h}x?x{d}x{e}>) outs({out}_e : tensor<{h}x?x{d}xf32>) {{
   ^bb0(%x: {e}, %o: f32):
-    {widen}
+    {body}
   }} -> tensor<{h}x?x{d}xf32>"""
 
 
-def _yield_widened(e: str) -> str:
-    """A generic's body yielding its stored KV element `%x` (of type e: model.KV_STORAGE) as float32."""
+def _as_float(src: str, out: str, slots: str, h: int, d: int, e: str) -> str:
+    """MLIR setting `out` to the stored keys or values `src` (tensor<h x slots x d x e>, e: model.KV_STORAGE) as
+    float32, in one elementwise generic."""
     lines = attention_rows.widen("%x", e, "%w")
-    return "\n    ".join(lines + [f"linalg.yield {'%w' if lines else '%x'} : f32"])
+    body = "\n    ".join(lines + [f"linalg.yield {'%w' if lines else '%x'} : f32"])
+    return _AS_FLOAT.format(src=src, out=out, slots=slots, h=h, d=d, e=e, body=body)
 
 
 # Prefill's scores: per kv head, its rep heads' queries as the rows of one matmul against the keys (transposed),
 # which IREE data-tiles. Float32 keys are cloned first: read straight from the cache's slice, IREE fused their
 # packing into the matmul's dispatch, whose stack (80 kB) then passed its 32 kB limit; the clone is a plain copy
-# (~0.03 ms a layer at 1000 slots). 16-bit keys are widened instead (_KEYS_AS_FLOAT), and IREE packs them in the
+# (~0.03 ms a layer at 1000 slots). 16-bit keys are widened instead (_as_float), and IREE packs them in the
 # widening's dispatch: one dispatch where a conversion, the clone and the packing were three.
 _QUERY_KEYS_ROWS = r"""
 module {{
@@ -854,7 +849,7 @@ def _register() -> dict:
             ksel.return_new_tensor([n, h, r, v.t.shape[2]], dtype=torch.float32)
 
         def eager_execute(self, p, v):
-            return torch.matmul(p, _as_float(v[:, : p.shape[-1]]).unsqueeze(1)).permute(2, 0, 1, 3)
+            return torch.matmul(p, _eager_float(v[:, : p.shape[-1]]).unsqueeze(1)).permute(2, 0, 1, 3)
 
         def generate(self, ksel: KernelSelection, kb: KernelBuilder) -> None:
             (h, r, _, _), d = shape(kb, 0), shape(kb, 1)[-1]
@@ -871,7 +866,7 @@ def _register() -> dict:
             name = f"eddy_pv_rows_{h}x{r}x{d}x{e}{'_cpu' if _cpu_tuned else ''}"
             attrs = _VALUES_ROWS_CPU.format(r=r, d=d) if _cpu_tuned else ""
             emit(kb, name, _WEIGHTED_VALUES_ROWS.format(name=name, h=h, r=r, d=d, e=e, attrs=attrs,
-                                                        widen=_yield_widened(e)))
+                                                        values=_as_float("%vs", "%v", "%cols", h, d, e)))
 
     @CustomOp.register(library=library)
     class attend_qk_rows(CustomOp):
@@ -885,14 +880,14 @@ def _register() -> dict:
             ksel.return_new_tensor([h, r, n, k.t.shape[1]], dtype=torch.float32)
 
         def eager_execute(self, q, k):
-            return torch.matmul(q, _as_float(k).unsqueeze(1).transpose(2, 3))
+            return torch.matmul(q, _eager_float(k).unsqueeze(1).transpose(2, 3))
 
         def generate(self, ksel: KernelSelection, kb: KernelBuilder) -> None:
             h, r, _, d = shape(kb, 0)
             e = str(RankedTensorType(kb.arg_value(1).type).element_type)
             name = f"eddy_qk_rows_{h}x{r}x{d}x{e}"
-            keys = ("%kc = flow.tensor.clone %k : tensor<{h}x?x{d}xf32>{{%s}}" if e == "f32" else
-                    _KEYS_AS_FLOAT).format(h=h, d=d, e=e, widen=_yield_widened(e))
+            keys = (f"%kc = flow.tensor.clone %k : tensor<{h}x?x{d}xf32>{{%s}}" if e == "f32" else
+                    _as_float("%k", "%kc", "%s", h, d, e))
             emit(kb, name, _QUERY_KEYS_ROWS.format(name=name, h=h, r=r, d=d, e=e, keys=keys))
 
     def select_softmax(ksel: KernelSelection, masked: bool) -> None:
