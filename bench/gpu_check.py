@@ -17,9 +17,9 @@ and writes everything to $OUT/gpu_check.json. Each variant runs in a child proce
 that crashes or hangs is recorded and the rest still runs. `run --device cpu` does the same with the CPU builds
 (a self-test of the script, here).
 
-The device call (a later session, one call; `run` stops itself after --budget seconds, 420 by default):
+The device call (a later session, one call; `run` stops itself after --budget seconds, 530 by default):
 
-    run(command="python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit; set -o pipefail; PYTHONUNBUFFERED=1 timeout 470 python3 bench/gpu_check.py run --dir .gpu --out $OUT 2>&1 | tee $OUT/gpu_check.log", carry=[".whl", ".gpu"], timeout_s=480)
+    run(command="python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit; set -o pipefail; PYTHONUNBUFFERED=1 timeout 560 python3 bench/gpu_check.py run --dir .gpu --out $OUT 2>&1 | tee $OUT/gpu_check.log", carry=[".whl", ".gpu"], timeout_s=580)
 
 docs/GPU.md describes the output (the table's columns, the JSON's keys).
 """
@@ -55,10 +55,12 @@ VARIANTS = (
     ("tiny-f16-sm_89", TINY, "f16", "sm_89", "real", False),
     ("tiny-f32-sm_80", TINY, "f32", "sm_80", "real", False),
     ("smollm2-f16-sm_89", DEFAULT_MODEL, "f16", "sm_89", "random", True),
+    ("smollm2-q4-sm_89", DEFAULT_MODEL, "q4", "sm_89", "random", True),
     ("smollm2-f32-sm_89", DEFAULT_MODEL, "f32", "sm_89", "random", True),
     ("smollm2-q8-sm_89", DEFAULT_MODEL, "q8", "sm_89", "random", True),
 )
 BENCH_VARIANT = "smollm2-f16-sm_89"  # the one `eddy bench` runs on
+PROFILED = ("smollm2-f16-sm_89", "smollm2-q4-sm_89")  # profiled dispatch by dispatch (iree-profile)
 PREFILL_IDS = 64
 DECODE_STEPS = 8
 # The GPU's targets (issue 17), beside each figure: (key in a timing dict, comparison, value, unit).
@@ -81,7 +83,7 @@ PIP_PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_
 EXCLUDES = ("/.whl/", "/.gpu/")
 DEVICE_COMMAND = ('python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target '
                   '/tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit; set -o pipefail; PYTHONUNBUFFERED=1 '
-                  'timeout 470 python3 bench/gpu_check.py run --dir .gpu --out $OUT 2>&1 | tee $OUT/gpu_check.log')
+                  'timeout 560 python3 bench/gpu_check.py run --dir .gpu --out $OUT 2>&1 | tee $OUT/gpu_check.log')
 
 
 # ----------------------------------------------------------------------------------------- random weights
@@ -102,16 +104,19 @@ def weight_plan(entries: list[dict[str, Any]], seed: int = 17) -> dict[str, Any]
     residual stream stays near unit size over 30 layers, so logits are finite and the greedy token stands out."""
     plan = []
     code_std = 73.6  # of int8 codes uniform on -127..127
+    q4_scale = 0.02 / 4.61  # 4.61: the standard deviation of 4-bit codes uniform on 0..15
     for i, e in enumerate(entries):
         spec = dict(e, seed=seed * 100_000 + i)
         name, dtype, shape = e["name"], e["dtype"], e["shape"]
         if dtype == "int8":
             spec.update(dist="int8")
+        elif name.endswith(".scale") and dtype == "float16":  # q4 group scales: codes 0..15, std 4.6
+            spec.update(dist="uniform", center=q4_scale, half=0.1 * q4_scale)
+        elif name.endswith(".offset"):  # q4 group offsets: w = scale * code + offset, centred on 0
+            spec.update(dist="uniform", center=-7.5 * q4_scale, half=0.1 * q4_scale)
         elif name.endswith(".scale"):
             c = 0.02 / code_std
             spec.update(dist="uniform", center=c, half=0.1 * c)
-        elif name.endswith(".offset"):  # q4 group offsets
-            spec.update(dist="uniform", center=0.0, half=0.002)
         elif name.endswith(".bias"):
             spec.update(dist="uniform", center=0.0, half=0.02)
         elif len(shape) == 1:  # RMSNorm weights
@@ -314,7 +319,8 @@ def build_group(model: str, dtype: str, targets: list[str], weights: str, work: 
     """One export of (model, dtype), compiled for the CPU and for each CUDA target: {"cpu": folder, target: folder
     or an error string, "plan": random-weights manifest or None}. Folders already complete are kept (a rerun
     builds only what is missing). The export and iree-compile calls are the engine's own (engine/build/export.py);
-    the MLIR does not depend on the device, so it is traced once for all of them."""
+    the MLIR depends on the device but not on the CUDA target, so it is traced once for the CPU and once for all
+    the CUDA targets, and the weights (the same entries for both, checked) are written once."""
     from dataclasses import replace
 
     from engine.build.checkpoint import open_tensors, read_config, resolve_model, save_tokenizer
@@ -343,52 +349,65 @@ def build_group(model: str, dtype: str, targets: list[str], weights: str, work: 
     stage = work / f"{group}.staging"
     shutil.rmtree(stage, ignore_errors=True)
     stage.mkdir(parents=True)
-    t = time.perf_counter()
-    skeleton = StreamingLlama.skeleton(cfg, base)
-    entries = [entry_spec(e.name, e.length, e.metadata) for e in archive_entries(skeleton)]
-    _log(f"{group}: exporting ({cfg.n_layers} layers)")
-    aot.externalize_module_parameters(skeleton)
-    output = export.export_module(skeleton)
-    mlir = stage / "module.mlir"
-    mlir.write_text(export.zero_init_cache(str(output.mlir_module)))
-    del output
-    export_s = time.perf_counter() - t
-    t = time.perf_counter()
-    irpa = stage / "weights.irpa"
-    if weights == "random":
-        plan = weight_plan(entries)
-        plan["model"], plan["dtype"] = model, dtype
-        plan["sha256"] = write_irpa(plan, irpa)
-        plan_file.write_text(json.dumps(plan))
-        result["plan"] = plan
-    else:
-        write_weights(skeleton, open_tensors(source), irpa)
-    del skeleton
-    save_s = time.perf_counter() - t
-    save_tokenizer(source, stage)
+    # The export depends on the device (kernels.lowering_for: the CPU's hand-written products and attention ops,
+    # the generic forms elsewhere), not on the CUDA target: one export for the CPU, one for all CUDA targets.
+    by_device: dict[str, list[str]] = {}
     for key, s in settings.items():
-        folder = folders[key]
-        if _valid(folder):
+        by_device.setdefault(s.device, []).append(key)
+    export_s, save_s, entries_seen = 0.0, 0.0, None
+    for device, keys in by_device.items():
+        if all(_valid(folders[k]) for k in keys) and (weights == "real" or result["plan"]):
             continue
-        shutil.rmtree(folder, ignore_errors=True)
-        folder.mkdir(parents=True)
-        _log(f"{group}: compiling for {key}")
         t = time.perf_counter()
-        try:
-            export.compile_mlir(mlir, folder / "module.vmfb", s.device, lambda *a: None, lambda: False,
-                                5.0 + 1.5 * cfg.n_layers, s.target)
-        except Exception as e:  # noqa: BLE001 - one target that does not compile must not stop the others
-            result[key] = f"{type(e).__name__}: {e}"
-            _log(f"{group}: {key} failed: {e}")
+        skeleton = StreamingLlama.skeleton(cfg, settings[keys[0]])
+        entries = [entry_spec(e.name, e.length, e.metadata) for e in archive_entries(skeleton)]
+        if entries_seen is not None and entries != entries_seen:
+            raise RuntimeError(f"{group}: the {device} build's weights differ from the other device's")
+        entries_seen = entries
+        _log(f"{group}: exporting for {device} ({cfg.n_layers} layers)")
+        aot.externalize_module_parameters(skeleton)
+        output = export.export_module(skeleton)
+        mlir = stage / f"module.{device}.mlir"
+        mlir.write_text(export.zero_init_cache(str(output.mlir_module)))
+        del output
+        export_s += time.perf_counter() - t
+        irpa = stage / "weights.irpa"
+        if not irpa.exists():
+            t = time.perf_counter()
+            if weights == "random":
+                plan = weight_plan(entries)
+                plan["model"], plan["dtype"] = model, dtype
+                plan["sha256"] = write_irpa(plan, irpa)
+                plan_file.write_text(json.dumps(plan))
+                result["plan"] = plan
+            else:
+                write_weights(skeleton, open_tensors(source), irpa)
+            save_s = time.perf_counter() - t
+            save_tokenizer(source, stage)
+        del skeleton
+        for key in keys:
+            s, folder = settings[key], folders[key]
+            if _valid(folder):
+                continue
             shutil.rmtree(folder, ignore_errors=True)
-            continue
-        compile_s = time.perf_counter() - t
-        os.link(stage / "weights.irpa", folder / "weights.irpa")  # one copy of the weights on disk for the group
-        for name in ("tokenizer.json", "chat.json"):
-            shutil.copy(stage / name, folder / name)
-        _write_manifest(folder, source.name, cfg.to_dict(), s,
-                        {"export": export_s, "save": save_s, "compile": compile_s})
-        _log(f"{group}: {key} built in {compile_s:.0f} s (export {export_s:.0f} s)")
+            folder.mkdir(parents=True)
+            _log(f"{group}: compiling for {key}")
+            t = time.perf_counter()
+            try:
+                export.compile_mlir(mlir, folder / "module.vmfb", s.device, lambda *a: None, lambda: False,
+                                    5.0 + 1.5 * cfg.n_layers, s.target)
+            except Exception as e:  # noqa: BLE001 - one target that does not compile must not stop the others
+                result[key] = f"{type(e).__name__}: {e}"
+                _log(f"{group}: {key} failed: {e}")
+                shutil.rmtree(folder, ignore_errors=True)
+                continue
+            compile_s = time.perf_counter() - t
+            os.link(irpa, folder / "weights.irpa")  # one copy of the weights on disk for the group
+            for name in ("tokenizer.json", "chat.json"):
+                shutil.copy(stage / name, folder / name)
+            _write_manifest(folder, source.name, cfg.to_dict(), s,
+                            {"export": export_s, "save": save_s, "compile": compile_s})
+            _log(f"{group}: {key} built in {compile_s:.0f} s (exports so far {export_s:.0f} s)")
     shutil.rmtree(stage, ignore_errors=True)
     return result
 
@@ -524,7 +543,7 @@ def prepare(args: argparse.Namespace) -> int:
          f"untracked ones not ignored) {tracked / 2**20:.1f} MiB: {total / 2**20:.1f} MiB of the 64 MiB a call carries")
     for v in plan["variants"]:
         _log(f"  {v['name']}: {'BUILD FAILED: ' + v['build_error'] if 'build_error' in v else 'ready'}")
-    print("\nThe device call:\n  run(command=" + json.dumps(DEVICE_COMMAND) + ', carry=[".whl", ".gpu"], timeout_s=480)')
+    print("\nThe device call:\n  run(command=" + json.dumps(DEVICE_COMMAND) + ', carry=[".whl", ".gpu"], timeout_s=580)')
     if total > 56 * 2**20:
         _log("WARNING: close to the 64 MiB limit")
         return 1
@@ -682,9 +701,134 @@ def variant_child(args: argparse.Namespace) -> int:
     if v["timed"] and not args.no_time:
         _guard(res, "timing", lambda: time_engine(eng, eng.cfg.vocab_size, args.reps))
         save()
+    if args.inputs:
+        _guard(res, "profile_inputs", capture_inputs, eng, Path(args.inputs))
+        save()
     _log(f"{v['name']}: check {'passed' if res['check'].get('passed') else 'FAILED'}"
          + (f", timing {'ok' if res.get('timing', {}).get('ok') else 'FAILED'}" if "timing" in res else ""))
     return 0
+
+
+# --------------------------------------------------------------------------------------------- profile
+
+# The calls profiled dispatch by dispatch: (name, module function, what it is).
+PROFILED_CALLS = (("decode_1000", "decode", "one decode step at 1000 tokens of context"),
+                  ("turn_30_after_1000", "prefill", "a 30-token turn after 1000 tokens of history"))
+# The first the driver accepts: the GPU's device-timestamped dispatches, or (local-task, a self-test here) the CPU's.
+PROFILE_MODES = ("dispatch-events", "host-execution")
+
+
+def capture_inputs(engine: Any, dest: Path) -> dict[str, Any]:
+    """Saves the arguments the engine passes for PROFILED_CALLS (.npy per argument), for iree-benchmark-module."""
+    ids = prefill_ids(1100, engine.cfg.vocab_size, seed=11)
+    seen: dict[str, tuple] = {}
+    module = engine.module
+    real = {"decode": module.decode, "prefill": module.prefill}
+
+    def spy(fn: str):
+        def call(*a: np.ndarray) -> np.ndarray:
+            seen[fn] = a
+            return real[fn](*a)
+        return call
+
+    engine.reset()
+    engine.prefill(ids[:1000])
+    kept = engine.snapshot()
+    module.decode, module.prefill = spy("decode"), spy("prefill")
+    try:
+        engine.decode(ids[1000])
+        engine.restore(kept)
+        engine.prefill(ids[1000:1030])
+    finally:
+        module.decode, module.prefill = real["decode"], real["prefill"]
+    out: dict[str, Any] = {}
+    for name, fn, _ in PROFILED_CALLS:
+        folder = dest / name
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+        files = []
+        for i, a in enumerate(seen[fn]):
+            f = folder / f"arg{i}.npy"
+            np.save(f, np.ascontiguousarray(a))
+            files.append(str(f))
+        out[name] = {"function": fn, "inputs": files, "shapes": [list(np.shape(a)) for a in seen[fn]]}
+    (dest / "inputs.json").write_text(json.dumps(out))
+    return out
+
+
+def _iree_tool(name: str) -> Path:
+    import iree._runtime_libs as libs
+
+    tool = Path(libs.__file__).parent / name
+    if not os.access(tool, os.X_OK):
+        tool.chmod(0o755)  # `pip install --target` may drop the executable bit
+    return tool
+
+
+def profile_call(folder: Path, device: str, function: str, inputs: list[str], dest: Path,
+                 timeout: float) -> dict[str, Any]:
+    """One call of `function` under iree-benchmark-module with the HAL's profiling on, then iree-profile's
+    per-dispatch table: where the call's device time goes, by kernel."""
+    base = [str(_iree_tool("iree-benchmark-module")), f"--module={folder / 'module.vmfb'}",
+            f"--parameters=model={folder / 'weights.irpa'}", f"--device={'cuda' if device == 'cuda' else 'local-task'}",
+            f"--function={function}", *[f"--input=@{f}" for f in inputs],
+            "--benchmark_repetitions=5", "--benchmark_min_warmup_time=0.2"]
+    out: dict[str, Any] = {}
+
+    def medians(extra: list[str]) -> list[str] | str:
+        p = subprocess.run([*base, *extra], capture_output=True, text=True, timeout=timeout)
+        return [ln for ln in p.stdout.splitlines() if "_median" in ln] or (p.stdout + p.stderr)[-1500:]
+
+    out["benchmark"] = medians([])
+    if device == "cuda":  # the CUDA driver's ways of running a command buffer: streams (default), graphs, inline
+        out["benchmark_graphs"] = medians(["--cuda_use_streams=false"])
+        out["benchmark_inline"] = medians(["--cuda_allow_inline_execution=true"])
+    for mode in PROFILE_MODES:
+        bundle = dest.with_suffix(".ireeprof")
+        bundle.unlink(missing_ok=True)
+        p = subprocess.run([*base[:-2], "--benchmark_repetitions=1", "--benchmark_min_time=20x",
+                            f"--device_profiling_mode={mode}", f"--device_profiling_output={bundle}"],
+                           capture_output=True, text=True, timeout=timeout)
+        if p.returncode != 0 or not bundle.is_file():
+            out.setdefault("refused", {})[mode] = (p.stdout + p.stderr)[-800:]
+            continue
+        out["mode"] = mode
+        prof = str(_iree_tool("iree-profile"))
+        for view in ("summary", "dispatch", "explain"):
+            q = subprocess.run([prof, view, "--format=text", str(bundle)], capture_output=True, text=True,
+                               timeout=120)
+            out[view] = (q.stdout or q.stderr)[-12000:]
+        rows = subprocess.run([prof, "dispatch", "--format=jsonl", str(bundle)], capture_output=True, text=True,
+                              timeout=120).stdout.splitlines()
+        out["dispatch_rows"] = [json.loads(r) for r in rows[:400] if r.startswith("{")]
+        break
+    return out
+
+
+def profile_variants(report: dict, names: list[str], root: Path, work: Path, device: str, out_dir: Path,
+                     left: Any) -> None:
+    text = []
+    for name in names:
+        inputs_file = work / "inputs" / name / "inputs.json"
+        if not inputs_file.is_file():
+            report.setdefault("profiles", {})[name] = {"skipped": "no inputs captured"}
+            continue
+        calls = json.loads(inputs_file.read_text())
+        for call, fn, what in PROFILED_CALLS:
+            if left() < 45:
+                report.setdefault("profiles", {}).setdefault(name, {})[call] = {"skipped": "out of time"}
+                continue
+            _log(f"{name}: profiling {what}")
+            prof = report.setdefault("profiles", {}).setdefault(name, {})
+            _guard(prof, call, profile_call, root / name, device, fn, calls[call]["inputs"],
+                   work / "inputs" / name / call, min(120.0, left() - 30))
+            r = prof[call]
+            text.append(f"===== {name}: {what} ({fn}; mode {r.get('mode', 'none')})\n"
+                        + "\n".join(f"{k}: {r[k] if isinstance(r[k], str) else ' | '.join(r[k])}"
+                                     for k in ("benchmark", "benchmark_graphs", "benchmark_inline", "error") if k in r)
+                        + "\n" + r.get("summary", "") + "\n" + r.get("dispatch", "") + "\n" + r.get("explain", "")
+                        + "".join(f"\nrefused {m}: {e}" for m, e in r.get("refused", {}).items()))
+    (out_dir / "profile.txt").write_text("\n\n".join(text))
 
 
 # `eddy` as the device runs it: torch and the compiler refused, so a bundled entry must be found, never built.
@@ -797,6 +941,8 @@ def run(args: argparse.Namespace) -> int:
         cmd = [sys.executable, str(Path(__file__).resolve()), "variant", "--dir", str(gpu_dir), "--work", str(work),
                "--name", name, "--result", str(result), "--reps", str(args.reps)]
         cmd += ["--no-time"] if args.no_time else []
+        if name in (args.profile or PROFILED):
+            cmd += ["--inputs", str(work / "inputs" / name)]
         _log(f"{name}: opening and checking (at most {limit:.0f} s)")
         t = time.perf_counter()
         try:  # its log lines go straight to ours; its stderr (IREE's and Python's complaints) is kept
@@ -812,6 +958,11 @@ def run(args: argparse.Namespace) -> int:
             _log(f"{name}: process ended with {rc}: {tail[-400:]}")
         report["variants"][name] = r
         save()
+
+    profiled = [v["name"] for v in variants if v["name"] in (args.profile or PROFILED)
+                and report["variants"].get(v["name"], {}).get("load", {}).get("ok")]
+    profile_variants(report, profiled, root, work, args.device, out_dir, left)
+    save()
 
     bench_v = next((v for v in variants if v["name"] == (args.bench_variant or plan["bench_variant"])), None)
     if args.no_bench or bench_v is None:
@@ -915,7 +1066,7 @@ def main(argv: list[str] | None = None) -> int:
     ru.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                     help="cpu: use the CPU builds instead (a self-test of this script where there is no GPU)")
     ru.add_argument("--work", default="/tmp/gpu-check", help="the bundled-models root and scratch files go here")
-    ru.add_argument("--budget", type=float, default=420.0, help="seconds for the whole run")
+    ru.add_argument("--budget", type=float, default=530.0, help="seconds for the whole run")
     ru.add_argument("--variant-timeout", type=float, default=150.0, help="seconds at most per variant")
     ru.add_argument("--reps", type=int, default=5, help="timed repetitions per figure (medians)")
     ru.add_argument("--no-time", action="store_true", help="check only")
@@ -923,11 +1074,14 @@ def main(argv: list[str] | None = None) -> int:
     ru.add_argument("--bench-variant", default=None, help=f"the variant `eddy bench` runs on (default {BENCH_VARIANT})")
     ru.add_argument("--bench-runs", type=int, default=3)
     ru.add_argument("--only", action="append", help="only this variant; repeatable")
+    ru.add_argument("--profile", action="append",
+                    help=f"profile this variant's calls dispatch by dispatch (default {', '.join(PROFILED)}); repeatable")
     va = sub.add_parser("variant", help=argparse.SUPPRESS)
     for flag in ("--dir", "--work", "--name", "--result"):
         va.add_argument(flag, required=True)
     va.add_argument("--reps", type=int, default=5)
     va.add_argument("--no-time", action="store_true")
+    va.add_argument("--inputs", default=None)
     args = p.parse_args(argv)
     if args.command == "prepare":
         return prepare(args)
