@@ -156,5 +156,5 @@ def test_the_device_command_is_the_one_documented():
     import bench.gpu_check as g
 
     doc = (Path(__file__).resolve().parents[1] / "docs" / "GPU.md").read_text()
-    call = f'run(command={json.dumps(g.DEVICE_COMMAND)}, carry=[".whl", ".gpu"], timeout_s=580)'
+    call = f'run(command={json.dumps(g.DEVICE_COMMAND)}, carry=[".whl", ".gpu"], timeout_s=545)'
     assert call in g.__doc__ and call in doc and len(g.DEVICE_COMMAND) < 2000
