@@ -26,7 +26,7 @@ from .settings import AppSettings
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 DEFAULT_MODEL_LABEL = f"{DEFAULT_MODEL_NAME} (default)"
 AUTO_LABEL = "auto (q4 for a 4-bit GGUF, else q8)"
-AUTO_KV_LABEL = "auto (f16, f32 for f32 weights)"
+AUTO_KV_LABEL = "auto (f16; f32 for f32 weights or on a GPU)"
 
 
 def _spin(lo: int, hi: int, value: int, name: str, special: str | None = None) -> QSpinBox:

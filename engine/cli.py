@@ -39,7 +39,7 @@ def _build_options(p: argparse.ArgumentParser) -> None:
                         "offset; auto (the default) = q4 for a 4-bit GGUF such as the default model, q8 otherwise")
     p.add_argument("--kv-dtype", choices=KV_CHOICES, default=d.kv_dtype,
                    help="KV cache type; 16 bits halve what attention reads over a long window; auto (the default) = "
-                        "f32 for f32 weights, bf16 for bf16, f16 otherwise")
+                        "f32 for f32 weights, bf16 for bf16, f16 otherwise; f32 on a cuda GPU")
     p.add_argument("--device", choices=DEVICES, default=d.device)
     p.add_argument("--gpu-target", choices=CUDA_TARGETS, default=None,
                    help="cuda device: the CUDA target to build for (default: this machine's GPU; name one to build "

@@ -5,7 +5,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from .arch import family
-from .devices import CUDA_TARGETS, DEVICES
+from .devices import CUDA_TARGETS, DEVICES, TABLE
 from .errors import ModelError
 
 DTYPES = ("f32", "f16", "bf16", "q8", "q4")
@@ -190,7 +190,7 @@ class BuildSettings:
         """These settings with "auto" replaced by the weight type `source` (a ModelSource) takes by default, and
         an "auto" KV cache type by the one that weight type takes."""
         dtype = source.auto_dtype() if self.dtype == AUTO_DTYPE else self.dtype
-        return replace(self, dtype=dtype, kv_dtype=auto_kv_dtype(dtype, self.kv_dtype))
+        return replace(self, dtype=dtype, kv_dtype=auto_kv_dtype(dtype, self.kv_dtype, self.device))
 
     @property
     def target(self) -> str:
@@ -221,6 +221,9 @@ class BuildSettings:
         return asdict(self)
 
 
-def auto_kv_dtype(dtype: str, kv_dtype: str = AUTO_DTYPE) -> str:
-    """The KV cache type a build of weight type `dtype` (not "auto") gets: `kv_dtype` unless that is "auto"."""
-    return AUTO_KV_DTYPE[dtype] if kv_dtype == AUTO_DTYPE else kv_dtype
+def auto_kv_dtype(dtype: str, kv_dtype: str = AUTO_DTYPE, device: str = "cpu") -> str:
+    """The KV cache type a build of weight type `dtype` (not "auto") for `device` gets: `kv_dtype` unless that is
+    "auto", then the device's own choice (engine/devices.py) or else the weight type's."""
+    if kv_dtype != AUTO_DTYPE:
+        return kv_dtype
+    return TABLE[device].auto_kv or AUTO_KV_DTYPE[dtype]

@@ -15,6 +15,7 @@ class Device:
     flags: tuple[str, ...]  # iree-compile flags that target it
     target_flag: str = ""  # the flag that names the chip, its value the build's target (BuildSettings.target)
     default_target: str = ""  # "": a build must name one
+    auto_kv: str = ""  # the KV cache type "auto" gives here; "": the weight type's (config.AUTO_KV_DTYPE)
 
 
 # The CUDA targets iree-compile 3.13 knows by name: it has no sm_90 or sm_100 (their names give "missing GPU
@@ -43,7 +44,9 @@ TABLE: dict[str, Device] = {d.name: d for d in (
         "--iree-llvmcpu-enable-ukernels=all",
     ), "--iree-llvmcpu-target-cpu=", "host"),
     Device("vulkan", "vulkan", ("--iree-hal-target-device=vulkan", "--iree-vulkan-target=host")),
-    Device("cuda", "cuda", ("--iree-hal-target-device=cuda",), "--iree-cuda-target="),
+    # A float32 cache on the GPU: IREE's GPU code widening a 16-bit one cost a decode step at 1000 tokens 7.7 ms
+    # against 4.6 (H200, docs/GPU.md), and a GPU has the memory (the default model's cache is 47 MB in float32).
+    Device("cuda", "cuda", ("--iree-hal-target-device=cuda",), "--iree-cuda-target=", auto_kv="f32"),
 )}
 DEVICES = tuple(TABLE)
 

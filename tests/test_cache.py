@@ -63,6 +63,10 @@ def test_the_listing_names_a_kv_cache_type_only_when_it_is_not_the_weight_types_
     assert settings_summary({"dtype": "q4", "kv_dtype": "f16"}) == "q4, 4 sinks + 1020 window, cpu"
     assert settings_summary({"dtype": "f32", "kv_dtype": "f32"}) == "f32, 4 sinks + 1020 window, cpu"
     assert settings_summary({"dtype": "q4", "kv_dtype": "f32"}) == "q4, 4 sinks + 1020 window, KV cache f32, cpu"
+    gpu = {"device": "cuda", "gpu_target": "sm_89"}
+    assert settings_summary({"dtype": "q4", "kv_dtype": "f32", **gpu}) == "q4, 4 sinks + 1020 window, cuda sm_89"
+    assert settings_summary({"dtype": "q4", "kv_dtype": "f16", **gpu}) == \
+        "q4, 4 sinks + 1020 window, KV cache f16, cuda sm_89"
 
 
 def test_cache_rm_of_an_unknown_key_is_a_clear_error(tiny, tmp_path, monkeypatch, capsys):

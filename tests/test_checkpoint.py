@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -770,5 +771,10 @@ def test_the_kv_cache_type_follows_the_weight_type_unless_named():
     assert artefact_key(default, BuildSettings()) != artefact_key(default, BuildSettings(kv_dtype="f32"))
     assert _as_built(BuildSettings(), {"auto_dtype": "q4"})["kv_dtype"] == "f16"
     assert _as_built(BuildSettings(dtype="f32"), {})["kv_dtype"] == "f32"
+    # On a GPU "auto" is float32 whatever the weights (engine/devices.py: the 16-bit cache's widening cost more there
+    # than its bytes saved); a named type is still kept.
+    gpu = BuildSettings(device="cuda", gpu_target="sm_89")
+    assert gpu.for_source(default).kv_dtype == "f32" and _as_built(gpu, {"auto_dtype": "q4"})["kv_dtype"] == "f32"
+    assert replace(gpu, kv_dtype="f16").for_source(default).kv_dtype == "f16"
     with pytest.raises(ValueError, match="KV cache dtype"):
         BuildSettings(kv_dtype="q4")

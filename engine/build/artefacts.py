@@ -229,7 +229,7 @@ def _as_built(settings: BuildSettings, manifest: dict) -> dict:
     wanted = settings.to_dict()
     if settings.dtype == AUTO_DTYPE:
         wanted["dtype"] = manifest.get("auto_dtype", "q8")
-    wanted["kv_dtype"] = auto_kv_dtype(wanted["dtype"], settings.kv_dtype)
+    wanted["kv_dtype"] = auto_kv_dtype(wanted["dtype"], settings.kv_dtype, settings.device)
     return wanted
 
 

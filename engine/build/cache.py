@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from ..config import AUTO_KV_DTYPE, BuildSettings
+from ..config import AUTO_DTYPE, AUTO_KV_DTYPE, BuildSettings, auto_kv_dtype
 from ..errors import EddyError
 from .artefacts import BUILT_FILES, MANIFEST, artefacts_root
 from .progress import megabytes
@@ -69,7 +69,8 @@ def settings_summary(settings: dict) -> str:
         parts.append(f"{s['max_sinks']} sink slots")
     if s["max_chunk"] != d["max_chunk"]:
         parts.append(f"chunk {s['max_chunk']}")
-    if s["kv_dtype"] != AUTO_KV_DTYPE.get(s["dtype"], d["kv_dtype"]):  # named only when not the weight type's own
+    own = auto_kv_dtype(s["dtype"], AUTO_DTYPE, s["device"]) if s["dtype"] in AUTO_KV_DTYPE else None
+    if s["kv_dtype"] not in (AUTO_DTYPE, own):  # named only when not what "auto" gives
         parts.append(f"KV cache {s['kv_dtype']}")
     if s["device"] == "cuda":
         parts.append(f"cuda {s['gpu_target']}".strip())
