@@ -432,7 +432,8 @@ class StreamingLlama(nn.Module):
         # zero-splat initialiser gave wrong logits in IREE. Their type is the build's kv_dtype (values are written
         # rounded to it and read back widened to float32); the sinks' original keys stay float32: they are
         # rotated again on every call, and there are only a few.
-        kvh, d, kv = cfg.n_kv_heads, cfg.head_dim, KV_STORAGE[auto_kv_dtype(settings.dtype, settings.kv_dtype, settings.device)]
+        kv = KV_STORAGE[auto_kv_dtype(settings.dtype, settings.kv_dtype, settings.device)]
+        kvh, d = cfg.n_kv_heads, cfg.head_dim
         self.register_buffer("cache", torch.zeros(len(shared), 2, kvh, settings.slots, d, dtype=kv), persistent=False)
         sinks = torch.zeros(len(shared), kvh, settings.sink_slots + 1, d) if settings.sink_slots else None
         self.register_buffer("sink_keys", sinks, persistent=False)
