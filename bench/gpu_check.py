@@ -329,18 +329,6 @@ def _valid(folder: Path) -> bool:
         return False
 
 
-def _resolve_kv_in_manifest(folder: Path, settings: Any) -> None:
-    """Entries built before the KV type was resolved here say kv_dtype "auto": the same module (model.py resolves
-    it alike), so their manifest is rewritten rather than the entry rebuilt."""
-    if not _valid(folder):
-        return
-    manifest = json.loads((folder / "manifest.json").read_text())
-    stored = manifest["settings"]
-    if stored != settings.to_dict() and stored.get("kv_dtype") == "auto" and \
-            {**stored, "kv_dtype": settings.kv_dtype} == settings.to_dict():
-        _write_manifest(folder, manifest["model"], manifest["config"], settings, manifest.get("build_seconds", {}))
-
-
 def _compile_with_flags(mlir: Path, vmfb: Path, settings: Any, extra: tuple[str, ...]) -> None:
     from iree.compiler.tools.binaries import find_tool
 
@@ -379,8 +367,6 @@ def build_group(model: str, dtype: str, targets: list[str], weights: str, work: 
     plan_file = work / f"{group}.weights.json"
     result: dict[str, Any] = {k: folders[k] for k in settings}
     result["plan"] = json.loads(plan_file.read_text()) if plan_file.is_file() else None
-    for key, s in settings.items():
-        _resolve_kv_in_manifest(folders[key], s)
     if all(_valid(f) for f in folders.values()) and (weights == "real" or result["plan"]):
         _log(f"{group}: built already ({', '.join(settings)})")
         return result

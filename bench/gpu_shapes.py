@@ -43,6 +43,7 @@ def prepare(args: argparse.Namespace) -> int:
     from engine.build import export, kernels
     from engine.build.artefacts import export_code_hash
     from engine.build.model import StreamingLlama
+    from engine.config import BuildSettings
     from engine.loader import open_folder
     from engine.paths import cache_dir
 
@@ -51,9 +52,7 @@ def prepare(args: argparse.Namespace) -> int:
     DIR.mkdir(parents=True, exist_ok=True)
     loaded = open_folder(cpu)
     engine, cfg = loaded.engine, loaded.engine.cfg
-    settings = json.loads((cuda / "manifest.json").read_text())["settings"]
-    from engine.config import BuildSettings
-    settings = BuildSettings(**settings)
+    settings = BuildSettings(**json.loads((cuda / "manifest.json").read_text())["settings"])
 
     # The calls' inputs as the engine makes them, every call attending to all the slots (what the static export
     # takes; the dynamic one takes any multiple of the attend step, so both get the very same arrays).
@@ -71,19 +70,18 @@ def prepare(args: argparse.Namespace) -> int:
     aot.externalize_module_parameters(model)
     fxb = aot.FxProgramsBuilder(model)
 
-    def static(n: int) -> tuple:
-        return tuple(torch.from_numpy(np.ascontiguousarray(a)) for a in inputs["prefill_32" if n == 32 else
-                                                                          "prefill_512" if n == 512 else "decode"])
+    def static(call: str) -> tuple:
+        return tuple(torch.from_numpy(np.ascontiguousarray(a)) for a in inputs[call])
 
-    @fxb.export_program(name="prefill_512", args=static(512), strict=False)
+    @fxb.export_program(name="prefill_512", args=static("prefill_512"), strict=False)
     def prefill_512(m, tokens, slots, rope, shift, slot_pos, token_pos):
         return m.prefill(tokens, slots, rope, shift, slot_pos, token_pos)
 
-    @fxb.export_program(name="prefill_32", args=static(32), strict=False)
+    @fxb.export_program(name="prefill_32", args=static("prefill_32"), strict=False)
     def prefill_32(m, tokens, slots, rope, shift, slot_pos, token_pos):
         return m.prefill(tokens, slots, rope, shift, slot_pos, token_pos)
 
-    @fxb.export_program(name="decode", args=static(1), strict=False)
+    @fxb.export_program(name="decode", args=static("decode"), strict=False)
     def decode(m, tokens, slots, rope, shift, slot_pos, token_pos):
         return m.decode(tokens, slots, rope, shift, slot_pos, token_pos)
 
@@ -107,11 +105,12 @@ def prepare(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    import iree.runtime as rt
-
     from bench.gpu_check import block_compiler, write_irpa
 
-    block_compiler()
+    block_compiler()  # before the engine's imports: they must not need torch or the compiler
+    from engine.config import BuildSettings
+    from engine.run.runtime import CompiledModule
+
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     gpu = Path(args.dir)
@@ -131,18 +130,17 @@ def run(args: argparse.Namespace) -> int:
         dynamic, static = Path(plan["cpu_builds"]) / f"{GROUP}-cpu" / "module.vmfb", gpu / "shapes" / "static-cpu.vmfb"
     data = np.load(gpu / "shapes" / "inputs.npz")
     calls = {c: [data[f"{c}.{i}"] for i in range(6)] for c, _ in CALLS}
-    device = rt.get_device(args.driver)
+    settings = BuildSettings(device="cuda", gpu_target="sm_89") if args.driver == "cuda" else BuildSettings()
     report: dict[str, Any] = {"device": args.driver, "modules": {}}
 
     def load(vmfb: Path):
-        instance = rt.VmInstance()
-        index = rt.ParameterIndex()
-        index.load(str(irpa))
-        params = rt.create_io_parameters_module(instance, index.create_provider(scope="model"))
-        main = rt.VmModule.mmap(instance, str(vmfb))
-        ctx = rt.SystemContext(vm_modules=[rt.create_hal_module(instance, device), params, main],
-                               config=rt.Config(device=device))
-        return ctx.modules.module
+        """The engine's own loading (CompiledModule), from a folder laid out as a build's; its functions by name."""
+        folder = work / vmfb.stem
+        folder.mkdir(exist_ok=True)
+        for name, src in (("module.vmfb", vmfb), ("weights.irpa", irpa)):
+            (folder / name).unlink(missing_ok=True)
+            (folder / name).symlink_to(src.resolve())
+        return CompiledModule(folder, settings).context.modules.module
 
     logits: dict[str, dict[str, np.ndarray]] = {}
     for name, vmfb, fn in (("dynamic", dynamic, lambda c: "decode" if c == "decode" else "prefill"),
@@ -187,7 +185,7 @@ def main() -> int:
     r = sub.add_parser("run")
     r.add_argument("--dir", default=".gpu")
     r.add_argument("--out", default="gpu-shapes-out")
-    r.add_argument("--driver", default="cuda", help="local-task: a self-test here")
+    r.add_argument("--driver", default="cuda", help="local-task: a self-test here (the CPU builds)")
     args = p.parse_args()
     return prepare(args) if args.cmd == "prepare" else run(args)
 
