@@ -8,7 +8,8 @@ And two for decode's attention, which reads the cache in place:
   * `query_keys`: the query heads against the cached keys, plus the mask (the scores);
   * `weighted_values`: the probabilities times the cached values;
 and `query_keys_rows` / `weighted_values_rows`, prefill's scores and output (many queries) on a cpu, the latter
-in the output projection's order; `softmax_over_slots`, attention's softmax on a cpu, one dispatch a layer.
+in the output projection's order; `softmax_over_slots`, attention's softmax on a cpu, one dispatch a layer;
+`attend_rows`, prefill's whole attention in one dispatch on a cpu (scores, softmax and output).
 And `first_slots` / `first_blocks`, a layer's keys or values in the cache's first slots (what a call attends to:
 model.py), as a plain slice or in blocks of ATTEND_STEP slots.
 As batch matmuls IREE data-tiles them and so re-packs the whole cache's keys and values on every step; as
@@ -123,6 +124,14 @@ def query_keys_rows(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     stacked. As a torch matmul broadcast over rep, IREE copied the keys transposed once per query head before a
     batch matmul: 0.63 ms a layer for 30 queries over 1000 slots (default model), 0.45 of it the copy."""
     return _ops()["qk_rows"](q, keys)
+
+
+def attend_rows(q_t: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask_t: torch.Tensor) -> torch.Tensor:
+    """softmax(q . keys + mask) . values -> [n, kvh, rep, d] (prefill's attention, in the order the output
+    projection takes it, on a cpu): the custom op, one dispatch a layer (engine/build/attention_rows.py). q_t
+    [kvh, rep, d, n] is q scaled and transposed; keys and values [kvh, slots, d] are a layer of the cache as
+    stored (model.KV_STORAGE), read in place; mask_t [C, n] is the mask transposed, its C the slots attended."""
+    return _ops()["attend_rows"](q_t, keys, values, mask_t)
 
 
 def softmax_over_slots(scores: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -596,6 +605,23 @@ util.func private @{name}(%s: tensor<{h}x{r}x?xf32>) -> tensor<{h}x{r}x?xf32> {{
 }}
 """
 
+# Prefill's attention in one hand-written dispatch (engine/build/attention_rows.py).
+_ATTEND_BY_HAND = r"""
+module {{
+{executable}
+util.func private @{name}(%q: tensor<{h}x{r}x{d}x?xf32>, %k: tensor<{h}x?x{d}x{e}>, %v: tensor<{h}x?x{d}x{e}>, %m: tensor<?x?xf32>) -> tensor<?x{h}x{r}x{d}xf32> {{
+  %c0 = arith.constant 0 : index
+  %c1 = arith.constant 1 : index
+  %c3 = arith.constant 3 : index
+  %n = tensor.dim %q, %c3 : tensor<{h}x{r}x{d}x?xf32>
+  %cols = tensor.dim %m, %c0 : tensor<?x?xf32>
+  %slots = tensor.dim %k, %c1 : tensor<{h}x?x{d}x{e}>
+  {call}
+  util.return %o : tensor<?x{h}x{r}x{d}xf32>
+}}
+}}
+"""
+
 # The same by hand on a cpu (engine/build/attention_rows.py): values read once per block of queries.
 _VALUES_BY_HAND = r"""
 module {{
@@ -890,6 +916,33 @@ def _register() -> dict:
                     _as_float("%k", "%kc", "%s", h, d, e))
             emit(kb, name, _QUERY_KEYS_ROWS.format(name=name, h=h, r=r, d=d, e=e, keys=keys))
 
+    @CustomOp.register(library=library)
+    class attend_rows(CustomOp):
+        signature = "attend_rows(Tensor q, Tensor k, Tensor v, Tensor m) -> (Tensor)"
+
+        def select(self, ksel: KernelSelection) -> None:
+            q, k, v, m = (ksel.arg_tensor(i) for i in range(4))
+            q.specialize_dims(0, 1, 2)  # the queries and the slots stay dynamic
+            k.specialize_dims(0, 2)
+            v.specialize_dims(0, 2)
+            h, r, d, n = q.t.shape
+            ksel.return_new_tensor([n, h, r, d], dtype=torch.float32)
+
+        def eager_execute(self, q, k, v, m):
+            cols = m.shape[0]
+            scores = torch.matmul(q.transpose(2, 3), _eager_float(k[:, :cols]).unsqueeze(1).transpose(2, 3)) + m.T
+            return torch.matmul(torch.softmax(scores, -1), _eager_float(v[:, :cols]).unsqueeze(1)).permute(2, 0, 1, 3)
+
+        def generate(self, ksel: KernelSelection, kb: KernelBuilder) -> None:
+            h, r, d, _ = shape(kb, 0)
+            e = str(RankedTensorType(kb.arg_value(1).type).element_type)
+            name = f"eddy_attend_rows_{h}x{r}x{d}x{e}"
+            exe = f"{name}_e"
+            emit(kb, name, _ATTEND_BY_HAND.format(
+                name=name, h=h, r=r, d=d, e=e, executable=attention_rows.attend_rows_executable(exe, h, r, d, e),
+                call=attention_rows.attend_rows_call(exe, h, r, d, e, "%q", "%k", "%v", "%m", "%n", "%cols",
+                                                     "%slots", "%o")))
+
     def select_softmax(ksel: KernelSelection, masked: bool) -> None:
         s = ksel.arg_tensor(0)
         s.specialize_dims(0, 1)  # the queries and the slots stay dynamic
@@ -971,7 +1024,7 @@ def _register() -> dict:
             generate_slice(kb, True)
 
     return {"q4": mmt_q4, "i8": mmt_i8, "qk": attend_qk, "pv": attend_pv, "pv_rows": attend_pv_rows,
-            "qk_rows": attend_qk_rows, "softmax": attend_softmax, "softmax_masked": attend_softmax_masked,
+            "qk_rows": attend_qk_rows, "attend_rows": attend_rows, "softmax": attend_softmax, "softmax_masked": attend_softmax_masked,
             "slots": first_slots, "blocks": first_blocks}
 
 

@@ -36,8 +36,8 @@ from torch import nn
 
 from ..arch import Family, family
 from ..config import ATTEND_STEP, Q4_TILE_ROWS, TILE_ROWS, BuildSettings, ModelConfig, auto_kv_dtype
-from .kernels import (first_blocks, first_slots, i8_linear, q4_linear, query_keys, query_keys_rows, softmax_over_slots,
-                      tile_q8, tileable, tiled_rows, weighted_values, weighted_values_rows)
+from .kernels import (attend_rows, first_blocks, first_slots, i8_linear, q4_linear, query_keys, query_keys_rows,
+                      softmax_over_slots, tile_q8, tileable, tiled_rows, weighted_values, weighted_values_rows)
 from .q4 import Q4_GROUP, dequantise_q4, packable, quantise_q4, tile_q4
 
 TORCH_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
@@ -216,6 +216,8 @@ class Step:
     cache_pos: torch.Tensor  # the positions in the cache's slots attention reads: its first ones (model docstring)
     mask: torch.Tensor  # global layers: [n, attended]
     local_mask: torch.Tensor  # local layers: over the shared cache, or over what an own-ring layer sees
+    mask_t: torch.Tensor  # the two transposed, [attended, n]: prefill's attention in one op (kernels.attend_rows)
+    local_mask_t: torch.Tensor
     single: bool  # one query (decode)
 
 
@@ -229,6 +231,8 @@ class Attention(nn.Module):
         # Prefill's attention scores and output as custom ops (kernels.query_keys_rows, weighted_values_rows) on a
         # cpu; elsewhere torch matmuls, IREE's choice.
         self.rows_ops = settings.device == "cpu"
+        # There, with no soft cap and d in whole vectors, the whole attention as one op (kernels.attend_rows).
+        self.one_op = self.rows_ops and cfg.attn_softcap is None and cfg.head_dim % 16 == 0 and not own_ring
         self.index = index  # this layer's place in the buffer it writes (the shared cache or the ring)
         self.local = layer in cfg.local_layers  # attends to the last local_window tokens only (Gemma)
         self.own_ring = own_ring
@@ -272,6 +276,10 @@ class Attention(nn.Module):
             probs = self.softmax(scores)
             out = weighted_values(probs, values)  # [kvh, rep, d]
             return self.wo(out.reshape(1, cfg.n_heads * d))
+        if self.one_op:
+            mask_t = step.local_mask_t if self.local else step.mask_t
+            out = attend_rows((q * self.scale).permute(1, 2, 3, 0), keys, values, mask_t)  # [n, kvh, rep, d]
+            return self.wo(out.reshape(n, cfg.n_heads * d))
         if self.rows_ops:  # q scaled first, as decode's: a scale after the op was a dispatch of its own
             scores = query_keys_rows((q * self.scale).permute(1, 2, 0, 3), keys)  # [kvh, rep, n, C]
         else:
@@ -345,8 +353,8 @@ class Attention(nn.Module):
                              to_kv(shifted, cache))
         # One query reads the keys as blocks (kernels.first_blocks), where the device takes them.
         keys = (first_blocks if step.single and self.key_blocks else first_slots)(cache[i, 0], step.cache_pos)
-        if self.rows_ops and not step.single:  # prefill's ops widen what they read: the keys' slice as stored, and
-            return keys, cache[i, 1]  # the layer's values read in place
+        if self.rows_ops and not step.single:  # prefill's ops widen what they read: the keys' slice as stored (or
+            return (cache[i, 0] if self.one_op else keys), cache[i, 1]  # the layer's), the layer's values in place
         return from_kv(keys), from_kv(first_slots(cache[i, 1], step.cache_pos))
 
 
@@ -479,7 +487,7 @@ class StreamingLlama(nn.Module):
             # included, once that far).
             local = torch.where(cache_pos.unsqueeze(0) > now - window, mask, neg)
         step = Step(self.cache, self.sink_keys, self.ring_cache, slots, rope, shift, ring_slots, cache_pos, mask, local,
-                    single)
+                    mask.transpose(0, 1), local.transpose(0, 1), single)
         for block in self.layers:
             x = block(x, step)
         return self.norm(x)
