@@ -298,6 +298,14 @@ stream.executable private @{name} {{
 """
 
 
+def _element(out: str, block: str, row: str, col: str, d: int) -> str:
+    """MLIR lines setting `out` to element [row, col] of a widened block of keys or values (memref<16 x d x f32>,
+    on the stack) in all 16 lanes: the factor a vector of queries is multiplied by."""
+    return f"""
+          {out}_x = memref.load {block}[{row}, {col}] : memref<16x{d}xf32>
+          {out} = vector.broadcast {out}_x : f32 to vector<16xf32>"""
+
+
 def attend_rows_executable(name: str, h: int, r: int, d: int, e: str = "f32") -> str:
     """The `stream.executable` @name: out [n, h, r, d] = softmax(q . keys + mask) . values for prefill's n queries,
     from qT [h, r, d, n] (q scaled, transposed), a layer's keys and values [h, slots, d] stored as `e` (read in
@@ -348,9 +356,7 @@ def attend_rows_executable(name: str, h: int, r: int, d: int, e: str = "f32") ->
             scores.append(f"""
           %q{t}_{j} = vector.maskedload %q[%kh, %rr{t}, %j{j}, %i0{t}], %lanes{t}, %zv : memref<{h}x{r}x{d}x?xf32>, vector<16xi1>, vector<16xf32> into vector<16xf32>""")
         for g in range(so):
-            scores.append(f"""
-          %kx{g}_{j} = memref.load %kf[%sl{g}, %j{j}] : memref<16x{d}xf32>
-          %kb{g}_{j} = vector.broadcast %kx{g}_{j} : f32 to vector<16xf32>""")
+            scores.append(_element(f"%kb{g}_{j}", "%kf", f"%sl{g}", f"%j{j}", d))
             scores += [f"""
           %a{t}_{g}_{j + 1} = math.fma %q{t}_{j}, %kb{g}_{j}, %a{t}_{g}_{j} : vector<16xf32>""" for t in ts]
     for t in ts:
@@ -397,9 +403,7 @@ def attend_rows_executable(name: str, h: int, r: int, d: int, e: str = "f32") ->
             output.append(f"""
           %pp{t}_{s} = vector.load %ps[%t{t}, %s{s}, %c0] : memref<{vecs}x16x16xf32>, vector<16xf32>""")
         for u in range(od):
-            output.append(f"""
-          %vx{u}_{s} = memref.load %vf[%s{s}, %jj{u}] : memref<16x{d}xf32>
-          %vb{u}_{s} = vector.broadcast %vx{u}_{s} : f32 to vector<16xf32>""")
+            output.append(_element(f"%vb{u}_{s}", "%vf", f"%s{s}", f"%jj{u}", d))
             output += [f"""
           %o{t}_{u}_{s + 1} = math.fma %pp{t}_{s}, %vb{u}_{s}, %o{t}_{u}_{s} : vector<16xf32>""" for t in ts]
     for t in ts:
