@@ -1024,8 +1024,8 @@ def _register() -> dict:
             generate_slice(kb, True)
 
     return {"q4": mmt_q4, "i8": mmt_i8, "qk": attend_qk, "pv": attend_pv, "pv_rows": attend_pv_rows,
-            "qk_rows": attend_qk_rows, "attend_rows": attend_rows, "softmax": attend_softmax, "softmax_masked": attend_softmax_masked,
-            "slots": first_slots, "blocks": first_blocks}
+            "qk_rows": attend_qk_rows, "attend_rows": attend_rows, "softmax": attend_softmax,
+            "softmax_masked": attend_softmax_masked, "slots": first_slots, "blocks": first_blocks}
 
 
 def _mlir_isinstance_shim() -> None:
