@@ -351,10 +351,12 @@ class Attention(nn.Module):
             shifted = rotate(originals.transpose(0, 1), shift[0:1], shift[1:2]).transpose(0, 1)
             cache.index_put_((layer, torch.zeros_like(layer), heads, torch.arange(sinks).view(1, -1)),
                              to_kv(shifted, cache))
+        if self.one_op and not step.single:  # the layer's keys and values as stored, read in place (attend_rows)
+            return cache[i, 0], cache[i, 1]
         # One query reads the keys as blocks (kernels.first_blocks), where the device takes them.
         keys = (first_blocks if step.single and self.key_blocks else first_slots)(cache[i, 0], step.cache_pos)
-        if self.rows_ops and not step.single:  # prefill's ops widen what they read: the keys' slice as stored (or
-            return (cache[i, 0] if self.one_op else keys), cache[i, 1]  # the layer's), the layer's values in place
+        if self.rows_ops and not step.single:  # prefill's ops widen what they read: the keys' slice as stored, and
+            return keys, cache[i, 1]  # the layer's values read in place
         return from_kv(keys), from_kv(first_slots(cache[i, 1], step.cache_pos))
 
 
