@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.build.prefill_products import ROW_BLOCK, ROWS_PER_WORKGROUP
+from engine.build.prefill_products import FEW_ROW_GROUPS, ROW_BLOCK, ROWS_PER_WORKGROUP, STEPS
 from engine.build.q4 import Q4_GROUP, dequantise_q4, quantise_q4, unpack_q4
 
 
@@ -148,6 +148,9 @@ def _host_forms() -> list[str | None]:
 # Rows of prefill's product in the test: a second workgroup of rows, ending in a block not full
 # (engine/build/prefill_products.py).
 ROWS = ROWS_PER_WORKGROUP + ROW_BLOCK // 2 + 1
+# And a short turn's: few enough groups of rows to be split evenly and to take the tiles a few at a time, ending in
+# a block not full.
+FEW_ROWS = FEW_ROW_GROUPS * ROWS_PER_WORKGROUP // STEPS - ROW_BLOCK // STEPS - 1
 
 
 @pytest.mark.parametrize("form", _host_forms())
@@ -158,7 +161,8 @@ def test_each_product_form_is_the_codes_times_x_quantised_per_group(dtype, form,
     prefill_products.py) x quantised to int8 per group of 32 (dx = max|x| / 127), exactly as llama.cpp's Q8_1
     activations, to float32 rounding: its only error against float32 is that rounding of x, about 0.5 % of the
     output here (prefill's also multiplies x's rounding error rounded in its turn, which leaves ~2e-5). The tiles' order and a workgroup's share of them are covered by rows of 9 tiles (WORKGROUPS = 16
-    workgroups of at least one tile), the blocks of rows and their workgroups by ROWS rows."""
+    workgroups of at least one tile), the blocks of rows and their workgroups by ROWS rows, and a short turn's layout
+    (rows split evenly, tiles a few at a time) by FEW_ROWS."""
     import subprocess
     import sys
 
@@ -175,7 +179,7 @@ def test_each_product_form_is_the_codes_times_x_quantised_per_group(dtype, form,
     lin = Linear(out_f, in_f, dtype)
     for name, t in stored_matrix(w, dtype, tiled=True).items():
         getattr(lin, name).data = t
-    x1, xn = (torch.from_numpy(rng.standard_normal((n, in_f)).astype(np.float32)) for n in (1, ROWS))
+    x1, xn, xf = (torch.from_numpy(rng.standard_normal((n, in_f)).astype(np.float32)) for n in (1, ROWS, FEW_ROWS))
 
     fxb = aot.FxProgramsBuilder(lin)
 
@@ -185,6 +189,10 @@ def test_each_product_form_is_the_codes_times_x_quantised_per_group(dtype, form,
 
     @fxb.export_program(name="prefill", args=(xn,), strict=False)
     def prefill(m, x):
+        return m(x)
+
+    @fxb.export_program(name="prefill_few", args=(xf,), strict=False)
+    def prefill_few(m, x):
         return m(x)
 
     with lowering_for("cpu", form):
@@ -228,14 +236,15 @@ def test_each_product_form_is_the_codes_times_x_quantised_per_group(dtype, form,
             out = out + times_codes(*rounded(error.reshape(x.shape)))
         return out.numpy()
 
-    for program, x in (("decode", x1), ("prefill", xn)):
+    for program, x in (("decode", x1), ("prefill", xn), ("prefill_few", xf)):
         got = np.asarray(getattr(module, program)(x.numpy()))
         exact = (x @ dense.T).numpy()
         # Only q4's many-row product has a hand-written form (engine/build/prefill_products.py) so far.
         by_hand = form is not None and (program == "decode" or dtype == "q4")
-        want = quantised_x(x, program == "prefill") if by_hand else exact
+        many = program != "decode"
+        want = quantised_x(x, many) if by_hand else exact
         if by_hand:
             rel = np.abs(got - exact).max() / np.abs(exact).max()
             # x's rounding shows, and is small; in two steps (prefill) float32's own rounding is what is left.
-            assert (rel < 1e-4) if program == "prefill" else (1e-4 < rel < 2e-2), rel
+            assert (rel < 1e-4) if many else (1e-4 < rel < 2e-2), rel
         assert np.abs(got - want).max() < 1e-5 * np.abs(want).max(), program

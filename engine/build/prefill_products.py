@@ -21,14 +21,15 @@ Two dispatches a product:
     xs [2 rows, groups, 2] f32 (dx, dx * sum q): row 2i is x's row i, rounded as decode rounds it
     (dot_products.quantise_group), row 2i + 1 that rounding's error, rounded the same way;
   * `q4_rows_executable`: out [rows, n] f32 from those and the tiled codes, scales and offsets, each row of x's
-    STEPS rows of xq summed into one accumulator. A workgroup takes ROWS_PER_WORKGROUP rows of xq against a few
-    tiles of weights (small enough to stay in L2 while it goes over its rows) and, within that, ROW_BLOCK at a
-    time: each 64-byte load of codes, split into its two nibble sets, feeds `vpdpbusd` for every row of the block,
-    so the unpacking is shared by ROW_BLOCK rows. A block past the last row repeats the last row and stores
-    nothing. (The pairs were summed in a dispatch of their own at first: 0.04 ms more for gate|up at 30 rows.)
-    The codes are prefetched a few groups ahead, as decode's are (dot_products.q4_prefetch): a short call's first
-    pass over its tiles reads memory, and without it did so between its arithmetic, not under it (default model,
-    30-token turn at 1000: the products 21.2-21.6 -> 20.2-20.9 ms; at 2 tokens 4.8 -> 3.3 ms; 512 tokens -4 %).
+    STEPS rows of xq summed into one accumulator. A workgroup takes up to ROWS_PER_WORKGROUP rows of xq (the rows
+    split evenly between the groups) against a few tiles of weights (small enough to stay in L2 while it goes over
+    its rows; fewer in a short call: FEW_ROW_GROUPS) and, within that, ROW_BLOCK at a time: each 64-byte load of
+    codes, split into its two nibble sets, feeds `vpdpbusd` for every row of the block, so the unpacking is shared
+    by ROW_BLOCK rows. A block past the last row repeats the last row and stores nothing. (The pairs were summed in
+    a dispatch of their own at first: 0.04 ms more for gate|up at 30 rows.) The codes are prefetched a few groups
+    ahead, as decode's are (dot_products.q4_prefetch): a short call's first pass over its tiles reads memory, and
+    without it did so between its arithmetic, not under it (default model, 30-token turn at 1000: the products
+    21.2-21.6 -> 20.2-20.9 ms; at 2 tokens 4.8 -> 3.3 ms; 512 tokens -4 %).
 
 The row count is dynamic (the function's `%rows`, the dispatch's workload): prefill chunks and scoring take any.
 """
@@ -48,6 +49,13 @@ STEPS = 2
 ROWS_PER_WORKGROUP = 6 * ROW_BLOCK
 # Bytes of a workgroup's weights (codes, scales, offsets): kept in L2 while it goes over its rows.
 WORKGROUP_WEIGHT_BYTES = 96 * 1024
+# A short call (at most FEW_ROW_GROUPS groups of rows: a chat turn) takes its tiles in about FEW_ROWS_TILE_GROUPS
+# workgroups a group of rows, and every call splits its rows evenly between its groups (in whole blocks). A worker
+# that runs out of workgroups waits for the other's last one: in a 30-token turn the workgroups of 5-17 tiles and
+# 18 or 12 rows left one of the two workers idle for 13-17 % of each product (its time in the dispatch profile
+# against the product's), about 3.6 of the turn's 50 ms; a 512-token chunk, with 29 groups of rows, lost 1-2 %.
+FEW_ROW_GROUPS = 2
+FEW_ROWS_TILE_GROUPS = 32
 # Rows a workgroup of the quantising dispatch takes.
 QUANTISE_ROWS = 8
 
@@ -134,8 +142,12 @@ stream.executable private @{name} {{
   stream.executable.export public @{name} workgroups(%rows: index) -> (index, index, index) {{
     %c1 = arith.constant 1 : index
     %per = arith.constant {per_rows} : index
-    %tw = arith.constant {tile_groups} : index
     %n = arith.ceildivui %rows, %per : index
+    %few_rows = arith.constant {few_groups} : index
+    %few = arith.cmpi ule, %n, %few_rows : index
+    %tw_many = arith.constant {tile_groups} : index
+    %tw_few = arith.constant {tile_groups_few} : index
+    %tw = arith.select %few, %tw_few, %tw_many : index
     stream.return %tw, %n, %c1 : index, index, index
   }}
   builtin.module {{
@@ -146,9 +158,17 @@ stream.executable private @{name} {{
       %c16 = arith.constant 16 : index
       %cg = arith.constant {groups} : index
       %cnb = arith.constant {nb} : index
-      %ctpw = arith.constant {per_tiles} : index
-      %crpw = arith.constant {per_rows} : index
       %crb = arith.constant {real} : index
+      %cper = arith.constant {per_rows} : index
+      %ngroups = arith.ceildivui %rows, %cper : index
+      %few_rows = arith.constant {few_groups} : index
+      %few = arith.cmpi ule, %ngroups, %few_rows : index
+      %tpw_many = arith.constant {per_tiles} : index
+      %tpw_few = arith.constant {per_tiles_few} : index
+      %ctpw = arith.select %few, %tpw_few, %tpw_many : index
+      %even = arith.ceildivui %rows, %ngroups : index
+      %even_blocks = arith.ceildivui %even, %crb : index
+      %crpw = arith.muli %even_blocks, %crb : index
       %zi = arith.constant dense<0> : vector<16xi32>
       %zv = arith.constant dense<0.0> : vector<16xf32>
       %mask = arith.constant dense<15> : vector<64xi8>
@@ -281,6 +301,7 @@ def q4_rows_executable(form: str, name: str, tiles: int, k: int) -> str:
     scales, offsets [tiles x groups x 16] f16."""
     groups, block = k // Q4_GROUP, ROW_BLOCK
     per_tiles = tiles_per_workgroup(tiles, k)
+    few_tiles = max(1, -(-tiles // FEW_ROWS_TILE_GROUPS))
     body, sums = _Q4_FORMS[form](block)
     scale = []
     for i in range(block):
@@ -305,7 +326,8 @@ def q4_rows_executable(form: str, name: str, tiles: int, k: int) -> str:
         name=name, groups=groups, nb=tiles, n=tiles * Q4_TILE, gb=Q4_GROUP_BYTES, block=block,
         prefetch_constants=q4_prefetch_constants(tiles, groups), prefetch=q4_prefetch(tiles, groups),
         per_rows=ROWS_PER_WORKGROUP // STEPS, real=real, steps=STEPS, per_tiles=per_tiles,
-        tile_groups=-(-tiles // per_tiles),
+        tile_groups=-(-tiles // per_tiles), few_groups=FEW_ROW_GROUPS, per_tiles_few=few_tiles,
+        tile_groups_few=-(-tiles // few_tiles),
         offsets=index_constants(), rows_of_block=_rows_of_block(block),
         iter_args=", ".join(f"%af{j} = %zv" for j in range(real)), acc_types=acc_types,
         group=body.format(nb=tiles, groups=groups), scale="".join(scale),
