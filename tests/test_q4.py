@@ -161,8 +161,9 @@ def test_each_product_form_is_the_codes_times_x_quantised_per_group(dtype, form,
     prefill_products.py) x quantised to int8 per group of 32 (dx = max|x| / 127), exactly as llama.cpp's Q8_1
     activations, to float32 rounding: its only error against float32 is that rounding of x, about 0.5 % of the
     output here (prefill's also multiplies x's rounding error rounded in its turn, which leaves ~2e-5). The tiles' order and a workgroup's share of them are covered by rows of 9 tiles (WORKGROUPS = 16
-    workgroups of at least one tile), the blocks of rows and their workgroups by ROWS rows, and a short turn's layout
-    (rows split evenly, tiles a few at a time) by FEW_ROWS."""
+    workgroups of at least one tile), the blocks of rows and their workgroups by ROWS rows, a short turn's layout
+    (rows split evenly, tiles a few at a time) by FEW_ROWS, and the product's columns as three outputs (q, k and v)
+    by `prefill_parts`."""
     import subprocess
     import sys
 
@@ -195,11 +196,20 @@ def test_each_product_form_is_the_codes_times_x_quantised_per_group(dtype, form,
     def prefill_few(m, x):
         return m(x)
 
+    # Its columns as three outputs (q, k and v: Linear.parts), in whole tiles of rows.
+    first, second = 4 * 16, 2 * 16
+
+    @fxb.export_program(name="prefill_parts", args=(xn,), strict=False)
+    def prefill_parts(m, x):
+        return m.parts(x, first, second, many=True)
+
     with lowering_for("cpu", form):
         mlir = str(aot.export(fxb).mlir_module)
     marks = {None: "compilation_info", "vnni": "llvm.x86.avx512.vpdpbusd.512",
              "avx2": "llvm.x86.avx2.pmadd.ub.sw" if dtype == "q4" else "llvm.x86.avx2.psign.b"}
     assert marks[form] in mlir
+    # The parts come from one hand-written product with three outputs where there is one (engine/build/kernels.py).
+    assert (f"eddy_q4_rows_{out_f}x{in_f}_{first}_{second}_" in mlir) == (form is not None and dtype == "q4")
     (tmp_path / "m.mlir").write_text(mlir)
     iree_compile = str(Path(sys.executable).with_name("iree-compile"))
     subprocess.run([iree_compile, str(tmp_path / "m.mlir"), *compile_flags("cpu", "host"), "-o", str(tmp_path / "m.vmfb")],
@@ -236,8 +246,13 @@ def test_each_product_form_is_the_codes_times_x_quantised_per_group(dtype, form,
             out = out + times_codes(*rounded(error.reshape(x.shape)))
         return out.numpy()
 
-    for program, x in (("decode", x1), ("prefill", xn), ("prefill_few", xf)):
-        got = np.asarray(getattr(module, program)(x.numpy()))
+    for program, x in (("decode", x1), ("prefill", xn), ("prefill_few", xf), ("prefill_parts", xn)):
+        got = getattr(module, program)(x.numpy())
+        if program == "prefill_parts":
+            parts = [np.asarray(t) for t in got]
+            assert [p.shape[1] for p in parts] == [first, second, out_f - first - second]
+            got = np.concatenate(parts, axis=1)
+        got = np.asarray(got)
         exact = (x @ dense.T).numpy()
         # Only q4's many-row product has a hand-written form (engine/build/prefill_products.py) so far.
         by_hand = form is not None and (program == "decode" or dtype == "q4")

@@ -1,7 +1,8 @@
 """The matrix products of quantised weights as custom ops, written as MLIR (needs torch and turbine at export).
 
 Two ops, each with two forms chosen by the number of rows multiplied:
-  * `q4_linear`: 4-bit codes with group scales and offsets, in the tiled layout (engine/build/q4.py);
+  * `q4_linear`: 4-bit codes with group scales and offsets, in the tiled layout (engine/build/q4.py), and
+    `q4_linear_parts`, prefill's with its output in three tensors (q, k and v);
   * `i8_linear`: int8 weights tiled (`tile_q8`), the products of q8's tiled matrices before their per-row scale
     (which the caller applies: it is one multiply of the output).
 And two for decode's attention, which reads the cache in place:
@@ -82,6 +83,15 @@ def q4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset
     """x [..., in] @ W.T for a tiled q4 matrix W [out, in]: the fused custom op in an export, plain torch otherwise."""
     lead = x.shape[:-1]
     return _ops()["q4"](x.reshape(-1, x.shape[-1]), packed, scale, offset).reshape(*lead, packed.shape[0] * Q4_TILE)
+
+
+def q4_linear_parts(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
+                    first: int, second: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q4_linear of prefill's x [rows, in] as three tensors: its first `first` columns, the next `second`, the rest.
+    The hand-written product of many rows (an x86 CPU) writes each to its own output; elsewhere they are slices of
+    one product (and wherever a part is not in whole tiles of rows): the op's form is chosen when the export is
+    lowered (lowering_for), after the model is traced."""
+    return _ops()["q4_parts"](x, packed, scale, offset, first, second)
 
 
 def i8_linear(x: torch.Tensor, tiled: torch.Tensor) -> torch.Tensor:
@@ -297,14 +307,29 @@ util.func private @{name}(%a: tensor<1x{k}xf32>, {args}) -> tensor<1x{n}xf32> {{
 _MM_X86 = r"""
 module {{
 {executables}
-util.func private @{name}(%a: tensor<?x{k}xf32>, {args}) -> tensor<?x{n}xf32> {{
+util.func private @{name}(%a: tensor<?x{k}xf32>, {args}) -> ({result_types}) {{
   %c0 = arith.constant 0 : index
   %csteps = arith.constant {steps} : index
   %rows = tensor.dim %a, %c0 : tensor<?x{k}xf32>
   %rows2 = arith.muli %rows, %csteps : index
   {quantise}
   {call}
-  util.return %r : tensor<?x{n}xf32>
+  util.return {results} : {result_types}
+}}
+}}
+"""
+
+# q4_linear_parts where there is no hand-written product: the product (the function @{inner}, merged in from its own
+# template), then its columns sliced into the parts.
+_PARTS_OF_PRODUCT = r"""
+module {{
+{inner_module}
+util.func private @{name}(%a: tensor<?x{k}xf32>, {args}) -> ({result_types}) {{
+  %c0 = arith.constant 0 : index
+  %rows = tensor.dim %a, %c0 : tensor<?x{k}xf32>
+  %r = util.call @{inner}(%a, %qs, %d, %m) : (tensor<?x{k}xf32>, {arg_types}) -> tensor<?x{n}xf32>
+  {slices}
+  util.return {results} : {result_types}
 }}
 }}
 """
@@ -740,10 +765,72 @@ def _register() -> dict:
 
     def emit(kb: KernelBuilder, name: str, asm: str) -> None:
         fn = template.inline_template_function(kb, name, name, asm=asm)
-        kb.yield_results(*call_function(fn, *kb.arg_bindings))
+        # An attribute (an int argument of the op's signature) is no value of the IR: it has no binding.
+        kb.yield_results(*call_function(fn, *(b for b in kb.arg_bindings if b is not None)))
 
     def shape(kb: KernelBuilder, i: int) -> list:
         return RankedTensorType(kb.arg_value(i).type).shape
+
+    def emit_q4_rows(kb: KernelBuilder, sizes: dict, nb: int, k: int, parts: tuple[int, ...]) -> None:
+        """The hand-written product of many rows (prefill_products.py), one output or one per part (tiles each)."""
+        tag = f"{nb * Q4_TILE}x{k}" + "".join(f"_{p * Q4_TILE}" for p in parts)
+        name = f"eddy_mm_q4_{tag}_{_dot_form}"
+        qx, exe = f"eddy_qx_{tag}_{_dot_form}", f"eddy_q4_rows_{tag}_{_dot_form}"
+        outs = parts or (nb,)
+        emit(kb, name, _MM_X86.format(
+            name=name, args=_Q4_ARGS.format(**sizes), steps=prefill_products.STEPS,
+            executables=prefill_products.quantise_rows_executable(qx, k)
+            + prefill_products.q4_rows_executable(_dot_form, exe, nb, k, parts),
+            quantise=prefill_products.quantise_rows_call(qx, k, "%a", "%rows", "%rows2", "%xq", "%xs"),
+            call=prefill_products.q4_rows_call(exe, nb, k, "%xq", "%xs", "%rows", "%rows2", "%qs", "%d", "%m",
+                                               f"%r:{len(outs)}" if parts else "%r", parts),
+            result_types=", ".join(f"tensor<?x{p * Q4_TILE}xf32>" for p in outs),
+            results=", ".join(f"%r#{i}" for i in range(len(outs))) if parts else "%r", **sizes))
+
+    def q4_sizes(kb: KernelBuilder) -> tuple[dict, int, int]:
+        (_, k), (nb, groups, gb) = shape(kb, 0), shape(kb, 1)
+        return (dict(nb=nb, n=nb * Q4_TILE, k=k, gb=gb, gc=2 * gb, gw=gb // 4, t=Q4_TILE, groups=groups,
+                     g=k // groups), nb, k)
+
+    @CustomOp.register(library=library)
+    class mmt_q4_parts(CustomOp):
+        """mmt_q4 of many rows on an x86 CPU with its output columns in parts (the first `first` and the next `second`
+        columns, then the rest), each a tensor of its own: q, k and v, which as slices of one [rows, q|k|v] tensor
+        were three strided copies a layer."""
+        signature = "mmt_q4_parts(Tensor a, Tensor qs, Tensor d, Tensor m, int first, int second) -> (Tensor, Tensor, Tensor)"
+
+        def select(self, ksel: KernelSelection) -> None:
+            a, *weights = (ksel.arg_tensor(i) for i in range(4))
+            for t in weights:
+                t.specialize_all_dims()
+            a.specialize_dims(1)
+            first, second = ksel.attr_int(4).v, ksel.attr_int(5).v
+            rest = weights[0].t.shape[0] * Q4_TILE - first - second
+            for cols in (first, second, rest):
+                ksel.return_new_tensor([a.t.shape[0], cols], dtype=torch.float32)
+
+        def eager_execute(self, a, qs, d, m, first, second):
+            y = a @ dequantise_q4(*untile_q4({"weight": qs, "scale": d, "offset": m}).values()).T
+            return y[:, :first], y[:, first:first + second], y[:, first + second:]
+
+        def generate(self, ksel: KernelSelection, kb: KernelBuilder) -> None:
+            sizes, nb, k = q4_sizes(kb)
+            first, second = (ksel.arg_descs[i].v for i in (4, 5))
+            cols = (first, second, nb * Q4_TILE - first - second)
+            if _dot_form and first % Q4_TILE == 0 and second % Q4_TILE == 0:
+                emit_q4_rows(kb, sizes, nb, k, tuple(c // Q4_TILE for c in cols))
+                return
+            inner, tag = f"eddy_mm_q4_{nb * Q4_TILE}x{k}", "_".join(map(str, cols))
+            module = _MM_Q4.format(name=inner, **sizes).strip()
+            types = [f"tensor<?x{c}xf32>" for c in cols]
+            slices = "\n  ".join(
+                f"%p{i} = tensor.extract_slice %r[0, {sum(cols[:i])}] [%rows, {c}] [1, 1] : "
+                f"tensor<?x{nb * Q4_TILE}xf32> to {types[i]}" for i, c in enumerate(cols))
+            name = f"{inner}_parts_{tag}"
+            emit(kb, name, _PARTS_OF_PRODUCT.format(
+                name=name, inner=inner, inner_module=module[len("module {"):-1], args=_Q4_ARGS.format(**sizes),
+                arg_types=", ".join(t.split(": ")[1] for t in _Q4_ARGS.format(**sizes).split(", ")),
+                slices=slices, results="%p0, %p1, %p2", result_types=", ".join(types), **sizes))
 
     @CustomOp.register(library=library)
     class mmt_q4(CustomOp):
@@ -756,21 +843,10 @@ def _register() -> dict:
             return a @ dequantise_q4(*untile_q4({"weight": qs, "scale": d, "offset": m}).values()).T
 
         def generate(self, ksel: KernelSelection, kb: KernelBuilder) -> None:
-            (rows, k), (nb, groups, gb) = shape(kb, 0), shape(kb, 1)
-            sizes = dict(nb=nb, n=nb * Q4_TILE, k=k, gb=gb, gc=2 * gb, gw=gb // 4, t=Q4_TILE, groups=groups,
-                         g=k // groups)
-            tag = f"{nb * Q4_TILE}x{k}"
+            sizes, nb, k = q4_sizes(kb)
+            rows, tag = shape(kb, 0)[0], f"{nb * Q4_TILE}x{k}"
             if rows != 1 and _dot_form:
-                name = f"eddy_mm_q4_{tag}_{_dot_form}"
-                qx, exe = f"eddy_qx_{tag}_{_dot_form}", f"eddy_q4_rows_{tag}_{_dot_form}"
-                emit(kb, name, _MM_X86.format(
-                    name=name, args=_Q4_ARGS.format(**sizes), steps=prefill_products.STEPS,
-                    executables=prefill_products.quantise_rows_executable(qx, k)
-                    + prefill_products.q4_rows_executable(_dot_form, exe, nb, k),
-                    quantise=prefill_products.quantise_rows_call(qx, k, "%a", "%rows", "%rows2", "%xq", "%xs"),
-                    call=prefill_products.q4_rows_call(exe, nb, k, "%xq", "%xs", "%rows", "%rows2", "%qs", "%d", "%m",
-                                                       "%r"),
-                    **sizes))
+                emit_q4_rows(kb, sizes, nb, k, ())
             elif rows != 1:
                 name = f"eddy_mm_q4_{tag}"
                 emit(kb, name, _MM_Q4.format(name=name, **sizes))
@@ -1023,7 +1099,7 @@ def _register() -> dict:
         def generate(self, ksel: KernelSelection, kb: KernelBuilder) -> None:
             generate_slice(kb, True)
 
-    return {"q4": mmt_q4, "i8": mmt_i8, "qk": attend_qk, "pv": attend_pv, "pv_rows": attend_pv_rows,
+    return {"q4": mmt_q4, "q4_parts": mmt_q4_parts, "i8": mmt_i8, "qk": attend_qk, "pv": attend_pv, "pv_rows": attend_pv_rows,
             "qk_rows": attend_qk_rows, "attend_rows": attend_rows, "softmax": attend_softmax,
             "softmax_masked": attend_softmax_masked, "slots": first_slots, "blocks": first_blocks}
 

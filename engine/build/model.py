@@ -36,8 +36,9 @@ from torch import nn
 
 from ..arch import Family, family
 from ..config import ATTEND_STEP, Q4_TILE_ROWS, TILE_ROWS, BuildSettings, ModelConfig, auto_kv_dtype
-from .kernels import (attend_rows, first_blocks, first_slots, i8_linear, q4_linear, query_keys, query_keys_rows,
-                      softmax_over_slots, tile_q8, tileable, tiled_rows, weighted_values, weighted_values_rows)
+from .kernels import (attend_rows, first_blocks, first_slots, i8_linear, q4_linear, q4_linear_parts, query_keys,
+                      query_keys_rows, softmax_over_slots, tile_q8, tileable, tiled_rows, weighted_values,
+                      weighted_values_rows)
 from .q4 import Q4_GROUP, dequantise_q4, packable, quantise_q4, tile_q4
 
 TORCH_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
@@ -106,6 +107,19 @@ class Linear(nn.Module):
             y = i8_linear(x, self.weight) if self.in_tiles else F.linear(x, self.weight.float())
             y = y if self.scale is None else y * self.scale
         return y if self.bias is None else y + self.bias
+
+    def parts(self, x: torch.Tensor, first: int, second: int, many: bool) -> tuple[torch.Tensor, ...]:
+        """forward's output [rows, out] as three tensors: the first `first` columns, the next `second`, the rest.
+        A q4 matrix multiplying `many` rows (prefill) writes them as three outputs of one product; otherwise they
+        are slices of its output."""
+        if self.dtype != "q4" or not many:
+            y = self(x)
+            return y[:, :first], y[:, first:first + second], y[:, first + second:]
+        ys = q4_linear_parts(x, self.weight, self.scale, self.offset, first, second)
+        if self.bias is None:
+            return ys
+        b = self.bias
+        return ys[0] + b[:first], ys[1] + b[first:first + second], ys[2] + b[first + second:]
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows as float32 (the embedding lookup of a tied matrix)."""
@@ -252,10 +266,8 @@ class Attention(nn.Module):
         kvh, rep, d = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
         # Grouped-query attention through views and broadcasting: a reshape mixing the dynamic length with
         # head counts breaks torch.export's shape constraints.
-        qkv = self.wqkv(x)
-        q = qkv[:, : cfg.n_heads * d].view(n, cfg.n_heads, d)
-        k = qkv[:, cfg.n_heads * d : (cfg.n_heads + kvh) * d].view(n, kvh, d)
-        v = qkv[:, (cfg.n_heads + kvh) * d :].view(n, kvh, d)
+        q, k, v = self.wqkv.parts(x, cfg.n_heads * d, kvh * d, many=not step.single)
+        q, k, v = q.reshape(n, cfg.n_heads, d), k.reshape(n, kvh, d), v.reshape(n, kvh, d)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = step.rope[self.table, 0], step.rope[self.table, 1]

@@ -152,7 +152,7 @@ stream.executable private @{name} {{
   }}
   builtin.module {{
     func.func @{name}(%xqb: !stream.binding, %xsb: !stream.binding, %qb: !stream.binding, %db: !stream.binding,
-                      %mb: !stream.binding, %rows: index, %ob: !stream.binding) {{
+                      %mb: !stream.binding, %rows: index, {out_bindings}) {{
       %c0 = arith.constant 0 : index
       %c1 = arith.constant 1 : index
       %c16 = arith.constant 16 : index
@@ -185,7 +185,7 @@ stream.executable private @{name} {{
 {prefetch_constants}
       %d = stream.binding.subspan %db[%c0] : !stream.binding -> memref<{nb}x{groups}x16xf16>
       %m = stream.binding.subspan %mb[%c0] : !stream.binding -> memref<{nb}x{groups}x16xf16>
-      %o = stream.binding.subspan %ob[%c0] : !stream.binding -> memref<?x{n}xf32>{{%rows}}
+{out_subspans}
       %last = arith.subi %rows, %c1 : index
       %wx = stream.dispatch.workgroup.id[0] : index
       %wy = stream.dispatch.workgroup.id[1] : index
@@ -295,10 +295,36 @@ def _q4_avx2(block: int) -> tuple[str, list[str]]:
 _Q4_FORMS = {"vnni": _q4_vnni, "avx2": _q4_avx2}
 
 
-def q4_rows_executable(form: str, name: str, tiles: int, k: int) -> str:
+def _store_in_part(value: str, row: str, parts: tuple[int, ...], first: int = 0) -> str:
+    """Stores `value` (16 columns of a row, tile %b's) in the output that holds tile %b, at its own column: the
+    parts after `first` (tiles each), the last taking the rest."""
+    if len(parts) == 1:
+        return f"""
+            %pc{first} = arith.subi %col, %cpart{first} : index
+            vector.store {value}, %res{first}[{row}, %pc{first}] : memref<?x{parts[0] * Q4_TILE}xf32>, vector<16xf32>"""
+    inner = _store_in_part(value, row, parts[1:], first + 1).replace("\n", "\n  ")
+    return f"""
+            %inpart{first} = arith.cmpi ult, %b, %tpart{first + 1} : index
+            scf.if %inpart{first} {{{_store_in_part(value, row, parts[:1], first).replace(chr(10), chr(10) + "  ")}
+            }} else {{{inner}
+            }}"""
+
+
+def _part_constants(parts: tuple[int, ...]) -> str:
+    """%tpart{i}, %cpart{i}: the first tile and column of output i."""
+    starts = [sum(parts[:i]) for i in range(len(parts))]
+    return "".join(f"""
+      %tpart{i} = arith.constant {t} : index
+      %cpart{i} = arith.constant {t * Q4_TILE} : index""" for i, t in enumerate(starts))
+
+
+def q4_rows_executable(form: str, name: str, tiles: int, k: int, parts: tuple[int, ...] = ()) -> str:
     """The `stream.executable` @name computing out [rows, tiles x 16] f32 from x quantised
     (quantise_rows_executable's xq, xs: STEPS rows each), the codes [tiles x groups x Q4_GROUP_BYTES] i8 and
-    scales, offsets [tiles x groups x 16] f16."""
+    scales, offsets [tiles x groups x 16] f16; with `parts` (tiles each, summing to `tiles`), as that many outputs
+    [rows, part x 16] (q, k and v from one product, each stored where its consumers read it whole)."""
+    parts = parts or (tiles,)
+    assert sum(parts) == tiles, (parts, tiles)
     groups, block = k // Q4_GROUP, ROW_BLOCK
     per_tiles = tiles_per_workgroup(tiles, k)
     few_tiles = max(1, -(-tiles // FEW_ROWS_TILE_GROUPS))
@@ -318,8 +344,7 @@ def q4_rows_executable(form: str, name: str, tiles: int, k: int) -> str:
             %n{i} = math.fma %mv, %dmv{i}, %a{i} : vector<16xf32>""")
     real = block // STEPS
     stores = "".join(f"""
-          scf.if %in{j} {{
-            vector.store %acc#{j}, %o[%out{j}, %col] : memref<?x{tiles * Q4_TILE}xf32>, vector<16xf32>
+          scf.if %in{j} {{{_store_in_part(f"%acc#{j}", f"%out{j}", parts)}
           }}""" for j in range(real))
     acc_types = ", ".join(["vector<16xf32>"] * real)
     return _Q4_ROWS.format(
@@ -328,18 +353,22 @@ def q4_rows_executable(form: str, name: str, tiles: int, k: int) -> str:
         per_rows=ROWS_PER_WORKGROUP // STEPS, real=real, steps=STEPS, per_tiles=per_tiles,
         tile_groups=-(-tiles // per_tiles), few_groups=FEW_ROW_GROUPS, per_tiles_few=few_tiles,
         tile_groups_few=-(-tiles // few_tiles),
-        offsets=index_constants(), rows_of_block=_rows_of_block(block),
+        offsets=index_constants() + _part_constants(parts), rows_of_block=_rows_of_block(block),
+        out_bindings=", ".join(f"%ob{i}: !stream.binding" for i in range(len(parts))),
+        out_subspans="\n".join(f"      %res{i} = stream.binding.subspan %ob{i}[%c0] : !stream.binding -> "
+                               f"memref<?x{p * Q4_TILE}xf32>{{%rows}}" for i, p in enumerate(parts)),
         iter_args=", ".join(f"%af{j} = %zv" for j in range(real)), acc_types=acc_types,
         group=body.format(nb=tiles, groups=groups), scale="".join(scale),
         yields=", ".join(f"%n{STEPS * j + STEPS - 1}" for j in range(real)), stores=stores)
 
 
 def q4_rows_call(name: str, tiles: int, k: int, xq: str, xs: str, rows: str, rows2: str, q: str, d: str, m: str,
-                 out: str) -> str:
+                 out: str, parts: tuple[int, ...] = ()) -> str:
     """The `flow.dispatch` of q4_rows_executable @name, binding `out` (tensor<?x tiles*16 x f32>, `rows` rows; xq
-    and xs have `rows2` = STEPS x `rows`)."""
+    and xs have `rows2` = STEPS x `rows`); with `parts`, `out` names their results (`%r:3`, one per part)."""
     groups = k // Q4_GROUP
+    results = ", ".join(f"tensor<?x{p * Q4_TILE}xf32>{{{rows}}}" for p in parts or (tiles,))
     return (f"{out} = flow.dispatch @{name}::@{name}[{rows}]({xq}, {xs}, {q}, {d}, {m}, {rows}) : "
             f"(tensor<?x{groups}x8xi32>{{{rows2}}}, tensor<?x{groups}x2xf32>{{{rows2}}}, "
             f"tensor<{tiles}x{groups}x{Q4_GROUP_BYTES}xi8>, tensor<{tiles}x{groups}x16xf16>, "
-            f"tensor<{tiles}x{groups}x16xf16>, index) -> tensor<?x{tiles * Q4_TILE}xf32>{{{rows}}}")
+            f"tensor<{tiles}x{groups}x16xf16>, index) -> ({results})")
