@@ -233,12 +233,13 @@ class Step:
     mask_t: torch.Tensor  # the two transposed, [attended, n]: prefill's attention in one op (kernels.attend_rows)
     local_mask_t: torch.Tensor
     single: bool  # one query (decode)
+    kept: torch.Tensor | None  # each new token's row of sink_keys: its sink slot, or the last row (nothing reads)
 
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, settings: BuildSettings, layer: int, index: int, own_ring: bool) -> None:
         super().__init__()
-        self.cfg, self.sinks = cfg, settings.sink_slots
+        self.cfg = cfg
         # Decode reads the keys in blocks on a cpu (kernels.first_blocks); IREE's GPU pipeline failed to bufferize
         # that scores op, and takes the plain slice.
         self.key_blocks = settings.device == "cpu"
@@ -346,23 +347,19 @@ class Attention(nn.Module):
         kernels.query_keys_rows and weighted_values_rows widen them as they read).
 
         The cache is laid out [layers, 2, kv_heads, slots, head_dim] so attention reads it without a
-        transpose. With sinks, `sink_keys` keeps each sink key as first stored (rotated by its own position;
-        its last row takes the writes of every other token), and slots 0..S-1 of the cache get those
-        originals rotated forward by the evicted count each call: the sinks' in-cache distance at O(sinks)
-        cost, with no drift from rotating a rotated key again and again.
+        transpose. With sinks, `sink_keys` [layers, S + 1, kvh, d] keeps each sink key as first stored (rotated
+        by its own position; its last row takes the writes of every other token), and slots 0..S-1 of the cache
+        hold those originals rotated forward by the evicted count: the sinks' in-cache distance at O(sinks) cost,
+        with no drift from rotating a rotated key again and again. The earlier calls' sinks are rotated for every
+        layer at once, before the first (StreamingLlama.shift_sinks): done here, with the keys kept in the cache's
+        order, that was five dispatches a layer where the keeping is now one. A key this call writes to a sink
+        slot goes in as it is: such a call evicts nothing (the host's chunks are never longer than the window, so
+        a call that starts among the sinks ends before the cache is full), and the shift is the identity.
         """
-        cache, sink_keys, slots, sinks, i = step.cache, step.sink_keys, step.slots, self.sinks, self.index
+        cache, slots, i = step.cache, step.slots, self.index
+        if step.sink_keys is not None:
+            step.sink_keys.index_put_((torch.full((1, 1), i, dtype=torch.int64), step.kept.view(1, -1)), from_kv(k))
         self._put(cache, slots, k, v)
-        if sink_keys is not None:
-            layer = torch.full((1, 1), i, dtype=torch.int64)
-            heads = torch.arange(self.cfg.n_kv_heads).view(-1, 1)
-            kept = torch.where(slots < sinks, slots, torch.full_like(slots, sinks))
-            sink_keys.index_put_((layer, heads, kept.view(1, -1)), from_kv(k).transpose(0, 1))
-            originals = sink_keys[i, :, :sinks].float()  # [kvh, S, d]
-            shift = step.shift[self.table]
-            shifted = rotate(originals.transpose(0, 1), shift[0:1], shift[1:2]).transpose(0, 1)
-            cache.index_put_((layer, torch.zeros_like(layer), heads, torch.arange(sinks).view(1, -1)),
-                             to_kv(shifted, cache))
         if self.one_op and not step.single:  # the layer's keys and values as stored, read in place (attend_rows)
             return cache[i, 0], cache[i, 1]
         # One query reads the keys as blocks (kernels.first_blocks), where the device takes them.
@@ -457,7 +454,7 @@ class StreamingLlama(nn.Module):
         kv = KV_STORAGE[auto_kv_dtype(settings.dtype, settings.kv_dtype, settings.device)]
         kvh, d = cfg.n_kv_heads, cfg.head_dim
         self.register_buffer("cache", torch.zeros(len(shared), 2, kvh, settings.slots, d, dtype=kv), persistent=False)
-        sinks = torch.zeros(len(shared), kvh, settings.sink_slots + 1, d) if settings.sink_slots else None
+        sinks = torch.zeros(len(shared), settings.sink_slots + 1, kvh, d) if settings.sink_slots else None
         self.register_buffer("sink_keys", sinks, persistent=False)
         self.register_buffer("ring_cache", torch.zeros(len(local), 2, kvh, ring, d, dtype=kv) if ring else None,
                              persistent=False)
@@ -500,11 +497,33 @@ class StreamingLlama(nn.Module):
             # Local layers read the shared cache and also drop slots local_window or more tokens back (sinks
             # included, once that far).
             local = torch.where(cache_pos.unsqueeze(0) > now - window, mask, neg)
+        sinks = self.settings.sink_slots
+        kept = torch.where(slots < sinks, slots, torch.full_like(slots, sinks)) if self.sink_keys is not None else None
         step = Step(self.cache, self.sink_keys, self.ring_cache, slots, rope, shift, ring_slots, cache_pos, mask, local,
-                    mask.transpose(0, 1), local.transpose(0, 1), single)
+                    mask.transpose(0, 1), local.transpose(0, 1), single, kept)
+        self.shift_sinks(shift)
         for block in self.layers:
             x = block(x, step)
         return self.norm(x)
+
+    def shift_sinks(self, shift: torch.Tensor) -> None:
+        """Slots 0..S-1 of every shared layer's keys: the sinks' original keys (sink_keys, from earlier calls)
+        rotated forward by the evicted count, `shift` [tables, 2, D/2]; one op for all layers (Attention.write_cache)."""
+        if self.sink_keys is None:
+            return
+        sinks, (layers, _, heads, d) = self.settings.sink_slots, self.sink_keys.shape
+        tables = [self.cfg.rope_table(i) for i, b in enumerate(self.layers) if not b.attention.own_ring]
+        # Each layer's table [layers or 1 for all, 2, D/2], by slices: a tensor of the indices was a constant that
+        # IREE lost in compiling (Gemma 3, "resource does not exist").
+        rot = shift[tables[0]].unsqueeze(0) if len(set(tables)) == 1 else torch.stack([shift[t] for t in tables])
+        # rotate()'s products for [layers, sinks, heads, 2 halves, D/2].
+        cos, sin = rot[:, 0], rot[:, 1]
+        c, s = cos.view(-1, 1, 1, 1, d // 2), torch.stack([-sin, sin], dim=1).view(-1, 1, 1, 2, d // 2)
+        halves = self.sink_keys[:, :sinks].view(layers, sinks, heads, 2, d // 2)
+        shifted = (halves * c + halves.flip(3) * s).view(layers, sinks, heads, d).transpose(1, 2)
+        self.cache.index_put_((torch.arange(layers).view(-1, 1, 1), torch.zeros((1, 1, 1), dtype=torch.int64),
+                               torch.arange(heads).view(1, -1, 1), torch.arange(sinks).view(1, 1, -1)),
+                              to_kv(shifted, self.cache))
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         logits = (self.tok_embeddings if self.output is None else self.output)(x)
