@@ -794,10 +794,12 @@ def _register() -> dict:
 
     @CustomOp.register(library=library)
     class mmt_q4_parts(CustomOp):
-        """mmt_q4 of many rows on an x86 CPU with its output columns in parts (the first `first` and the next `second`
-        columns, then the rest), each a tensor of its own: q, k and v, which as slices of one [rows, q|k|v] tensor
-        were three strided copies a layer."""
-        signature = "mmt_q4_parts(Tensor a, Tensor qs, Tensor d, Tensor m, int first, int second) -> (Tensor, Tensor, Tensor)"
+        """mmt_q4 of many rows with its output columns in parts (the first `first` and the next `second` columns,
+        then the rest), each a tensor of its own: q, k and v, which as slices of one [rows, q|k|v] tensor were three
+        strided copies a layer. The hand-written product (an x86 CPU) stores each part in its own output; elsewhere
+        the parts are slices of the product, inside the op."""
+        signature = ("mmt_q4_parts(Tensor a, Tensor qs, Tensor d, Tensor m, int first, int second) "
+                     "-> (Tensor, Tensor, Tensor)")
 
         def select(self, ksel: KernelSelection) -> None:
             a, *weights = (ksel.arg_tensor(i) for i in range(4))
@@ -1099,8 +1101,8 @@ def _register() -> dict:
         def generate(self, ksel: KernelSelection, kb: KernelBuilder) -> None:
             generate_slice(kb, True)
 
-    return {"q4": mmt_q4, "q4_parts": mmt_q4_parts, "i8": mmt_i8, "qk": attend_qk, "pv": attend_pv, "pv_rows": attend_pv_rows,
-            "qk_rows": attend_qk_rows, "attend_rows": attend_rows, "softmax": attend_softmax,
+    return {"q4": mmt_q4, "q4_parts": mmt_q4_parts, "i8": mmt_i8, "qk": attend_qk, "pv": attend_pv,
+            "pv_rows": attend_pv_rows, "qk_rows": attend_qk_rows, "attend_rows": attend_rows, "softmax": attend_softmax,
             "softmax_masked": attend_softmax_masked, "slots": first_slots, "blocks": first_blocks}
 
 

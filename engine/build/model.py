@@ -508,7 +508,8 @@ class StreamingLlama(nn.Module):
 
     def shift_sinks(self, shift: torch.Tensor) -> None:
         """Slots 0..S-1 of every shared layer's keys: the sinks' original keys (sink_keys, from earlier calls)
-        rotated forward by the evicted count, `shift` [tables, 2, D/2]; one op for all layers (Attention.write_cache)."""
+        rotated forward by the evicted count, `shift` [tables, 2, D/2]; one op for all layers
+        (Attention.write_cache)."""
         if self.sink_keys is None:
             return
         sinks, (layers, _, heads, d) = self.settings.sink_slots, self.sink_keys.shape

@@ -53,7 +53,7 @@ WORKGROUP_WEIGHT_BYTES = 96 * 1024
 # workgroups a group of rows, and every call splits its rows evenly between its groups (in whole blocks). A worker
 # that runs out of workgroups waits for the other's last one: in a 30-token turn the workgroups of 5-17 tiles and
 # 18 or 12 rows left one of the two workers idle for 13-17 % of each product (its time in the dispatch profile
-# against the product's), about 3.6 of the turn's 50 ms; a 512-token chunk, with 29 groups of rows, lost 1-2 %.
+# against the product's), about 3.6 ms of the turn's 50; a 512-token chunk, with 29 groups of rows, lost 1-2 %.
 FEW_ROW_GROUPS = 2
 FEW_ROWS_TILE_GROUPS = 32
 # Rows a workgroup of the quantising dispatch takes.
@@ -140,14 +140,7 @@ def quantise_rows_call(name: str, k: int, x: str, rows: str, rows2: str, xq: str
 _Q4_ROWS = """
 stream.executable private @{name} {{
   stream.executable.export public @{name} workgroups(%rows: index) -> (index, index, index) {{
-    %c1 = arith.constant 1 : index
-    %per = arith.constant {per_rows} : index
-    %n = arith.ceildivui %rows, %per : index
-    %few_rows = arith.constant {few_groups} : index
-    %few = arith.cmpi ule, %n, %few_rows : index
-    %tw_many = arith.constant {tile_groups} : index
-    %tw_few = arith.constant {tile_groups_few} : index
-    %tw = arith.select %few, %tw_few, %tw_many : index
+    %c1 = arith.constant 1 : index{tile_groups}
     stream.return %tw, %n, %c1 : index, index, index
   }}
   builtin.module {{
@@ -158,15 +151,8 @@ stream.executable private @{name} {{
       %c16 = arith.constant 16 : index
       %cg = arith.constant {groups} : index
       %cnb = arith.constant {nb} : index
-      %crb = arith.constant {real} : index
-      %cper = arith.constant {per_rows} : index
-      %ngroups = arith.ceildivui %rows, %cper : index
-      %few_rows = arith.constant {few_groups} : index
-      %few = arith.cmpi ule, %ngroups, %few_rows : index
-      %tpw_many = arith.constant {per_tiles} : index
-      %tpw_few = arith.constant {per_tiles_few} : index
-      %ctpw = arith.select %few, %tpw_few, %tpw_many : index
-      %even = arith.ceildivui %rows, %ngroups : index
+      %crb = arith.constant {real} : index{tiles_per_workgroup}
+      %even = arith.ceildivui %rows, %n : index
       %even_blocks = arith.ceildivui %even, %crb : index
       %crpw = arith.muli %even_blocks, %crb : index
       %zi = arith.constant dense<0> : vector<16xi32>
@@ -295,6 +281,16 @@ def _q4_avx2(block: int) -> tuple[str, list[str]]:
 _Q4_FORMS = {"vnni": _q4_vnni, "avx2": _q4_avx2}
 
 
+def _by_row_groups(out: str, many: int, few: int, indent: str) -> str:
+    """MLIR lines setting %n to the groups of rows a call of %rows rows takes and `out` to `many`, or to `few` in a
+    short call (at most FEW_ROW_GROUPS groups): the dispatch's workgroup count and its workgroups' share agree."""
+    lines = [f"%per = arith.constant {ROWS_PER_WORKGROUP // STEPS} : index", "%n = arith.ceildivui %rows, %per : index",
+             f"%few_rows = arith.constant {FEW_ROW_GROUPS} : index", "%few = arith.cmpi ule, %n, %few_rows : index",
+             f"{out}_many = arith.constant {many} : index", f"{out}_few = arith.constant {few} : index",
+             f"{out} = arith.select %few, {out}_few, {out}_many : index"]
+    return "".join(f"\n{indent}{line}" for line in lines)
+
+
 def _store_in_part(value: str, row: str, parts: tuple[int, ...], first: int = 0) -> str:
     """Stores `value` (16 columns of a row, tile %b's) in the output that holds tile %b, at its own column: the
     parts after `first` (tiles each), the last taking the rest."""
@@ -350,9 +346,9 @@ def q4_rows_executable(form: str, name: str, tiles: int, k: int, parts: tuple[in
     return _Q4_ROWS.format(
         name=name, groups=groups, nb=tiles, n=tiles * Q4_TILE, gb=Q4_GROUP_BYTES, block=block,
         prefetch_constants=q4_prefetch_constants(tiles, groups), prefetch=q4_prefetch(tiles, groups),
-        per_rows=ROWS_PER_WORKGROUP // STEPS, real=real, steps=STEPS, per_tiles=per_tiles,
-        tile_groups=-(-tiles // per_tiles), few_groups=FEW_ROW_GROUPS, per_tiles_few=few_tiles,
-        tile_groups_few=-(-tiles // few_tiles),
+        real=real, steps=STEPS,
+        tile_groups=_by_row_groups("%tw", -(-tiles // per_tiles), -(-tiles // few_tiles), "    "),
+        tiles_per_workgroup=_by_row_groups("%ctpw", per_tiles, few_tiles, "      "),
         offsets=index_constants() + _part_constants(parts), rows_of_block=_rows_of_block(block),
         out_bindings=", ".join(f"%ob{i}: !stream.binding" for i in range(len(parts))),
         out_subspans="\n".join(f"      %res{i} = stream.binding.subspan %ob{i}[%c0] : !stream.binding -> "
