@@ -318,11 +318,13 @@ class Attention(nn.Module):
         return scores if self.softcap is None else torch.tanh(scores / self.softcap) * self.softcap
 
     def _put(self, buffer: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        # Keys and values in one write (one scatter dispatch; two index_put_ calls were two).
+        # Keys and values in one write (one scatter dispatch; two index_put_ calls were two), indexed in the order
+        # they come ([2, n, kvh, d]): transposed to the cache's, IREE fused the transpose into the scatter with a tile
+        # of it on the stack, 64 kB at a head_dim of 128 (the limit is 32 kB).
         layer = torch.full((1, 1, 1), self.index, dtype=torch.int64)
         kv = torch.arange(2).view(-1, 1, 1)
-        heads = torch.arange(self.cfg.n_kv_heads).view(1, -1, 1)
-        buffer.index_put_((layer, kv, heads, slots.view(1, 1, -1)), torch.stack([k, v]).transpose(1, 2))
+        heads = torch.arange(self.cfg.n_kv_heads).view(1, 1, -1)
+        buffer.index_put_((layer, kv, heads, slots.view(1, -1, 1)), torch.stack([k, v]))
 
     def ring_kv(self, step: Step, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A local layer's own ring of local_window slots: the keys and values its queries see, [kvh, *, d].
@@ -358,7 +360,7 @@ class Attention(nn.Module):
         """
         cache, slots, i = step.cache, step.slots, self.index
         if step.sink_keys is not None:
-            step.sink_keys.index_put_((torch.full((1, 1), i, dtype=torch.int64), step.kept.view(1, -1)), from_kv(k))
+            step.sink_keys.index_put_((torch.full((1, 1), i, dtype=torch.int64), step.kept.view(1, -1)), k)
         self._put(cache, slots, k, v)
         if self.one_op and not step.single:  # the layer's keys and values as stored, read in place (attend_rows)
             return cache[i, 0], cache[i, 1]
@@ -449,12 +451,13 @@ class StreamingLlama(nn.Module):
         self.output = None if cfg.tie_embeddings else Linear(cfg.vocab_size, cfg.dim, head)
         # One cache global for all shared layers (and one ring for the local ones): with many per-layer globals a
         # zero-splat initialiser gave wrong logits in IREE. Their type is the build's kv_dtype (values are written
-        # rounded to it and read back widened to float32); the sinks' original keys stay float32: they are
-        # rotated again on every call, and there are only a few.
+        # rounded to it and read back widened to float32), the sinks' original keys' too: they hold the keys as the
+        # cache does, so nothing is lost, and their write reads the rounded keys as they are (widened to float32
+        # inside the write's dispatch, a head_dim-128 model's tile of them took 32 kB of stack: over the limit).
         kv = KV_STORAGE[auto_kv_dtype(settings.dtype, settings.kv_dtype, settings.device)]
         kvh, d = cfg.n_kv_heads, cfg.head_dim
         self.register_buffer("cache", torch.zeros(len(shared), 2, kvh, settings.slots, d, dtype=kv), persistent=False)
-        sinks = torch.zeros(len(shared), settings.sink_slots + 1, kvh, d) if settings.sink_slots else None
+        sinks = torch.zeros(len(shared), settings.sink_slots + 1, kvh, d, dtype=kv) if settings.sink_slots else None
         self.register_buffer("sink_keys", sinks, persistent=False)
         self.register_buffer("ring_cache", torch.zeros(len(local), 2, kvh, ring, d, dtype=kv) if ring else None,
                              persistent=False)
@@ -520,7 +523,7 @@ class StreamingLlama(nn.Module):
         # rotate()'s products for [layers, sinks, heads, 2 halves, D/2].
         cos, sin = rot[:, 0], rot[:, 1]
         c, s = cos.view(-1, 1, 1, 1, d // 2), torch.stack([-sin, sin], dim=1).view(-1, 1, 1, 2, d // 2)
-        halves = self.sink_keys[:, :sinks].view(layers, sinks, heads, 2, d // 2)
+        halves = from_kv(self.sink_keys[:, :sinks]).view(layers, sinks, heads, 2, d // 2)
         shifted = (halves * c + halves.flip(3) * s).view(layers, sinks, heads, d).transpose(1, 2)
         self.cache.index_put_((torch.arange(layers).view(-1, 1, 1), torch.zeros((1, 1, 1), dtype=torch.int64),
                                torch.arange(heads).view(1, -1, 1), torch.arange(sinks).view(1, 1, -1)),
