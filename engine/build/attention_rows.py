@@ -217,20 +217,41 @@ def weighted_values_call(name: str, h: int, r: int, d: int, e: str, probs: str, 
 # 16 queries of one (kv head, rep) pair, so a score is q's vector times one key element broadcast (the keys as
 # stored, [slot, d]), the softmax's maximum and sum over the slots are elementwise across slot vectors, and the
 # output, kept transposed [d, 16 queries], is the probabilities' vector times one value element broadcast. A
-# workgroup takes a kv head and ATTEND_VECTORS such vectors of queries; per block of ATTEND_STEP slots it widens
-# the keys and values once into its stack (shared by its vectors), takes the scores from a mask (transposed:
-# [slots, queries]) plus the products, rescales what it holds by the new maximum (the online softmax), and adds the
-# block's probabilities times values.
+# workgroup takes a kv head and `vectors` such vectors of queries; per block of ATTEND_STEP slots it widens the keys
+# into its stack (shared by its vectors), takes the scores from a mask (transposed: [slots, queries]) plus the
+# products, rescales what it holds by the new maximum (the online softmax), then widens the values into the same
+# stack and adds the block's probabilities times values.
 # What it replaced: the scores (a matmul for which IREE widened and packed the attended keys on every call), the
 # softmax and the output, three dispatches each going over scores held in memory: [kv heads, rep, n, slots] float32
 # twice, 19 MB each for a 512-token chunk at 1024 slots. Default model (AMD EPYC, dispatch profiles): the same time
 # (a 30-token turn at 1000: 17.2 against 17.7 ms; a 512-token chunk: 127-133 against 135 ms), 90 dispatches fewer a
 # call, and a 1024-token prefill's peak resident memory 331 -> 246 MB.
-ATTEND_VECTORS = 2
+#
+# Its stack holds the widened keys or values of `staged` slots [staged, d], and per vector of queries the block's
+# scores [16, 16] and the output's sums [d, 16], all float32: it grows with d, and IREE refuses a dispatch whose
+# stack passes 32 kB (on every CPU: it counts the allocations, not the registers spilled). attend_plan takes the
+# most vectors, then the most staged slots, whose stack fits ATTEND_STACK: two vectors and all 16 slots up to a
+# head_dim of 128 (Llama 3 8B, Mistral, Qwen3), one vector staging 8 slots at a time at 256 (Gemma).
+ATTEND_STACK = 28 << 10
 # Slots whose scores (and outputs' dimensions whose sums) are accumulated at once: independent chains of
 # multiply-adds for the latency, within the registers.
 SCORE_SLOTS = 8
 OUT_DIMS = 8
+
+
+def attend_stack(d: int, vectors: int, staged: int) -> int:
+    """Bytes of stack a workgroup of attend_rows_executable takes."""
+    return 4 * (staged * d + vectors * (16 * 16 + d * 16))
+
+
+def attend_plan(d: int) -> tuple[int, int] | None:
+    """(vectors of queries a workgroup takes, slots of keys or values it widens at a time) for head_dim d, or None
+    where no plan's stack fits (prefill then takes the attention's pieces: kernels.query_keys_rows and after)."""
+    if d % 16:
+        return None
+    return next(((vectors, staged) for vectors in (2, 1) for staged in (16, SCORE_SLOTS)
+                 if attend_stack(d, vectors, staged) <= ATTEND_STACK), None)
+
 
 _ATTEND = """
 stream.executable private @{name} {{
@@ -257,6 +278,7 @@ stream.executable private @{name} {{
       %cd = arith.constant {d} : index
       %cso = arith.constant {so} : index
       %cod = arith.constant {od} : index
+      %cst = arith.constant {staged} : index
       %zv = arith.constant dense<0.0> : vector<16xf32>
       %lowest = arith.constant dense<-3.0e+38> : vector<16xf32>
       %one = arith.constant dense<1.0> : vector<16xf32>
@@ -275,19 +297,27 @@ stream.executable private @{name} {{
       %all = arith.muli %nv, %cr : index
       %last = arith.subi %all, %c1 : index
       %first = arith.muli %wx, %per : index{vectors}
-      %kf = memref.alloca() : memref<16x{d}xf32>
-      %vf = memref.alloca() : memref<16x{d}xf32>
+      %st = memref.alloca() : memref<{staged}x{d}xf32>
       %ps = memref.alloca() : memref<{vecs}x16x16xf32>
       %os = memref.alloca() : memref<{vecs}x{d}x16xf32>
       scf.for %j = %c0 to %cd step %c1 {{{zero_out}
       }}
       %fin:{state} = scf.for %sb = %c0 to %cols step %c16 iter_args({iter_args}) -> ({state_types}) {{
-        scf.for %s = %c0 to %c16 step %c1 {{
-          %slot = arith.addi %sb, %s : index{widen}
-        }}
-        scf.for %g = %c0 to %c16 step %cso {{{scores}
+        scf.for %ks = %c0 to %c16 step %cst {{
+          scf.for %s = %c0 to %cst step %c1 {{
+            %kbs = arith.addi %sb, %ks : index
+            %slot = arith.addi %kbs, %s : index{widen_keys}
+          }}
+          scf.for %g = %c0 to %cst step %cso {{{scores}
+          }}
         }}{softmax}
-        scf.for %j = %c0 to %cd step %cod {{{output}
+        scf.for %vs = %c0 to %c16 step %cst {{
+          scf.for %s = %c0 to %cst step %c1 {{
+            %vbs = arith.addi %sb, %vs : index
+            %slot = arith.addi %vbs, %s : index{widen_values}
+          }}
+          scf.for %j = %c0 to %cd step %cod {{{output}
+          }}
         }}
         scf.yield {yields} : {state_types}
       }}{stores}
@@ -298,19 +328,35 @@ stream.executable private @{name} {{
 """
 
 
-def _element(out: str, block: str, row: str, col: str, d: int) -> str:
-    """MLIR lines setting `out` to element [row, col] of a widened block of keys or values (memref<16 x d x f32>,
-    on the stack) in all 16 lanes: the factor a vector of queries is multiplied by."""
+def _element(out: str, block: str, row: str, col: str, d: int, staged: int) -> str:
+    """MLIR lines setting `out` to element [row, col] of the widened keys or values (memref<staged x d x f32>, on
+    the stack) in all 16 lanes: the factor a vector of queries is multiplied by."""
     return f"""
-          {out}_x = memref.load {block}[{row}, {col}] : memref<16x{d}xf32>
+          {out}_x = memref.load {block}[{row}, {col}] : memref<{staged}x{d}xf32>
           {out} = vector.broadcast {out}_x : f32 to vector<16xf32>"""
+
+
+def _widen_rows(src: str, which: str, h: int, d: int, e: str, staged: int) -> str:
+    """MLIR lines widening row %slot of a layer's keys or values `src` (stored as `e`) into row %s of %st."""
+    lines = []
+    for p in range(d // 16):
+        loaded = f"%{which}{p}" if e == "f32" else f"%{which}w{p}"
+        lines.append(f"""
+            {loaded} = vector.load {src}[%kh, %slot, %j{16 * p}] : memref<{h}x?x{d}x{e}>, vector<16x{e}>""")
+        lines += [f"\n            {line}" for line in widen(loaded, e, f"%{which}{p}", 16)]
+        lines.append(f"""
+            vector.store %{which}{p}, %st[%s, %j{16 * p}] : memref<{staged}x{d}xf32>, vector<16xf32>""")
+    return "".join(lines)
 
 
 def attend_rows_executable(name: str, h: int, r: int, d: int, e: str = "f32") -> str:
     """The `stream.executable` @name: out [n, h, r, d] = softmax(q . keys + mask) . values for prefill's n queries,
     from qT [h, r, d, n] (q scaled, transposed), a layer's keys and values [h, slots, d] stored as `e` (read in
-    place, the first cols slots attended) and the mask transposed, [cols, n]. d a multiple of 16, cols of 16."""
-    vecs, so, od = ATTEND_VECTORS, SCORE_SLOTS, OUT_DIMS
+    place, the first cols slots attended) and the mask transposed, [cols, n]. d has a plan (attend_plan); cols is
+    a multiple of 16."""
+    plan = attend_plan(d)
+    assert plan, f"no attention plan fits a head_dim of {d}"
+    (vecs, staged), so, od = plan, SCORE_SLOTS, OUT_DIMS
     ts = range(vecs)
     constants = "\n".join(f"      %t{t} = arith.constant {t} : index" for t in ts) + "\n" + "\n".join(
         f"      %s{g} = arith.constant {g} : index" for g in range(16)) + "\n" + "\n".join(
@@ -332,22 +378,14 @@ def attend_rows_executable(name: str, h: int, r: int, d: int, e: str = "f32") ->
         vector.store %zv, %os[%t{t}, %j, %c0] : memref<{vecs}x{d}x16xf32>, vector<16xf32>""" for t in ts)
     iter_args = ", ".join([f"%mx{t} = %lowest" for t in ts] + [f"%sum{t} = %zv" for t in ts])
     state_types = ", ".join(["vector<16xf32>"] * (2 * vecs))
-    widen_lines = []
-    for which, src, dst in (("k", "%k", "%kf"), ("v", "%v", "%vf")):
-        for p in range(d // 16):
-            loaded = f"%{which}{p}" if e == "f32" else f"%{which}w{p}"
-            widen_lines.append(f"""
-          {loaded} = vector.load {src}[%kh, %slot, %j{16 * p}] : memref<{h}x?x{d}x{e}>, vector<16x{e}>""")
-            widen_lines += [f"\n          {line}" for line in widen(loaded, e, f"%{which}{p}", 16)]
-            widen_lines += [f"""
-          vector.store %{which}{p}, {dst}[%s, %j{16 * p}] : memref<16x{d}xf32>, vector<16xf32>"""]
-    # Scores of SCORE_SLOTS slots at a time: the mask's row (the slot's, over the vector's queries) plus the sum
-    # over d of q's vector times the key's element.
+    # Scores of SCORE_SLOTS slots at a time (%g among the staged ones, from %ks in the block): the mask's row (the
+    # slot's, over the vector's queries) plus the sum over d of q's vector times the key's element.
     scores = []
     for g in range(so):
         scores.append(f"""
           %sl{g} = arith.addi %g, %s{g} : index
-          %ms{g} = arith.addi %sb, %sl{g} : index""")
+          %bl{g} = arith.addi %ks, %sl{g} : index
+          %ms{g} = arith.addi %sb, %bl{g} : index""")
         for t in ts:
             scores.append(f"""
           %a{t}_{g}_0 = vector.maskedload %m[%ms{g}, %i0{t}], %lanes{t}, %zv : memref<?x?xf32>, vector<16xi1>, vector<16xf32> into vector<16xf32>""")
@@ -356,13 +394,13 @@ def attend_rows_executable(name: str, h: int, r: int, d: int, e: str = "f32") ->
             scores.append(f"""
           %q{t}_{j} = vector.maskedload %q[%kh, %rr{t}, %j{j}, %i0{t}], %lanes{t}, %zv : memref<{h}x{r}x{d}x?xf32>, vector<16xi1>, vector<16xf32> into vector<16xf32>""")
         for g in range(so):
-            scores.append(_element(f"%kb{g}_{j}", "%kf", f"%sl{g}", f"%j{j}", d))
+            scores.append(_element(f"%kb{g}_{j}", "%st", f"%sl{g}", f"%j{j}", d, staged))
             scores += [f"""
           %a{t}_{g}_{j + 1} = math.fma %q{t}_{j}, %kb{g}_{j}, %a{t}_{g}_{j} : vector<16xf32>""" for t in ts]
     for t in ts:
         for g in range(so):
             scores.append(f"""
-          vector.store %a{t}_{g}_{d}, %ps[%t{t}, %sl{g}, %c0] : memref<{vecs}x16x16xf32>, vector<16xf32>""")
+          vector.store %a{t}_{g}_{d}, %ps[%t{t}, %bl{g}, %c0] : memref<{vecs}x16x16xf32>, vector<16xf32>""")
     # The online softmax: the block's maximum per query, what is held rescaled to it, the block's exponentials.
     softmax = []
     for t in ts:
@@ -391,25 +429,27 @@ def attend_rows_executable(name: str, h: int, r: int, d: int, e: str = "f32") ->
           %hs{t} = arith.mulf %h{t}, %al{t} : vector<16xf32>
           vector.store %hs{t}, %os[%t{t}, %j, %c0] : memref<{vecs}x{d}x16xf32>, vector<16xf32>""" for t in ts) + """
         }""")
-    # The output: OUT_DIMS of d at a time, each a chain over the block's slots.
+    # The output: OUT_DIMS of d at a time, each a chain over the staged slots (from %vs in the block).
     output = [f"""
           %jj{u} = arith.addi %j, %j{u} : index""" for u in range(od)]
+    output += [f"""
+          %bs{s} = arith.addi %vs, %s{s} : index""" for s in range(staged)]
     for t in ts:
         for u in range(od):
             output.append(f"""
           %o{t}_{u}_0 = vector.load %os[%t{t}, %jj{u}, %c0] : memref<{vecs}x{d}x16xf32>, vector<16xf32>""")
-    for s in range(16):
+    for s in range(staged):
         for t in ts:
             output.append(f"""
-          %pp{t}_{s} = vector.load %ps[%t{t}, %s{s}, %c0] : memref<{vecs}x16x16xf32>, vector<16xf32>""")
+          %pp{t}_{s} = vector.load %ps[%t{t}, %bs{s}, %c0] : memref<{vecs}x16x16xf32>, vector<16xf32>""")
         for u in range(od):
-            output.append(_element(f"%vb{u}_{s}", "%vf", f"%s{s}", f"%jj{u}", d))
+            output.append(_element(f"%vb{u}_{s}", "%st", f"%s{s}", f"%jj{u}", d, staged))
             output += [f"""
           %o{t}_{u}_{s + 1} = math.fma %pp{t}_{s}, %vb{u}_{s}, %o{t}_{u}_{s} : vector<16xf32>""" for t in ts]
     for t in ts:
         for u in range(od):
             output.append(f"""
-          vector.store %o{t}_{u}_16, %os[%t{t}, %jj{u}, %c0] : memref<{vecs}x{d}x16xf32>, vector<16xf32>""")
+          vector.store %o{t}_{u}_{staged}, %os[%t{t}, %jj{u}, %c0] : memref<{vecs}x{d}x16xf32>, vector<16xf32>""")
     yields = ", ".join([f"%bm{t}_15" for t in ts] + [f"%ls{t}_15" for t in ts])
     # Each query's outputs scattered to out[i, kh, rr, j]: lane by lane d * h * r apart.
     stores = "".join(f"""
@@ -427,10 +467,11 @@ def attend_rows_executable(name: str, h: int, r: int, d: int, e: str = "f32") ->
         vector.scatter %o[%at{t}j] [%offs{t}], %stored{t}, %w{t} : memref<?xf32>, vector<16xindex>, vector<16xi1>, vector<16xf32>
       }}""" for t in ts)
     return _ATTEND.format(
-        name=name, h=h, r=r, d=d, e=e, vecs=vecs, so=so, od=od, hrd=h * r * d,
-        constants=constants, vectors=vectors, zero_out=zero_out,
-        state=2 * vecs, iter_args=iter_args, state_types=state_types, widen="".join(widen_lines),
-        scores="".join(scores), softmax="".join(softmax), output="".join(output), yields=yields, stores=stores)
+        name=name, h=h, r=r, d=d, e=e, vecs=vecs, staged=staged, so=so, od=od, hrd=h * r * d,
+        constants=constants, vectors=vectors, zero_out=zero_out, state=2 * vecs, iter_args=iter_args,
+        state_types=state_types, widen_keys=_widen_rows("%k", "k", h, d, e, staged),
+        widen_values=_widen_rows("%v", "v", h, d, e, staged), scores="".join(scores), softmax="".join(softmax),
+        output="".join(output), yields=yields, stores=stores)
 
 
 def attend_rows_call(name: str, h: int, r: int, d: int, e: str, q: str, keys: str, values: str, mask: str, n: str,

@@ -36,6 +36,7 @@ from torch import nn
 
 from ..arch import Family, family
 from ..config import ATTEND_STEP, Q4_TILE_ROWS, TILE_ROWS, BuildSettings, ModelConfig, auto_kv_dtype
+from .attention_rows import attend_plan
 from .kernels import (attend_rows, first_blocks, first_slots, i8_linear, q4_linear, q4_linear_parts, query_keys,
                       query_keys_rows, softmax_over_slots, tile_q8, tileable, tiled_rows, weighted_values,
                       weighted_values_rows)
@@ -246,8 +247,9 @@ class Attention(nn.Module):
         # Prefill's attention scores and output as custom ops (kernels.query_keys_rows, weighted_values_rows) on a
         # cpu; elsewhere torch matmuls, IREE's choice.
         self.rows_ops = settings.device == "cpu"
-        # There, with no soft cap and d in whole vectors, the whole attention as one op (kernels.attend_rows).
-        self.one_op = self.rows_ops and cfg.attn_softcap is None and cfg.head_dim % 16 == 0 and not own_ring
+        # There, with no soft cap and a head size its stack fits, the whole attention as one op (kernels.attend_rows).
+        self.one_op = (self.rows_ops and cfg.attn_softcap is None and attend_plan(cfg.head_dim) is not None
+                       and not own_ring)
         self.index = index  # this layer's place in the buffer it writes (the shared cache or the ring)
         self.local = layer in cfg.local_layers  # attends to the last local_window tokens only (Gemma)
         self.own_ring = own_ring
