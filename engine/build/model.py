@@ -560,7 +560,10 @@ class StreamingLlama(nn.Module):
     def reset(self) -> torch.Tensor:
         for buffer in self.state():
             buffer.zero_()
-        return self.cache[0, 0, 0, 0, :1] + 0.0
+        # A tensor that is not the cache (the export must return one): a slice of the zeroed cache was a constant
+        # that IREE computed at load time by filling a whole cache in one workgroup's stack, where one of its
+        # dimensions was 1 (Gemma 3's single KV head: 4 MB, refused).
+        return torch.zeros(1)
 
     def snapshot(self) -> tuple[torch.Tensor, ...]:
         """A copy of the whole cache state: switching conversations restores it instead of prefilling again."""
