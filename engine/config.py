@@ -128,9 +128,11 @@ class ModelConfig:
         exactly that size holds them and the StreamingLLM cache (sinks + window) is kept for the global layers
         alone: Gemma 3 at a window of 8188 then keeps 1024 slots in five layers of six. When the window is
         narrower, local layers read the shared cache masked to their window: they keep the sinks a narrow window
-        needs, as the global layers do.
+        needs, as the global layers do. So do the layers of a model that are all local (a Gemma 3 cut to fewer
+        than six layers), which would leave the StreamingLLM cache to no layer at all.
         """
-        if self.local_layers and self.local_window and self.local_window <= settings.window:
+        if (self.local_layers and self.local_window and self.local_window <= settings.window
+                and len(self.local_layers) < self.n_layers):
             return self.local_window
         return 0
 
