@@ -145,3 +145,28 @@ def test_local_layers_in_a_narrow_window_read_the_shared_cache_with_their_own_ro
         worst = max(worst, float(np.abs(got - ref.feed(ids)[-1].numpy()).max()))
     assert eng.stats.evicted == 34 - narrow.capacity
     assert worst < TOL
+
+
+@pytest.mark.parametrize("kind", ["sliding_attention", "full_attention"])
+def test_a_gemma3_whose_layers_are_all_local_or_all_global_builds_and_matches_transformers(kind, tmp_path, tiny):
+    """A Gemma 3 cut below six layers has no global layer (its pattern puts one in six); one with layer_types all
+    global has no local one. Each builds and runs, past its local window, as transformers' model does."""
+    import torch
+
+    from conftest import transformers_model
+    from engine.build.checkpoint import load_state_dict, read_config, resolve_model
+    from engine.loader import open_model
+
+    source = resolve_model("tiny-random-gemma3")
+    cfg, state = read_config(source), load_state_dict(source)
+    cfg = {**cfg, "layer_types": [kind] * cfg["num_hidden_layers"]}
+    folder = _hf_folder(tmp_path / f"gemma3-{kind}", tiny, cfg, state)
+    eng = open_model(str(folder), TINY_SETTINGS).engine
+    assert eng.ring == 0  # no own ring: every layer reads the StreamingLLM cache
+    ids = np.random.RandomState(4).randint(0, cfg["vocab_size"], 24).tolist()
+    with torch.no_grad():
+        ref = transformers_model(cfg, state)(torch.tensor([ids])).logits[0].numpy()
+    eng.reset()
+    got = [eng.prefill(ids[:16])] + [eng.decode(t) for t in ids[16:]]
+    for g, w in zip(got, ref[15:]):
+        assert np.abs(g - w).max() < TOL
