@@ -52,42 +52,20 @@ sys.path.insert(0, str(ROOT))
 from bandwidth import read_bandwidth  # noqa: E402  (bench/bandwidth.py, beside this script)
 from machine import cpu_info  # noqa: E402  (bench/machine.py, beside this script)
 
+from engine import arch  # noqa: E402
 from engine.build.artefacts import MANIFEST  # noqa: E402
+from engine.build.checkpoint.shapes import config  # noqa: E402
 
-# config.json of each size, from the models' cards (the fields Eddy reads).
-SIZES = {
-    "llama-3.2-1b": {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048,
-        "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
-        "head_dim": 64, "vocab_size": 128256, "tie_word_embeddings": True, "rms_norm_eps": 1e-5,
-        "rope_theta": 500000.0, "max_position_embeddings": 131072, "torch_dtype": "bfloat16",
-        "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
-                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-    },
-    "llama-3.2-3b": {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 3072,
-        "intermediate_size": 8192, "num_hidden_layers": 28, "num_attention_heads": 24, "num_key_value_heads": 8,
-        "head_dim": 128, "vocab_size": 128256, "tie_word_embeddings": True, "rms_norm_eps": 1e-5,
-        "rope_theta": 500000.0, "max_position_embeddings": 131072, "torch_dtype": "bfloat16",
-        "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
-                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-    },
-    "llama-3.1-8b": {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
-        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-        "head_dim": 128, "vocab_size": 128256, "tie_word_embeddings": False, "rms_norm_eps": 1e-5,
-        "rope_theta": 500000.0, "max_position_embeddings": 131072, "torch_dtype": "bfloat16",
-        "rope_scaling": {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
-                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-    },
-}
+# config.json of each size (engine/build/checkpoint/shapes.py, from the models' cards).
+SIZES = {name: config(name) for name in ("llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b")}
 STAGE = re.compile(r"building: (.+?) +\d+%")
 
 
 def checkpoint_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
     from engine.build.checkpoint.weights import expected_shapes
 
-    return expected_shapes(cfg)
+    # expected_shapes takes Eddy's family name ("gemma3"), a config.json its model_type ("gemma3_text").
+    return expected_shapes({**cfg, "model_type": arch.for_hf("random", cfg.get("model_type"), []).name})
 
 
 def write_checkpoint(folder: Path, cfg: dict, seed: int = 0) -> int:
