@@ -102,6 +102,7 @@ def config(name: str, layers: int | None = None) -> dict[str, Any]:
     later than a short cut reaches)."""
     cfg = dict(CONFIGS[name])
     fam = arch.for_hf(name, cfg["model_type"], [])
+    cfg["architectures"] = [fam.hf_class]  # llama.cpp's converter picks its model class by it
     if layers is not None:
         cfg["num_hidden_layers"] = layers
     n = cfg["num_hidden_layers"]
