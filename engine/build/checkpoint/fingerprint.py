@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -94,7 +95,8 @@ def file_hashes(paths: list[Path]) -> list[str]:
         out.append(digest)
     if changed:
         try:
-            tmp = memo_file.with_name(f"{memo_file.name}.{os.getpid()}.tmp")
+            # Per thread too: two builds started together (a test's, a server's) each write the memo.
+            tmp = memo_file.with_name(f"{memo_file.name}.{os.getpid()}.{threading.get_ident()}.tmp")
             tmp.write_text(json.dumps(memo, indent=1, sort_keys=True), encoding="utf-8")
             os.replace(tmp, memo_file)  # atomic, so a concurrent reader never sees half a file
         except OSError:
