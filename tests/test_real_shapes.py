@@ -6,12 +6,15 @@ Per family: the f32 build's logits of a prefill, decode steps and a second turn 
 model on the same weights; the default quantised builds, q8 from the folder and q4 from a 4-bit GGUF (Q4_1,
 written with the gguf package), build and run a turn whose logits follow transformers' on the weights they hold.
 One build per family and type, deleted with the checkpoints once the family's tests are done (together they are
-gigabytes).
+gigabytes). A build keeps about one core busy (tracing, writing weights, much of iree-compile), so a family's three
+builds run at once, beside the references, each from when its checkpoint is written: on 2 cores the module took
+6.4 minutes so, 10 one build after another (its peak: 9 GB in all, at Gemma 2's 256k x 2304 float32 embedding).
 """
 from __future__ import annotations
 
 import json
 import shutil
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +46,7 @@ class RealCase:
     ids: list[int]
     reference: np.ndarray  # transformers' logits after each of ids, [len(ids), vocab]
     reference_q4: np.ndarray  # the same with the matrices as the GGUF holds them
+    builds: dict[str, Future]  # dtype -> the artefact folder, built in the background
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -64,32 +68,47 @@ def real(request, tmp_path_factory, tiny) -> RealCase:
     chat = json.loads((tiny.folder / "chat.json").read_text())
     (folder / "tokenizer_config.json").write_text(json.dumps(
         {"bos_token": chat["bos_token"], "eos_token": chat["eos_token"], "chat_template": chat["chat_template"]}))
-    ids = np.random.RandomState(5).randint(0, cfg["vocab_size"], FIRST + STEPS + SECOND).tolist()
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-    reference = _logits(model, ids)
-    source = resolve_model(str(folder))
-    # The same weights with every matrix as the Q4_1 file holds it (the gguf package's own codes); a Q4_1 GGUF's
-    # codes and numbers are what Eddy's q4 keeps, so the q4 build is held to what the file says.
-    state = {k: as_stored(v.numpy(), QUANT) if quantisable(v.numpy()) else v.numpy()
-             for k, v in load_state_dict(source).items()}
-    gguf = write_gguf(work / "q4.gguf", family, read_config(source), state, quant=QUANT, tokenizer=True)
-    del model
-    # A GGUF does not list its local and global layers: its readers (llama.cpp's and Eddy's) take the family's
-    # pattern, under which a cut Gemma 3's two layers are both local. The reference is the model the file holds.
-    held = read_config(source)
-    fam = arch.family(held["model_type"])
-    if fam.local_layers:
-        held["layer_types"] = arch.default_layer_types(fam, LAYERS)
-    reference_q4 = _logits(transformers_model(held, {k: torch.from_numpy(v) for k, v in state.items()}), ids)
-    del state
-    yield RealCase(family, SMALLEST[family], folder, gguf, ids, reference, reference_q4)
+    pool = ThreadPoolExecutor(max_workers=3)
+    builds = {dtype: pool.submit(_build, folder, dtype) for dtype in ("f32", "q8")}
+    try:
+        ids = np.random.RandomState(5).randint(0, cfg["vocab_size"], FIRST + STEPS + SECOND).tolist()
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+        reference = _logits(model, ids)
+        del model
+        source = resolve_model(str(folder))
+        # The same weights with every matrix as the Q4_1 file holds it (the gguf package's own codes); a Q4_1
+        # GGUF's codes and numbers are what Eddy's q4 keeps, so the q4 build is held to what the file says.
+        state = {k: as_stored(v.numpy(), QUANT) if quantisable(v.numpy()) else v.numpy()
+                 for k, v in load_state_dict(source).items()}
+        gguf = write_gguf(work / "q4.gguf", family, read_config(source), state, quant=QUANT, tokenizer=True)
+        builds["q4"] = pool.submit(_build, gguf, "q4")
+        # A GGUF does not list its local and global layers: its readers (llama.cpp's and Eddy's) take the
+        # family's pattern, under which a cut Gemma 3's two layers are both local. The reference is the model
+        # the file holds.
+        held = read_config(source)
+        fam = arch.family(held["model_type"])
+        if fam.local_layers:
+            held["layer_types"] = arch.default_layer_types(fam, LAYERS)
+        reference_q4 = _logits(transformers_model(held, {k: torch.from_numpy(v) for k, v in state.items()}), ids)
+        del state
+    except BaseException:
+        pool.shutdown(cancel_futures=True)
+        raise
+    yield RealCase(family, SMALLEST[family], folder, gguf, ids, reference, reference_q4, builds)
+    pool.shutdown()
     # The builds of this family (f32 alone is gigabytes at a 256k vocabulary) and its checkpoints.
-    for built in _built.pop(family, []):
-        shutil.rmtree(built, ignore_errors=True)
+    for build in builds.values():
+        if build.exception() is None:
+            shutil.rmtree(build.result(), ignore_errors=True)
     shutil.rmtree(work, ignore_errors=True)
 
 
-_built: dict[str, list[Path]] = {}
+def _build(model: Path, dtype: str) -> Path:
+    from engine.build.artefacts import ensure_artefacts
+    from engine.build.checkpoint import resolve_model
+    from engine.config import BuildSettings
+
+    return ensure_artefacts(resolve_model(str(model)), BuildSettings(dtype=dtype))
 
 
 def _logits(model, ids: list[int]) -> np.ndarray:
@@ -103,8 +122,9 @@ def _open(case: RealCase, model: Path, dtype: str):
     from engine.config import BuildSettings
     from engine.loader import open_model
 
+    built = case.builds[dtype].result()  # raises the build's error, if it failed
     loaded = open_model(str(model), BuildSettings(dtype=dtype))
-    _built.setdefault(case.family, []).append(loaded.folder)
+    assert loaded.folder == built
     return loaded.engine
 
 
