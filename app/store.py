@@ -8,6 +8,7 @@ from a newer Eddy without touching it.
 from __future__ import annotations
 
 import json
+import logging
 import sqlite3
 import time
 from dataclasses import dataclass
@@ -17,6 +18,8 @@ from typing import Any, Callable, Iterable, Iterator
 from .branches import ChatTree
 
 DB_FILE = "eddy.db"
+
+log = logging.getLogger(__name__)
 
 # Version 1: the schema as first released. Its IF NOT EXISTS lets step 1 finish a file whose creation was cut
 # short (release 1 created the tables and then set the version in separate transactions).
@@ -265,14 +268,20 @@ def _rollback(conn: sqlite3.Connection) -> None:
             pass
 
 
-def _step_failed(e: Exception, version: int) -> StoreError:
+def _step_failed(e: Exception, version: int, started: int) -> StoreError:
     doing = f"update the chat database from schema version {version - 1} to {version}"
     explained = str(_explain(e, doing)) if isinstance(e, sqlite3.Error) else f"Could not {doing}: {e}."
-    return StoreError(f"{explained} It was left as it was, at version {version - 1}, with all its chats.")
+    if started == version - 1:
+        return StoreError(f"{explained} It was left as it was, at version {version - 1}, with all its chats.")
+    # Earlier steps of this same start did commit (each is its own transaction): "left as it was" would be
+    # untrue for a file that began at `started` (0: release 1's creation cut short, or a foreign file).
+    return StoreError(f"{explained} The steps before it were saved: it was updated from version {started} to "
+                      f"{version - 1} and kept there, with all its chats.")
 
 
-def _apply(conn: sqlite3.Connection, version: int, step: Step) -> None:
-    """Runs step `version` and records it, in one transaction: a crash or an error leaves version - 1 intact."""
+def _apply(conn: sqlite3.Connection, version: int, step: Step, started: int) -> None:
+    """Runs step `version` and records it, in one transaction: a crash or an error leaves version - 1 intact.
+    `started` is the version the file had when this start began updating it (for the error's message)."""
     try:
         conn.execute("BEGIN IMMEDIATE")
         # Another Eddy opening the same old file may have run this step while we waited for the write lock.
@@ -285,24 +294,156 @@ def _apply(conn: sqlite3.Connection, version: int, step: Step) -> None:
         # Step 1 only creates tables in a new file: its errors take open()'s usual path, explained or, for
         # damage, moved aside. A later step fails on an intact older database, which is never damage.
         if version > 1 and isinstance(e, Exception):
-            raise _step_failed(e, version) from e
+            raise _step_failed(e, version, started) from e
         raise
 
 
 def _migrate(conn: sqlite3.Connection, version: int) -> None:
     for target, step in MIGRATIONS:
         if target > version:
-            _apply(conn, target, step)
+            _apply(conn, target, step, version)
+
+
+# --- recovering from damage ----------------------------------------------------------------------------------
+
+# The full-text tables of step 2 (SEARCH). Every row in them is derived from messages and conversations, so
+# damage confined to them (or to their shadow tables, <name>_data and the like) loses nothing: they are dropped
+# and built again. Their triggers share the prefix and go with them.
+SEARCH_TABLES = ("messages_fts", "titles_fts")
+SEARCH_VERSION = 2
+
+
+@dataclass
+class Salvage:
+    """What opening did about a damaged database; the app shows notice() in the window and on --ask."""
+    moved_to: Path | None      # the damaged file, kept as it was found (None: repaired in place)
+    chats_kept: int = 0
+    chats_lost: int = 0
+    messages_kept: int = 0
+    messages_lost: int = 0
+
+    def notice(self) -> str:
+        if self.moved_to is None:
+            return ("The chat database's search index was damaged and has been rebuilt from the chats; "
+                    "no chat was lost.")
+        head = f"The chat database was damaged. The damaged file was kept as {self.moved_to}"
+        if not self.chats_kept:
+            return f"{head}; no chat could be read from it, so Eddy started with an empty one."
+        chats = self.chats_kept + self.chats_lost
+        text = (f"{head}, and {self.chats_kept} of its {chats} chat{'s' if chats != 1 else ''} "
+                f"({self.messages_kept} message{'s' if self.messages_kept != 1 else ''}) were carried into a new one")
+        if self.chats_lost:
+            text += f"; {self.chats_lost} chat{'s' if self.chats_lost != 1 else ''} could not be read"
+        if self.messages_lost:
+            text += f"; {self.messages_lost} message{'s' if self.messages_lost != 1 else ''} could not be read"
+        return text + "."
+
+
+def _quoted(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
+
+
+def _is_search_object(name: str) -> bool:
+    return any(name == t or name.startswith(t + "_") for t in SEARCH_TABLES)
+
+
+def _repair_search_index(path: Path) -> bool:
+    """Rebuilds the search index in place if the damage is confined to it; True if the file is whole again.
+    False (damage elsewhere, or the repair failed): the caller salvages the chats into a new file instead."""
+    try:
+        conn = sqlite3.connect(str(path), isolation_level=None)
+    except sqlite3.Error:
+        return False
+    try:
+        version = _version(conn)
+        if not SEARCH_VERSION <= version <= SCHEMA_VERSION:
+            return False
+        names = [(r[0], r[1]) for r in conn.execute("SELECT name, type FROM sqlite_master")]
+        search = [n for n, _ in names if _is_search_object(n)]
+        # quick_check(table) checks only that table and its indexes: every one outside the index whole means
+        # every chat is readable, whatever the index's own pages hold.
+        for table in ["sqlite_master"] + [n for n, t in names if t == "table" and not _is_search_object(n)
+                                          and not n.startswith("sqlite_")]:
+            if conn.execute(f"PRAGMA quick_check({_quoted(table)})").fetchone()[0] != "ok":
+                return False
+        # DROP TABLE would walk the damaged b-trees to free their pages, and fail on them: the index's entries
+        # are taken out of the schema instead, and VACUUM (which copies only what the schema reaches) leaves
+        # the damaged pages behind. The schema cookie changes so other connections reload the schema.
+        conn.execute("PRAGMA writable_schema=ON")
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            cookie = int(conn.execute("PRAGMA schema_version").fetchone()[0])
+            conn.executemany("DELETE FROM sqlite_master WHERE name=?", [(n,) for n in search])
+            conn.execute(f"PRAGMA schema_version={cookie + 1}")
+            conn.execute("COMMIT")
+        except BaseException:
+            _rollback(conn)
+            raise
+        conn.execute("PRAGMA writable_schema=OFF")
+        conn.close()
+        conn = sqlite3.connect(str(path), isolation_level=None)
+        conn.execute("VACUUM")
+        # The index as step 2 defines it (no later step changed it), filled from the messages and titles.
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            _run_step(conn, SEARCH)
+            conn.execute("COMMIT")
+        except BaseException:
+            _rollback(conn)
+            raise
+        return conn.execute("PRAGMA quick_check").fetchone()[0] == "ok"
+    except sqlite3.Error as e:
+        log.warning("could not rebuild the search index of %s: %s", path, e)
+        return False
+    finally:
+        conn.close()
+
+
+def _rows_until_damage(conn: sqlite3.Connection, sql: str, args: tuple = ()) -> list[sqlite3.Row]:
+    """The rows a query yields before it reaches a damaged page (or none, if it cannot even start)."""
+    out: list[sqlite3.Row] = []
+    try:
+        for row in conn.execute(sql, args):
+            out.append(row)
+    except sqlite3.Error:
+        pass
+    return out
+
+
+def _both_ways(conn: sqlite3.Connection, sql: str) -> list[sqlite3.Row]:
+    # A scan stops at the first damaged leaf; the same scan run backwards reaches the rows beyond it.
+    return _rows_until_damage(conn, sql.format(order="ASC")) + _rows_until_damage(conn, sql.format(order="DESC"))
+
+
+def _row(conn: sqlite3.Connection, table: str, row_id: int) -> dict[str, Any] | None:
+    """One row by its id, found through the table's interior pages: only rows on a damaged page are lost."""
+    try:
+        r = conn.execute(f"SELECT * FROM {table} WHERE rowid=?", (row_id,)).fetchone()
+        return dict(r) if r is not None else None
+    except sqlite3.Error:
+        return None
+
+
+def _columns(conn: sqlite3.Connection, table: str) -> list[str]:
+    return [r[1] for r in conn.execute(f"PRAGMA table_info({table})")]
 
 
 class Store:
     """The chat database. Use Store.open(): it recovers from a damaged file and updates an old one."""
 
-    def __init__(self, path: Path, conn: sqlite3.Connection, recovered_from: Path | None = None) -> None:
+    def __init__(self, path: Path, conn: sqlite3.Connection, recovered_from: Path | None = None,
+                 salvage: Salvage | None = None) -> None:
         self.path = path
         self.conn = conn
         # Where a damaged database was moved to at start-up (None if it was fine): the app tells the user.
         self.recovered_from = recovered_from
+        # What opening did about damage (None: there was none); its notice() is for the user.
+        self.salvage = salvage
+
+    @property
+    def recovery_notice(self) -> str | None:
+        """What the user should be told about damage found at start-up, or None."""
+        return self.salvage.notice() if self.salvage is not None else None
 
     # --- opening -------------------------------------------------------------------------------------------
 
@@ -317,11 +458,21 @@ class Store:
             # the file aside here would take a healthy database, and its WAL, away from the other instance.
             raise _explain(e, "open the chat database") from e
         except sqlite3.DatabaseError as first:
+            log.warning("the chat database %s is damaged: %s", path, first)
+            if _repair_search_index(path):
+                try:
+                    return cls(path, cls._connect(path), salvage=Salvage(moved_to=None))
+                except sqlite3.Error as e:
+                    log.warning("the repaired chat database %s still fails: %s", path, e)
+            # The damaged file is kept as it is, for the user (or a tool such as sqlite3's .recover); the
+            # chats that can still be read are carried into a new one.
             moved = cls._move_aside(path)
             try:
-                return cls(path, cls._connect(path), recovered_from=moved)
+                store = cls(path, cls._connect(path), recovered_from=moved)
             except sqlite3.Error as e:
                 raise StoreError(f"Could not open the chat database {path}: {e} (first attempt: {first})") from e
+            store.salvage = store._carry_over(moved)
+            return store
 
     @staticmethod
     def _connect(path: Path) -> sqlite3.Connection:
@@ -361,6 +512,95 @@ class Store:
             if part.exists():
                 part.rename(Path(f"{target}{suffix}"))
         return target
+
+    def _carry_over(self, source: Path) -> Salvage:
+        """Copies every chat, message, turn and preset that can still be read from the damaged `source` into
+        this (new, empty) database, row by row. Python's sqlite3 has no .recover (that is the sqlite3 shell's),
+        so rows are found every way the file still allows: the table scanned from both ends, and through its
+        indexes, which know a message's id and chat even when the page holding the message is lost."""
+        report = Salvage(moved_to=source)
+        try:
+            old = sqlite3.connect(f"{source.as_uri()}?mode=ro", uri=True)
+        except sqlite3.Error:
+            return report
+        try:
+            old.row_factory = sqlite3.Row
+            try:
+                old.execute("SELECT count(*) FROM sqlite_master").fetchone()
+            except sqlite3.Error:
+                return report  # not even the schema can be read: nothing to carry
+            self._copy_readable(old, report)
+        finally:
+            old.close()
+        log.warning("salvaged %s: %s", source, report)
+        return report
+
+    def _copy_readable(self, old: sqlite3.Connection, report: Salvage) -> None:
+        def ids(sqls: list[str]) -> dict[int, int | None]:
+            found: dict[int, int | None] = {}
+            for sql in sqls:
+                for r in _both_ways(old, sql):
+                    found.setdefault(r[0], r[1])
+            return found
+
+        # id -> its chat's id (as far as an index knows it)
+        message_ids = ids(["SELECT id, conversation_id FROM messages ORDER BY id {order}",
+                           "SELECT id, conversation_id FROM messages INDEXED BY messages_by_conversation "
+                           "ORDER BY conversation_id {order}, seq {order}"])
+        chat_ids = set(ids(["SELECT id, NULL FROM conversations ORDER BY id {order}"]))
+        chat_ids |= {c for c in message_ids.values() if c is not None}
+        messages = [m for m in (_row(old, "messages", i) for i in sorted(message_ids)) if m is not None]
+        by_chat: dict[int, list[dict[str, Any]]] = {}
+        for m in messages:
+            by_chat.setdefault(m["conversation_id"], []).append(m)
+        chats = {}
+        for cid in sorted(chat_ids):
+            row = _row(old, "conversations", cid)
+            mine = by_chat.get(cid, [])
+            if row is None and mine:  # its messages outlived its title
+                created = min(m["created"] for m in mine)
+                row = {"id": cid, "title": "Recovered chat", "created": created,
+                       "updated": max(m["created"] for m in mine)}
+            if row is not None:
+                chats[cid] = row
+        messages = [m for m in messages if m["conversation_id"] in chats]
+        turns = [t for t in (_row(old, "turns", i) for i in sorted(ids(
+            ["SELECT id, NULL FROM turns ORDER BY id {order}",
+             "SELECT id, NULL FROM turns INDEXED BY turns_by_conversation ORDER BY conversation_id {order}"])))
+            if t is not None and t["conversation_id"] in chats]
+        presets = _both_ways(old, "SELECT * FROM presets ORDER BY id {order}")
+
+        kept = {m["id"] for m in messages}
+        has_parents = "parent_id" in _columns(old, "messages")
+        for m in messages:
+            # A message whose parent was lost (or a file from before branches) follows the nearest earlier
+            # message of its chat, as step 3 links an older Eddy's chats, rather than starting a new branch.
+            if has_parents and (m["parent_id"] is None or m["parent_id"] in kept):
+                continue
+            earlier = [p for p in by_chat[m["conversation_id"]] if (p["seq"], p["id"]) < (m["seq"], m["id"])]
+            m["parent_id"] = max(earlier, key=lambda p: (p["seq"], p["id"]))["id"] if earlier else None
+        for t in turns:
+            if t["message_id"] not in kept:
+                t["message_id"] = None
+
+        def insert(conn: sqlite3.Connection, table: str, rows: Iterable[dict[str, Any]]) -> None:
+            wanted = _columns(conn, table)
+            for r in rows:
+                cols = [c for c in wanted if c in r]
+                conn.execute(f"INSERT OR IGNORE INTO {table}({', '.join(cols)}) VALUES "
+                             f"({', '.join('?' * len(cols))})", [r[c] for c in cols])
+
+        # The rows are inserted in id order, a message's parent possibly after it: foreign keys are checked
+        # per statement, so they are off for the copy (every reference was made to point at a kept row above).
+        self.conn.execute("PRAGMA foreign_keys=OFF")
+        try:
+            self._atomic("carry the chats into a new database", lambda conn: (
+                insert(conn, "conversations", chats.values()), insert(conn, "messages", messages),
+                insert(conn, "turns", turns), insert(conn, "presets", (dict(p) for p in presets))))
+        finally:
+            self.conn.execute("PRAGMA foreign_keys=ON")
+        report.chats_kept, report.chats_lost = len(chats), len(chat_ids) - len(chats)
+        report.messages_kept, report.messages_lost = len(messages), len(message_ids) - len(kept)
 
     def close(self) -> None:
         try:
