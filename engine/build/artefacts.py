@@ -14,6 +14,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 from importlib import metadata
 from pathlib import Path
@@ -278,6 +279,54 @@ def check_cpu(folder: Path) -> None:
                          f"To build one for this CPU, {FULL_VERSION_HINT}.")
 
 
+STAGING = re.compile(r"\.building-(\d+)$")  # a build in progress writes "<entry>.building-<its PID>"
+
+
+def staging_name(folder: Path) -> Path:
+    return folder.with_name(f"{folder.name}.building-{os.getpid()}")
+
+
+def staging_alive(folder: Path) -> bool:
+    """Whether the build that named this staging folder still runs. A PID the system has since given to a
+    newer process does not count: that process started after the folder was last written."""
+    match = STAGING.search(folder.name)
+    if not match:
+        return False
+    pid = int(match.group(1))
+    if pid == os.getpid():
+        return True
+    import psutil
+
+    try:
+        started = psutil.Process(pid).create_time()
+        written = os.lstat(folder).st_mtime
+    except psutil.NoSuchProcess:
+        return False
+    except (psutil.Error, OSError):
+        return True  # cannot tell: leave it alone
+    return started <= written + 2.0  # clock granularity between the two timestamps
+
+
+def remove_stale_staging(root: Path) -> list[Path]:
+    """Deletes the staging folders in the cache root whose build is gone (killed, crashed, power lost): no one
+    will ever finish them, and each holds up to a whole model. Returns what was removed."""
+    removed = []
+    try:
+        candidates = [p for p in root.iterdir() if STAGING.search(p.name)]
+    except OSError:
+        return removed
+    for p in candidates:
+        try:
+            if p.is_symlink() or not p.is_dir() or staging_alive(p):
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(p, ignore_errors=True)
+        if not p.exists():
+            removed.append(p)
+    return removed
+
+
 def ensure_artefacts(source: "ModelSource", settings: BuildSettings,
                      progress: "Progress | None" = None,
                      should_cancel: Callable[[], bool] | None = None) -> Path:
@@ -307,7 +356,8 @@ def ensure_artefacts(source: "ModelSource", settings: BuildSettings,
     cfg = ModelConfig.from_hf(read_config(source))
     cfg.check_build(settings)
     check_room(folder.parent, cfg, settings, source.name)
-    staging = folder.with_name(f"{folder.name}.building-{os.getpid()}")
+    remove_stale_staging(folder.parent)
+    staging = staging_name(folder)
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:

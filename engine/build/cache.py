@@ -19,7 +19,7 @@ from typing import IO
 
 from ..config import AUTO_DTYPE, AUTO_KV_DTYPE, BuildSettings, auto_kv_dtype
 from ..errors import EddyError
-from .artefacts import BUILT_FILES, MANIFEST, artefacts_root
+from .artefacts import BUILT_FILES, MANIFEST, artefacts_root, remove_stale_staging, staging_alive
 from .progress import megabytes
 
 try:
@@ -101,16 +101,6 @@ def disk_bytes(folder: Path) -> int:
     return total
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _read(folder: Path) -> tuple[dict | None, str]:
     """(manifest, state) without hashing: a listing must stay quick however large the entries."""
     try:
@@ -133,8 +123,7 @@ def entry(folder: Path) -> CacheEntry:
     match = KEY.search(folder.name)
     key = match.group(1) if match else ""
     if match and match.group(2):
-        pid = int(match.group(2))
-        state = "building" if _pid_alive(pid) else "damaged"  # a build that died leaves its staging folder
+        state = "building" if staging_alive(folder) else "damaged"  # a build that died leaves its staging folder
         manifest = None
     else:
         manifest, state = _read(folder)
@@ -156,6 +145,7 @@ def list_entries(root: Path | None = None) -> list[CacheEntry]:
     root = root or artefacts_root()
     if not root.is_dir():
         return []
+    remove_stale_staging(root)  # a killed build's leftovers are no one's entry: gone before anyone sees them
     found = [entry(p) for p in root.iterdir() if _is_real_dir(p)]
     return sorted(found, key=lambda e: (e.last_used, e.name), reverse=True)
 
@@ -170,6 +160,9 @@ def find(spec: str, root: Path | None = None) -> CacheEntry:
     prefix = spec.lower()
     matches = [e for e in entries if e.key and len(prefix) >= MIN_PREFIX and e.key.startswith(prefix)] \
         if re.fullmatch(r"[0-9a-f]+", prefix) else []
+    # A key names a built entry; a build of the same key in progress beside it must not make it ambiguous.
+    built = [e for e in matches if not KEY.search(e.name).group(2)]
+    matches = built or matches
     if len(matches) == 1:
         return matches[0]
     if matches:

@@ -9,6 +9,11 @@ The parent passes the model and settings as JSON on the command line; the child 
 per line on stdout: {"progress": [stage, fraction, detail]} (engine/build/progress.py; a two-item one, from an
 older child, has no detail), then {"done": {"config": ..., "seconds": ...}} or {"error": {"type": ...,
 "message": ...}}.
+
+A build dies with the process that asked for it, however that one ends (Cancel, an exception, SIGTERM, SIGKILL):
+the child holds the read end of a pipe on its stdin whose only writer is the parent, and ends its whole process
+group (itself and iree-compile) when that pipe reaches end-of-file, which the kernel guarantees once the parent
+is gone. On Linux PR_SET_PDEATHSIG backs this up for the child itself.
 """
 from __future__ import annotations
 
@@ -51,8 +56,10 @@ def build_in_child(source: "ModelSource", settings: BuildSettings, out_dir: Path
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH")]))
     with tempfile.TemporaryFile() as log:
         # A session of its own, so Cancel can end the child and the iree-compile it started in one go.
+        # stdin is the lifeline (see _watch_parent): nothing is ever written to it, it only closes.
         child = subprocess.Popen([sys.executable, "-m", "engine.build.process", json.dumps(job)],
-                                 stdout=subprocess.PIPE, stderr=log, env=env, start_new_session=True)
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env,
+                                 start_new_session=True)
         lines: queue.Queue[str | None] = queue.Queue()
         reader = threading.Thread(target=_pump, args=(child.stdout, lines), daemon=True)
         reader.start()
@@ -84,6 +91,8 @@ def build_in_child(source: "ModelSource", settings: BuildSettings, out_dir: Path
             if child.poll() is None:
                 _kill(child)
             reader.join(timeout=5)
+            if child.stdin:
+                child.stdin.close()  # only now: closing it is what tells a live child to end
         if result is None or child.returncode:
             log.seek(0)
             tail = log.read().decode(errors="replace").strip().splitlines()[-15:]
@@ -112,6 +121,46 @@ def _kill(child: subprocess.Popen) -> None:
     except ProcessLookupError:
         pass
     child.wait()
+
+
+def _watch_parent() -> None:
+    """Ends this build's process group (this process and the iree-compile it runs) once the parent is gone.
+
+    A new session (for Cancel's killpg) also takes the child out of the parent's terminal group, so a SIGTERM
+    or Ctrl-C sent to the parent never reaches it; and SIGKILL runs no cleanup at all. The parent's end of
+    the stdin pipe is closed by the kernel however the parent dies, so EOF here is the one reliable signal."""
+    _set_parent_death_signal()
+    stdin = sys.stdin.buffer if sys.stdin else None
+    if stdin is None:
+        return
+
+    def watch() -> None:
+        try:
+            while stdin.read(4096):
+                pass  # the parent never writes; anything it did is of no interest
+        except (OSError, ValueError):
+            pass
+        try:
+            os.killpg(0, signal.SIGKILL)
+        except OSError:
+            os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def _set_parent_death_signal() -> None:
+    # Belt and braces on Linux: the kernel itself kills this process when the parent dies (the pipe watch
+    # also ends iree-compile, which this does not reach).
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # the pipe watch still stands
 
 
 def _child(job: dict) -> None:
@@ -154,4 +203,5 @@ def _child(job: dict) -> None:
 
 
 if __name__ == "__main__":
+    _watch_parent()
     _child(json.loads(sys.argv[1]))
