@@ -10,9 +10,7 @@ use is refused at once with the reason, before anything starts. Loopback only.
 """
 from __future__ import annotations
 
-import errno
 import logging
-import socket
 import threading
 from dataclasses import dataclass
 from typing import Callable
@@ -22,6 +20,7 @@ from PySide6.QtCore import QObject, Signal
 from engine.events import CacheStats, Done, Event, Prefill
 from engine.run.generation import ChatDefaults
 from engine.run.session import ChatSession
+from engine.serve.listen import listen
 from engine.serve.protocol import APIError
 from engine.serve.worker import Job, JobRunner
 
@@ -176,20 +175,7 @@ class LocalServer(QObject):
 
         if self.running:
             raise RuntimeError("the local server is already running")
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        # A port this server used a moment ago may still have closed connections in TIME_WAIT: allowed again at
-        # once. A port another program listens on is still refused (Linux and macOS both).
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((HOST, config.port))
-            sock.listen(128)  # clients may connect from now on; uvicorn accepts them once its loop runs
-        except OSError as e:
-            sock.close()
-            if e.errno == errno.EADDRINUSE:
-                raise OSError(e.errno, f"port {config.port} is already in use by another program") from None
-            if e.errno == errno.EACCES:
-                raise OSError(e.errno, f"port {config.port} needs administrator rights; choose one above 1023") from None
-            raise
+        sock = listen(HOST, config.port)
         runner = WorkerRunner(session, self._post, self.request_started.emit, self.request_done.emit)
         settings = ServerSettings(config.model_id, config.key or None, config.defaults, config.pin_system,
                                   config.max_tokens, queue_timeout=120.0)
