@@ -235,7 +235,7 @@ def test_auth_size_paths_and_stalled_bodies(served):
     assert served.raw("GET", "/v1/nothing-here")[0] == 404
     # Half a body, then silence: an error once the read times out, and the server goes on.
     with socket.create_connection(("127.0.0.1", served.port), timeout=30) as sock:
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer " + KEY.encode() +
                      b"\r\nContent-Type: application/json\r\nContent-Length: 500\r\n\r\n{\"model\":")
         answer = _read_response(sock)
     assert answer.startswith("HTTP/1.1 408") and "did not arrive" in answer

@@ -1,9 +1,14 @@
 """The HTTP side of `eddy serve`: a Starlette application (run by uvicorn) over one JobRunner (the engine thread).
 
 Every error a client can cause is an OpenAI-shaped JSON error, never a traceback: a body that is not JSON or
-not UTF-8 (400), a wrong key (401), an unknown model or path (404), a body over the limit (413), a field of
+not UTF-8, or nested too deeply (400), a wrong key (401), a Host or Origin of a web page (403, engine/serve/guard.py),
+an unknown model or path (404), a body over the limit (413), a body that is not application/json (415), a field of
 the wrong type or range (422), a request that waited too long for the engine (503 with Retry-After). A client
-that disconnects mid-stream stops its generation within one token.
+that disconnects, streaming or not, stops its generation within one token, and one that leaves while its request
+waits is dropped from the queue.
+
+The event loop answers every client, so nothing on it costs what a client chooses: bodies are parsed and prompts
+tokenised off it, stop sequences are few and short, and max_tokens has a ceiling.
 """
 from __future__ import annotations
 
@@ -16,6 +21,8 @@ from typing import Any, AsyncIterator
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -25,6 +32,7 @@ from ..events import Done, Prefill, Token
 from ..run.generation import ChatDefaults, sampling_params
 from ..run.session import ChatSettings, TurnResult
 from .conversations import Reuse
+from .guard import LOOPBACK_NAMES, BrowserGuard, cors_options
 from .protocol import FINISH, APIError, ChatRequest, CompletionRequest, Sampling, completion_id, now, parse
 from .worker import Job, JobRunner
 
@@ -41,11 +49,19 @@ class ServerSettings:
     queue_timeout: float = 60.0  # seconds a request may wait for the engine before a 503
     body_limit: int = 8 * 1024 * 1024
     read_timeout: float = 30.0  # seconds a client may take to send its body
+    # The longest reply a request may ask for: a stream goes on as long as it is read, but an abandoned
+    # non-streaming one of 10^12 tokens would be nobody's to stop.
+    max_tokens_limit: int = 32768
+    hosts: frozenset[str] | None = LOOPBACK_NAMES  # Host names answered; None: any (every interface, with a key)
+    origins: tuple[str, ...] = ()  # web pages allowed to call (their Origin); "*" for any
 
 
 class StopWatcher:
     """Turns a reply's token events into the text to send, cut at the first stop sequence: text that could be
-    the start of one is held back until it is clear."""
+    the start of one is held back until it is clear.
+
+    Its work per token is bounded by the stop sequences alone (at most 4 of at most STOP_CHARS characters,
+    protocol.py): what it holds back is shorter than the longest of them."""
 
     def __init__(self, stops: list[str]) -> None:
         self.stops, self.pending, self.hit = stops, "", False
@@ -58,9 +74,16 @@ class StopWatcher:
         if found:
             out, self.pending, self.hit = self.pending[: min(found)], "", True
             return out
-        hold = max((k for s in self.stops for k in range(1, len(s)) if self.pending.endswith(s[:k])), default=0)
+        hold = max((self._held(s) for s in self.stops), default=0)
         out, self.pending = self.pending[: len(self.pending) - hold], self.pending[len(self.pending) - hold:]
         return out
+
+    def _held(self, stop: str) -> int:
+        """The longest end of the pending text that starts `stop` (and is shorter than it)."""
+        for k in range(min(len(stop) - 1, len(self.pending)), 0, -1):
+            if self.pending.endswith(stop[:k]):
+                return k
+        return 0
 
     def flush(self) -> str:
         out, self.pending = ("" if self.hit else self.pending), ""
@@ -73,11 +96,17 @@ def create_app(engine: JobRunner, settings: ServerSettings) -> Starlette:
     def authorise(request: Request) -> None:
         if s.api_key is None:
             return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {s.api_key}".encode()):
+        # The scheme is case-insensitive (RFC 9110); the key is compared in constant time.
+        scheme, _, given = request.headers.get("authorization", "").strip().partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), s.api_key.encode()):
             raise APIError(401, "invalid or missing API key (Authorization: Bearer KEY)", kind="authentication_error")
 
-    async def body(request: Request) -> Any:
+    async def body(request: Request, model: type) -> Any:
+        """The request body as `model`, read within the size and time limits and parsed off the event loop."""
+        kind = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+        if kind != "application/json":
+            # A web page can POST text/plain or a form across sites with no preflight: JSON only.
+            raise APIError(415, f"the request body must be application/json (Content-Type was {kind or 'none'!r})")
         length = request.headers.get("content-length")
         if length and length.isdigit() and int(length) > s.body_limit:
             raise APIError(413, f"the request body is over {s.body_limit // (1024 * 1024)} MB")
@@ -95,18 +124,15 @@ def create_app(engine: JobRunner, settings: ServerSettings) -> Starlette:
             await asyncio.wait_for(read(), s.read_timeout)
         except asyncio.TimeoutError:
             raise APIError(408, "the request body did not arrive in time") from None
-        try:
-            return json.loads(b"".join(chunks).decode("utf-8"))
-        except UnicodeDecodeError:
-            raise APIError(400, "the request body is not valid UTF-8") from None
-        except ValueError as e:
-            raise APIError(400, f"the request body is not valid JSON: {e}") from None
+        return await asyncio.to_thread(_parse_body, b"".join(chunks), model)
 
     def check(req: Sampling) -> None:
         if req.model and req.model != s.model_id:
             raise APIError(404, f"the model {req.model!r} does not exist; this server runs {s.model_id!r}", "model",
                            kind="not_found_error")
         req.refuse_what_cannot_be_honoured()
+        if (req.limit() or 0) > s.max_tokens_limit:
+            raise APIError(400, f"max_tokens is over this server's limit of {s.max_tokens_limit}", "max_tokens")
 
     def chat_settings(req: Sampling, system: str | None, limit: int | None) -> ChatSettings:
         try:
@@ -117,14 +143,30 @@ def create_app(engine: JobRunner, settings: ServerSettings) -> Starlette:
                             pin_system=s.pin_system)
 
     async def start(request: Request, work) -> Job:
+        """The job, submitted and started; a client that goes away meanwhile drops it from the queue."""
         job = engine.submit(Job(asyncio.get_running_loop(), work))
+        job.watcher = asyncio.ensure_future(watch(request, job))
+        started = asyncio.ensure_future(job.started.wait())
         try:
-            await asyncio.wait_for(job.started.wait(), s.queue_timeout)
-        except asyncio.TimeoutError:
+            await asyncio.wait({started, job.result}, timeout=s.queue_timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            started.cancel()
+        if not job.started.is_set():
             engine.stop(job)
+            job.watcher.cancel()
             raise APIError(503, "the engine is busy with other requests; try again shortly", kind="server_error",
-                           headers={"Retry-After": "5"}) from None
+                           headers={"Retry-After": "5"})
         return job
+
+    async def watch(request: Request, job: Job) -> None:
+        """Stops the job as soon as its client disconnects. The body has been read, so the next message the
+        server has for this request is its disconnect (a streaming response listens for its own, and this
+        watcher is cancelled when one starts)."""
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                engine.stop(job)
+                return
 
     def timings(prefill: Prefill | None, done: Done | None, reuse: Reuse | None) -> dict[str, Any]:
         if prefill is None:
@@ -153,7 +195,7 @@ def create_app(engine: JobRunner, settings: ServerSettings) -> Starlette:
     async def run(request: Request, job: Job, stops: list[str]) -> AsyncIterator[tuple[str, dict]]:
         """Yields ("text", piece) as the reply grows, then ("end", details); stops the job on a stop sequence or
         when the client has gone."""
-        watch = StopWatcher(stops)
+        stops_ = StopWatcher(stops)
         prefill = done = None
         try:
             while True:
@@ -170,8 +212,8 @@ def create_app(engine: JobRunner, settings: ServerSettings) -> Starlette:
                 if isinstance(event, Prefill) and prefill is None:
                     prefill = event
                 elif isinstance(event, Token):
-                    piece = watch.push(event.text)
-                    if watch.hit:
+                    piece = stops_.push(event.text)
+                    if stops_.hit:
                         engine.stop(job)
                     if piece:
                         yield "text", {"text": piece}
@@ -187,15 +229,17 @@ def create_app(engine: JobRunner, settings: ServerSettings) -> Starlette:
                 raise APIError(500, f"generation failed: {error}", kind="server_error")
             result: TurnResult
             result, reuse = job.result.result()
-            tail = watch.flush()
+            tail = stops_.flush()
             if tail:
                 yield "text", {"text": tail}
-            reason = "stop" if watch.hit else FINISH.get(result.stop_reason, "stop")
+            reason = "stop" if stops_.hit else FINISH.get(result.stop_reason, "stop")
             yield "end", {"finish_reason": reason, "timings": timings(prefill, done, reuse),
                           "usage": usage(prefill, done)}
         finally:
             if not job.result.done():
                 engine.stop(job)  # the client went away (the response was cancelled): free the engine
+            if job.watcher is not None:
+                job.watcher.cancel()
 
     async def collect(request: Request, job: Job, stops: list[str]) -> tuple[str, dict]:
         """A whole reply, for a request that does not stream: its text and how it ended."""
@@ -207,8 +251,12 @@ def create_app(engine: JobRunner, settings: ServerSettings) -> Starlette:
                 end = data
         return "".join(text), end
 
-    def sse(chunks: AsyncIterator[str]) -> StreamingResponse:
-        """Server-sent events: an error after the stream began goes out as its own event, then [DONE]."""
+    def sse(job: Job, chunks: AsyncIterator[str]) -> StreamingResponse:
+        """Server-sent events: an error after the stream began goes out as its own event, then [DONE]. The
+        response listens for the client's disconnect itself, so the job's watcher gives way to it."""
+        if job.watcher is not None:
+            job.watcher.cancel()
+
         async def framed() -> AsyncIterator[str]:
             try:
                 async for chunk in chunks:
@@ -230,7 +278,7 @@ def create_app(engine: JobRunner, settings: ServerSettings) -> Starlette:
 
     async def chat(request: Request) -> Response:
         authorise(request)
-        req = parse(ChatRequest, await body(request))
+        req = await body(request, ChatRequest)
         check(req)
         system, history, user = req.split()
         stops = req.stops()
@@ -256,7 +304,7 @@ def create_app(engine: JobRunner, settings: ServerSettings) -> Starlette:
                             extra["usage"] = data["usage"]
                         yield chunk({}, data["finish_reason"], **extra)
 
-            return sse(events())
+            return sse(job, events())
         text, end = await collect(request, job, stops)
         return JSONResponse({
             "id": ident, "object": "chat.completion", "created": created, "model": s.model_id,
@@ -266,15 +314,16 @@ def create_app(engine: JobRunner, settings: ServerSettings) -> Starlette:
 
     async def completions(request: Request) -> Response:
         authorise(request)
-        req = parse(CompletionRequest, await body(request))
+        req = await body(request, CompletionRequest)
         check(req)
         prompt = req.text()
         if not prompt:
             raise APIError(400, "prompt must not be empty", "prompt")
         stops = req.stops()
         settings_ = chat_settings(req, None, req.limit())
-        ids = engine.session.tokenizer.encode_prompt(prompt)
-        job = await start(request, lambda eng, emit: eng.pool.complete(ids, settings_, emit))
+        # Tokenised on the engine thread: a prompt of megabytes takes seconds, which the event loop must not.
+        job = await start(request, lambda eng, emit: eng.pool.complete(eng.session.tokenizer.encode_prompt(prompt),
+                                                                         settings_, emit))
         ident, created = completion_id("cmpl"), now()
         if req.stream:
             def chunk(text: str, finish: str | None = None, **extra: Any) -> str:
@@ -289,7 +338,7 @@ def create_app(engine: JobRunner, settings: ServerSettings) -> Starlette:
                     else:
                         yield chunk("", data["finish_reason"], timings=data["timings"], usage=data["usage"])
 
-            return sse(events())
+            return sse(job, events())
         text, end = await collect(request, job, stops)
         return JSONResponse({
             "id": ident, "object": "text_completion", "created": created, "model": s.model_id,
@@ -313,5 +362,25 @@ def create_app(engine: JobRunner, settings: ServerSettings) -> Starlette:
         Route("/v1/chat/completions", chat, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
     ]
-    return Starlette(routes=routes, exception_handlers={APIError: api_error, HTTPException: http_error,
-                                                        Exception: server_error})
+    # The guard outermost, so a refused page never reaches CORS or a route; CORS only for origins allowed.
+    middleware = [Middleware(BrowserGuard, hosts=s.hosts, origins=s.origins)]
+    if s.origins:
+        middleware.append(Middleware(CORSMiddleware, **cors_options(s.origins)))
+    return Starlette(routes=routes, middleware=middleware,
+                     exception_handlers={APIError: api_error, HTTPException: http_error, Exception: server_error})
+
+
+def _parse_body(data: bytes, model: type) -> Any:
+    """The body as the request `model` (in a worker thread: 8 MB of JSON is a noticeable pause)."""
+    try:
+        value = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise APIError(400, "the request body is not valid UTF-8") from None
+    except RecursionError:
+        raise APIError(400, "the request body is nested too deeply") from None
+    except ValueError as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}") from None
+    try:
+        return parse(model, value)
+    except RecursionError:
+        raise APIError(400, "the request body is nested too deeply") from None

@@ -15,16 +15,14 @@ from ..events import Done, Prefill
 from ..run.session import ChatSession, ChatSettings, EventSink, SessionState, TurnResult, decode_reply
 from ..run.tokenizer import common_prefix
 
-# A raw completion's conversation is told apart from every chat's by this system prompt, which no chat has.
-_RAW = "\0raw"
-
-
 @dataclass
 class Kept:
     system: str | None
     record: list = field(default_factory=list)  # the messages (or, raw, the tokens) the cache was filled from
     state: SessionState | None = None  # None while it is the conversation in the engine
     used: float = field(default_factory=time.monotonic)
+    # A raw completion's cache (its record is tokens), which no chat request may continue, whatever it sends.
+    raw: bool = False
 
 
 @dataclass(frozen=True)
@@ -46,7 +44,7 @@ class ConversationPool:
     def chat(self, system: str | None, history: list[dict], user: str, settings: ChatSettings,
              emit: EventSink) -> tuple[TurnResult, Reuse]:
         """Answers `user` after `history` (the conversation before it, system prompt apart)."""
-        shared, kept = max(((self._shared(k, history), k) for k in self.kept if k.system == system),
+        shared, kept = max(((self._shared(k, history), k) for k in self.kept if not k.raw and k.system == system),
                            key=lambda pair: (pair[0], pair[1].used), default=(0, None))
         if kept is not None and shared == len(kept.record):
             kind = "extend"
@@ -75,7 +73,7 @@ class ConversationPool:
 
     def complete(self, ids: list[int], settings: ChatSettings, emit: EventSink) -> tuple[TurnResult, Reuse]:
         """A raw completion of the prompt `ids` (no chat template): the cached tokens it starts with are kept."""
-        kept = next((k for k in self.kept if k.system == _RAW), None) or self._add(Kept(_RAW))
+        kept = next((k for k in self.kept if k.raw), None) or self._add(Kept(None, raw=True))
         self._activate(kept)
         session, engine = self.session, self.session.engine
         session.settings = settings
@@ -131,10 +129,10 @@ class ConversationPool:
         values: two conversations may start from one snapshot)."""
         if kept is self.active:
             kept.state = self.session.snapshot()
-            fork = self._add(Kept(kept.system, kept.record[:shared]))
+            fork = self._add(Kept(kept.system, kept.record[:shared], raw=kept.raw))
             self.active = fork  # the engine holds that very state already
             return fork
-        return self._add(Kept(kept.system, kept.record[:shared], kept.state))
+        return self._add(Kept(kept.system, kept.record[:shared], kept.state, raw=kept.raw))
 
     def _activate(self, kept: Kept) -> None:
         if kept is self.active:

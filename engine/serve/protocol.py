@@ -14,6 +14,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 # Roles a chat may hold; "developer" is OpenAI's newer name for a system message.
 ROLES = ("system", "developer", "user", "assistant")
+# Stop sequences: as many as OpenAI takes, each as long as any real one needs. Their length bounds the work the
+# server does on every token of a reply.
+MAX_STOPS, STOP_CHARS = 4, 256
 
 
 class APIError(Exception):
@@ -29,16 +32,18 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}}
 
 
-class TextPart(BaseModel):
+class ContentPart(BaseModel):
+    """One part of a message's content. Only text is read; any other type (image_url, input_audio, file) is
+    taken here so that it can be refused by name rather than as a shape the validator did not expect."""
     model_config = ConfigDict(extra="ignore")
-    type: Literal["text"]
-    text: str
+    type: str
+    text: str | None = None
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: str
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
 
     @field_validator("role")
     @classmethod
@@ -52,7 +57,13 @@ class ChatMessage(BaseModel):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        for part in self.content:
+            if part.type != "text":
+                raise APIError(400, f"content parts of type {part.type!r} are not supported: this model reads text "
+                                    "only", "messages")
+            if part.text is None:
+                raise APIError(400, "a text content part has no text", "messages")
+        return "".join(part.text or "" for part in self.content)
 
 
 class StreamOptions(BaseModel):
@@ -86,8 +97,10 @@ class Sampling(BaseModel):
 
     def stops(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if len(stops) > 4:
-            raise APIError(400, "at most 4 stop sequences", "stop")
+        if len(stops) > MAX_STOPS:
+            raise APIError(400, f"at most {MAX_STOPS} stop sequences", "stop")
+        if any(len(s) > STOP_CHARS for s in stops):
+            raise APIError(400, f"a stop sequence may be at most {STOP_CHARS} characters", "stop")
         return [s for s in stops if s]
 
     def refuse_what_cannot_be_honoured(self) -> None:

@@ -30,6 +30,7 @@ class Job:
         self.started = asyncio.Event()
         self.result: asyncio.Future = loop.create_future()
         self.cancelled = threading.Event()
+        self.watcher: asyncio.Future | None = None  # the handler's task that stops it when its client leaves
 
     def emit(self, event: Event) -> None:  # engine thread
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
