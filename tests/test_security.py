@@ -209,3 +209,166 @@ def test_no_pickle_based_loading_in_the_project():
     assert len(files) > 20
     offenders = {str(p.relative_to(ROOT)): uses for p in files if (uses := pickle_uses(p.read_text()))}
     assert offenders == {}
+
+
+# --- the local server against a web page and a hostile client (real server, real HTTP) ------------------------
+
+ORIGIN = "http://localhost:3000"  # a web UI the user allowed
+
+
+@pytest.fixture(scope="module")
+def guarded(tiny):
+    """`eddy serve`'s app on tiny-random over real HTTP, as `eddy serve --allow-origin http://localhost:3000`
+    starts it (default limits otherwise)."""
+    import threading
+
+    import uvicorn
+
+    from engine.loader import open_model
+    from engine.serve.app import ServerSettings, create_app
+    from engine.serve.guard import allowed_hosts
+    from engine.serve.listen import listen
+    from engine.serve.worker import EngineThread
+    from test_serve import KEY, TINY_SETTINGS, Served
+
+    model = open_model("tiny-random", TINY_SETTINGS)
+    engine = EngineThread(model.chat(), conversations=3)
+    app = create_app(engine, ServerSettings("tiny-random", KEY, model.chat_defaults, max_tokens=8,
+                                            hosts=allowed_hosts("127.0.0.1"), origins=(ORIGIN,)))
+    sock = listen("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    yield Served(engine, server, thread, sock.getsockname()[1])
+    server.should_exit = True
+    thread.join(10)
+    sock.close()
+    engine.close()
+
+
+def _chat(**extra) -> bytes:
+    return json.dumps({"model": "tiny-random", "messages": [{"role": "user", "content": "Hello"}], **extra}).encode()
+
+
+def _preflight(served, origin: str) -> tuple[int, dict]:
+    """A browser's CORS preflight for a POST with a key: its status and headers (its body is not JSON)."""
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", served.port, timeout=30)
+    conn.request("OPTIONS", "/v1/chat/completions", headers={
+        "Origin": origin, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type"})
+    resp = conn.getresponse()
+    resp.read()
+    conn.close()
+    return resp.status, {k.lower(): v for k, v in resp.getheaders()}
+
+
+def _health_ms(served) -> float:
+    start = time.perf_counter()
+    status, _, reply = served.raw("GET", "/health")
+    assert status == 200 and reply["status"] == "ok"
+    return (time.perf_counter() - start) * 1e3
+
+
+def test_a_megabyte_stop_list_is_refused_and_long_stops_never_hold_up_other_clients(guarded):
+    start = time.perf_counter()
+    status, _, reply = guarded.raw("POST", "/v1/chat/completions", _chat(stop=["ab" * 125_000] * 4))
+    assert status == 400 and reply["error"]["param"] == "stop" and time.perf_counter() - start < 1
+    # The longest stops allowed, none of which the reply contains, checked on every token of a long reply:
+    # /health answers meanwhile as fast as ever.
+    import threading
+
+    stops = [chr(0x4E00 + i) * 256 for i in range(4)]
+    answer: dict = {}
+    worker = threading.Thread(target=lambda: answer.update(reply=guarded.raw(
+        "POST", "/v1/chat/completions", _chat(stop=stops, max_tokens=3000, temperature=0.8))))
+    worker.start()
+    deadline = time.monotonic() + 30
+    while guarded.engine._running is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    slowest = max(_health_ms(guarded) for _ in range(10))
+    worker.join(120)
+    assert answer["reply"][0] == 200
+    assert slowest < 1000, slowest
+
+
+def test_a_web_page_cannot_drive_the_server(guarded):
+    before = guarded.engine.pool.last
+    # A cross-site form or text/plain POST (no preflight) is not JSON to this server.
+    status, _, reply = guarded.raw("POST", "/v1/chat/completions", _chat(), headers={"Content-Type": "text/plain"})
+    assert status == 415 and "application/json" in reply["error"]["message"]
+    # After DNS rebinding the page's requests name its own host.
+    status, _, reply = guarded.raw("POST", "/v1/chat/completions", _chat(), headers={"Host": "attacker.example:8080"})
+    assert status == 403 and "attacker.example" in reply["error"]["message"]
+    assert guarded.raw("GET", "/health", headers={"Host": "rebound.example"})[0] == 403
+    # A page's Origin that the user has not allowed, with a preflight or without.
+    status, _, reply = guarded.raw("POST", "/v1/chat/completions", _chat(), headers={"Origin": "https://evil.example"})
+    assert status == 403 and "--allow-origin" in reply["error"]["message"]
+    assert _preflight(guarded, "https://evil.example")[0] == 403
+    assert guarded.engine.pool.last is before  # nothing of those ran
+    # What the user allowed works, CORS headers and all; so do loopback names and the lower-case scheme.
+    status, headers = _preflight(guarded, ORIGIN)
+    assert status == 200 and headers["access-control-allow-origin"] == ORIGIN
+    status, headers, _ = guarded.raw("POST", "/v1/chat/completions", _chat(max_tokens=2), headers={"Origin": ORIGIN})
+    assert status == 200 and headers["access-control-allow-origin"] == ORIGIN
+    for host in ("localhost", f"localhost:{guarded.port}", "[::1]:8080", "127.0.0.1"):
+        assert guarded.raw("GET", "/health", headers={"Host": host})[0] == 200, host
+    lower = {"Authorization": "bearer test-key"}
+    assert guarded.raw("POST", "/v1/chat/completions", _chat(max_tokens=2), headers=lower, auth=False)[0] == 200
+
+
+def test_no_chat_request_can_continue_a_raw_completion(guarded):
+    prompt = "Once upon a time " * 20
+    guarded.client.completions.create(model="tiny-random", prompt=prompt, max_tokens=2, temperature=0)
+    # The old sentinel system prompt, sent by a chat client, with the same text.
+    raw = guarded.client.chat.completions.create(
+        model="tiny-random", max_tokens=2, temperature=0,
+        messages=[{"role": "system", "content": "\0raw"}, {"role": "user", "content": prompt}]).to_dict()
+    assert raw["timings"]["reuse"] == "new" and raw["timings"]["cache_n"] == 0
+    assert sum(k.raw for k in guarded.engine.pool.kept) == 1
+
+
+def test_an_abandoned_non_streaming_request_frees_the_engine_within_a_second(guarded):
+    import socket
+
+    def abandon() -> float:
+        """Sends a long non-streaming request, leaves once it runs; the seconds until the engine is free."""
+        sock = socket.create_connection(("127.0.0.1", guarded.port), timeout=30)
+        body = _chat(max_tokens=30000, temperature=0.8)
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer test-key\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        deadline = time.monotonic() + 30
+        while guarded.engine._running is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.3)
+        assert guarded.engine._running is not None  # still generating: it was asked for 30000 tokens
+        sock.close()
+        left = time.monotonic()
+        while guarded.engine._running is not None and time.monotonic() < left + 30:
+            time.sleep(0.01)
+        return time.monotonic() - left
+
+    # As the openai client retries a request that timed out: three abandoned in a row, none queues behind another.
+    freed = [abandon() for _ in range(3)]
+    assert max(freed) < 1.0, freed
+    assert guarded.engine.pool.last.stop_reason == "stopped" and guarded.engine.pool.last.tokens < 30000
+    start = time.perf_counter()
+    assert guarded.raw("POST", "/v1/chat/completions", _chat(max_tokens=2))[0] == 200
+    assert time.perf_counter() - start < 5
+    # And a request may not ask for more than the server's ceiling.
+    status, _, reply = guarded.raw("POST", "/v1/chat/completions", _chat(max_tokens=10**12))
+    assert status == 400 and reply["error"]["param"] == "max_tokens"
+
+
+@pytest.mark.parametrize("body, status, words", [
+    (b"[" * 100_000 + b"]" * 100_000, 400, "nested too deeply"),
+    (json.dumps({"model": "tiny-random", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}).encode(), 400, "image_url"),
+])
+def test_odd_bodies_get_a_sentence(guarded, body, status, words):
+    got, _, reply = guarded.raw("POST", "/v1/chat/completions", body)
+    assert got == status and words in reply["error"]["message"], reply
