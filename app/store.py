@@ -349,7 +349,8 @@ def _is_search_object(name: str) -> bool:
 
 def _repair_search_index(path: Path) -> bool:
     """Rebuilds the search index in place if the damage is confined to it; True if the file is whole again.
-    False (damage elsewhere, or the repair failed): the caller salvages the chats into a new file instead."""
+    False (damage elsewhere, or the repair failed): the caller salvages the chats into a new file instead.
+    It does not ask whether the index is damaged: the caller knows (a failed check, or an FTS query)."""
     try:
         conn = sqlite3.connect(str(path), isolation_level=None)
     except sqlite3.Error:
@@ -774,6 +775,30 @@ class Store:
     def search(self, text: str, limit: int = 50) -> list[SearchHit]:
         """Chats whose title, and messages whose text, contain every word of `text` (as a word or a word's
         start): titles first, then messages, best match first. Any text is safe to pass (see fts_query)."""
+        try:
+            return self._search(text, limit)
+        except StoreError as e:
+            # An index whose pages are whole but whose own records are not ("vtable constructor failed",
+            # SQLITE_CORRUPT_VTAB) passes the check at start-up and shows only here: rebuilt, then asked again.
+            # OperationalError (locked, busy, disk full) is not damage.
+            cause = e.__cause__
+            if not isinstance(cause, sqlite3.DatabaseError) or isinstance(cause, sqlite3.OperationalError):
+                raise
+            if not self._rebuild_search_index():
+                raise
+            return self._search(text, limit)
+
+    def _rebuild_search_index(self) -> bool:
+        log.warning("the search index of %s is damaged; rebuilding it", self.path)
+        self.close()
+        repaired = _repair_search_index(self.path)
+        try:
+            self.conn = self._connect(self.path)
+        except sqlite3.Error as e:
+            raise _explain(e, "open the chat database") from e
+        return repaired
+
+    def _search(self, text: str, limit: int) -> list[SearchHit]:
         query = fts_query(_text(text))
         if not query:
             return []

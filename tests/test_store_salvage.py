@@ -115,6 +115,23 @@ def test_a_damaged_search_index_page_keeps_every_chat(tmp_path, table, which):
     again.close()
 
 
+def test_a_damaged_search_index_record_is_rebuilt_when_a_search_finds_it(tmp_path):
+    # Whole pages, damaged records: the check at start-up passes and only an FTS query fails.
+    chats = filled(tmp_path)
+    conn = sqlite3.connect(str(tmp_path / DB_FILE))
+    conn.execute("UPDATE messages_fts_data SET block = x'0102030405060708090a0b0c0d0e0f' WHERE id = 10")
+    conn.commit()
+    conn.close()
+    store = Store.open(tmp_path)
+    assert store.salvage is None  # not seen yet
+    hits = store.search("uniq3x4")
+    assert [(h.title, h.seq) for h in hits] == [("Chat number 3", 4)]
+    assert content(store) == chats and aside(tmp_path) == []
+    store.append_message(store.conversations()[0].id, MESSAGES, "user", "still writable quokka")
+    assert len(store.search("quokka")) == 1
+    store.close()
+
+
 @pytest.mark.parametrize("table", ["messages", "turns"])
 def test_a_damaged_page_elsewhere_keeps_every_readable_chat(tmp_path, table):
     chats = filled(tmp_path)
