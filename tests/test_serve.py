@@ -267,3 +267,17 @@ def test_eddy_serve_refuses_other_hosts_without_a_key():
     run = subprocess.run([sys.executable, "-m", "engine.cli", "serve", "--host", "0.0.0.0", "--model", "tiny-random"],
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert run.returncode != 0 and "--api-key" in run.stderr and "Traceback" not in run.stderr
+
+
+@pytest.mark.parametrize("port, words", [(None, "already in use"), ("70000", "not a port number")])
+def test_eddy_serve_refuses_a_busy_or_impossible_port_in_a_sentence(port, words):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = port or str(busy.getsockname()[1])
+        run = subprocess.run([sys.executable, "-m", "engine.cli", "serve", "--port", port, "--model", "tiny-random"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert run.returncode != 0 and words in run.stderr, run.stderr
+    # Said before anything else: no address announced, no traceback, nothing left over from a model.
+    assert "Traceback" not in run.stderr and "http://" not in run.stderr and "nanobind" not in run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1, run.stderr
