@@ -130,16 +130,19 @@ def _watch_parent() -> None:
     or Ctrl-C sent to the parent never reaches it; and SIGKILL runs no cleanup at all. The parent's end of
     the stdin pipe is closed by the kernel however the parent dies, so EOF here is the one reliable signal."""
     _set_parent_death_signal()
-    stdin = sys.stdin.buffer if sys.stdin else None
-    if stdin is None:
-        return
+    # A private copy of the pipe, and stdin itself pointed at /dev/null: the interpreter's shutdown (which
+    # closes sys.stdin, and aborts when a thread sits in its buffered reader) and iree-compile never touch it.
+    lifeline = os.dup(0)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
 
     def watch() -> None:
         try:
-            while stdin.read(4096):
+            while os.read(lifeline, 4096):
                 pass  # the parent never writes; anything it did is of no interest
-        except (OSError, ValueError):
-            pass
+        except OSError:
+            return  # not a pipe that can say the parent is gone; PR_SET_PDEATHSIG still stands
         try:
             os.killpg(0, signal.SIGKILL)
         except OSError:
