@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
+import signal
 import sys
 import threading
 from typing import TYPE_CHECKING, Sequence
@@ -26,9 +29,37 @@ def _describe(values: dict) -> str:
     return ", ".join(f"{k.replace('_', ' ')} {v:g}" for k, v in values.items() if v)
 
 
+def _model_name(text: str) -> str:
+    # An empty name would silently mean the default model: someone who typed --model "$MODEL" meant another.
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty: name a model (smollm2-135m-instruct, tiny-random, a .gguf "
+                                         "file or a Hugging Face folder), or leave --model out for the default")
+    return text
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number (got {text!r})") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more (got {value})")
+    return value
+
+
+def _live(stream: "object") -> bool:
+    """Whether in-place progress (carriage returns, ANSI erase) belongs on this stream: only on a terminal that
+    understands it; a pipe or a log gets plain lines."""
+    isatty = getattr(stream, "isatty", None)
+    try:
+        return bool(isatty and isatty()) and os.environ.get("TERM") != "dumb"
+    except (OSError, ValueError):
+        return False
+
+
 def _build_options(p: argparse.ArgumentParser) -> None:
     d = BuildSettings()
-    p.add_argument("--model", default=None, help="smollm2-135m-instruct (default), tiny-random, a .gguf file or a Hugging Face folder")
+    p.add_argument("--model", type=_model_name, default=None, help="smollm2-135m-instruct (default), tiny-random, a .gguf file or a Hugging Face folder")
     p.add_argument("--sinks", type=int, default=d.sinks, help=f"attention-sink tokens kept forever (default {d.sinks})")
     p.add_argument("--window", type=int, default=d.window, help=f"recent tokens kept (default {d.window})")
     p.add_argument("--max-sinks", type=int, default=None,
@@ -67,7 +98,7 @@ def _progress_printer(quiet: bool) -> "Progress":
     """A build's progress on stderr: one line rewritten in place on a terminal; into a log or a pipe, where a
     carriage return does not rewind, one line per stage. bench/scale.py reads the "building: STAGE N%" prefix."""
     last = {"stage": None}
-    live = sys.stderr.isatty()
+    live = _live(sys.stderr)
 
     def report(stage: str, fraction: float, detail: str = "") -> None:
         if quiet:
@@ -96,7 +127,8 @@ def parser() -> argparse.ArgumentParser:
     chat.add_argument("--pin-system", action="store_true",
                       help="keep the system prompt's tokens in the cache forever, as sinks: the assistant never "
                            "forgets it however long the chat")
-    chat.add_argument("--max-new-tokens", type=int, default=512)
+    chat.add_argument("--max-new-tokens", type=_positive_int, default=512,
+                      help="the longest reply, in tokens (default 512)")
     # Unset sampling options take the base: greedy decoding (for scripts and benchmarks) unless --chat-defaults.
     chat.add_argument("--chat-defaults", action="store_true",
                       help="sample as the desktop app does: the model's recommended settings, else Eddy's chat "
@@ -155,9 +187,26 @@ def parser() -> argparse.ArgumentParser:
     return top
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    # As SystemExit, so the finally blocks run: a build's child is ended and its staging folder removed
+    # (the child would die with this process anyway, but the folder would stay for the next sweep).
+    raise SystemExit(128 + signum)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     json_events = getattr(args, "json", False) is True
+    previous = None
+    if threading.current_thread() is threading.main_thread() and args.command != "serve":
+        previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)  # serve's shutdown is engine/serve's own
+    try:
+        return _run(args, json_events)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _run(args: argparse.Namespace, json_events: bool) -> int:
     try:
         if args.command == "chat":
             return _chat(args)
@@ -242,6 +291,21 @@ def _cache(args: argparse.Namespace) -> int:
     return 0
 
 
+CHAT_COMMANDS = {"/help": "list these commands", "/reset": "start a new chat (the model forgets this one)",
+                 "/quit": "leave (so do /exit and Ctrl-D)", "/exit": "leave"}
+CHAT_HELP = "".join(f"  {name:<7} {what}\n" for name, what in CHAT_COMMANDS.items()) + \
+    "  //text  send text that starts with a slash (one slash is dropped)\n"
+
+
+def _chat_command(text: str) -> str | None:
+    """The slash command a line is, or None for a message. "/" alone, a path such as /usr/bin or "//" (the
+    escape) are messages: a command is one word of letters."""
+    word = text.strip()
+    if re.fullmatch(r"/[A-Za-z][\w-]*", word):
+        return word.lower()
+    return None
+
+
 def _chat(args: argparse.Namespace) -> int:
     from .loader import open_model
     from .run.session import ChatSettings
@@ -257,13 +321,18 @@ def _chat(args: argparse.Namespace) -> int:
     session = model.chat(ChatSettings(system_prompt=args.system, max_new_tokens=args.max_new_tokens, sampling=sampling,
                                       pin_system=args.pin_system))
 
+    live = _live(sys.stderr)
+
     def on_event(event: Event) -> None:
         if args.json:
             if isinstance(event, JSON_LINES):
                 print(event.to_json(), flush=True)
         elif isinstance(event, PrefillProgress):
-            end = "\n" if event.done == event.total else ""
-            sys.stderr.write(f"\r\033[Kreading a long message: {event.done:,}/{event.total:,} tokens{end}")
+            line = f"reading a long message: {event.done:,}/{event.total:,} tokens"
+            if live:
+                sys.stderr.write(f"\r\033[K{line}" + ("\n" if event.done == event.total else ""))
+            elif event.done == event.total:
+                sys.stderr.write(line + "\n")  # a log gets the outcome, not a line per chunk
             sys.stderr.flush()
         elif isinstance(event, Token):
             sys.stdout.write(event.text)
@@ -301,7 +370,7 @@ def _chat(args: argparse.Namespace) -> int:
     if interactive:
         from .gpu import device_name
 
-        sys.stderr.write(f"Eddy on {device_name(model.engine.settings)} — type a message, /reset for a new chat, "
+        sys.stderr.write(f"Eddy on {device_name(model.engine.settings)} — type a message, /help for the commands, "
                          f"/quit or Ctrl-D to leave.\n")
     while True:
         if interactive:
@@ -314,11 +383,20 @@ def _chat(args: argparse.Namespace) -> int:
         if not line:
             return 0
         text = line.rstrip("\n")
-        if text.strip() == "/quit":
+        command = _chat_command(text)
+        if command in ("/quit", "/exit"):
             return 0
-        if text.strip() == "/reset":
+        if command == "/reset":
             session.reset()
             continue
+        if command == "/help":
+            sys.stderr.write(CHAT_HELP)
+            continue
+        if command is not None:
+            print(f"eddy: unknown command {command} (/help lists them)", file=sys.stderr)
+            continue
+        if text.startswith("//"):
+            text = text[1:]  # the escape for a message that starts with a slash
         try:
             turn(text)
         except EddyError as e:  # one bad turn (say, too long) does not end the chat

@@ -143,6 +143,15 @@ class ModelConfig:
 
     def check_build(self, settings: "BuildSettings") -> None:
         """Refuses build settings under which the compiled model would attend further back than the model does."""
+        # The cache's slots are its positions (RoPE counts within the cache), so a cache longer than the model's
+        # trained positions reads positions it never learnt, and a window of 10**9 asks for a KV cache of
+        # hundreds of gigabytes: both refused here, before a build starts.
+        slots = max(settings.sinks, settings.max_sinks) + settings.window
+        if slots > self.max_positions:
+            sinks = max(settings.sinks, settings.max_sinks)
+            raise ModelError(f"this model has {self.max_positions} positions, so sinks + window can be at most "
+                             f"{self.max_positions} (got {sinks} + {settings.window}): use --window "
+                             f"{max(self.max_positions - sinks, 1)} or less")
         if self.sliding_window and settings.window > self.sliding_window:
             raise ModelError(f"this {family(self.arch).title} model attends to at most {self.sliding_window} recent "
                              f"tokens (its sliding window), so the window can be at most {self.sliding_window} "

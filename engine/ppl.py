@@ -87,6 +87,10 @@ class Progress:
         self.label, self.total, self.stream, self.every = label, total, stream, every_s
         self.start = self.last = time.perf_counter()
         self.nll, self.count = 0.0, 0
+        try:
+            self.live = bool(stream is not None and stream.isatty())
+        except (AttributeError, OSError, ValueError):
+            self.live = False
 
     def update(self, done: int, losses: np.ndarray) -> None:
         self.nll += float(np.sum(losses))
@@ -96,7 +100,11 @@ class Progress:
             self.last = now
             rate = done / max(now - self.start, 1e-9)
             ppl = math.exp(self.nll / max(self.count, 1))
-            self.stream.write(f"\r\033[Kppl {self.label}: {done}/{self.total} tokens, {rate:.1f} tok/s, ppl {ppl:.3f}")
+            line = f"ppl {self.label}: {done}/{self.total} tokens, {rate:.1f} tok/s, ppl {ppl:.3f}"
+            if self.live:
+                self.stream.write(f"\r\033[K{line}")
+            elif done >= self.total:
+                self.stream.write(line)  # a pipe or log gets the outcome, without terminal escapes
             self.stream.flush()
 
     def close(self) -> None:
