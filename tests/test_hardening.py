@@ -35,7 +35,8 @@ def _alive(procs: list[psutil.Process]) -> list[psutil.Process]:
     return [p for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
 
-@pytest.mark.parametrize("sig, stage", [(signal.SIGTERM, "compiling"), (signal.SIGKILL, "exporting")])
+@pytest.mark.parametrize("sig, stage", [(signal.SIGTERM, "compiling"), (signal.SIGKILL, "exporting")],
+                         ids=["SIGTERM-while-compiling", "SIGKILL-while-exporting"])
 def test_a_killed_parent_takes_its_build_and_compiler_with_it(tmp_path: Path, sig: int, stage: str) -> None:
     env = dict(os.environ, EDDY_CACHE_DIR=str(tmp_path), PYTHONPATH=str(ROOT))
     parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True, env=env)

@@ -93,6 +93,8 @@ def _text_size(x: Any, limit: int | None = None, depth: int = 0) -> int:
         return len(x) * 4
     if isinstance(x, bool) or x is None:
         return 5
+    if isinstance(x, jinja2.Undefined):
+        return 0  # renders as nothing (or fails): no text is made
     if isinstance(x, int):
         return x.bit_length() // 3 + 2
     if isinstance(x, float):
