@@ -288,8 +288,10 @@ def test_damaged_database_is_reported_in_the_window(qtbot, tmp_path, tiny):
     write_settings(data)
     (data / "eddy.db").write_bytes(b"garbage" * 1000)
     window = open_window(qtbot, data)
-    assert window.notice.isVisible() and "moved aside" in window.notice.label.text()
-    assert list(data.glob("eddy.db.damaged-*"))
+    moved = list(data.glob("eddy.db.damaged-*"))
+    text = window.notice.label.text()
+    assert window.notice.isVisible() and len(moved) == 1 and f"kept as {moved[0]}" in text
+    assert "no chat could be read" in text
     send_text(qtbot, window, "fresh start")
     assert len(stored(window)) == 2
 
