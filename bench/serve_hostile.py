@@ -1,6 +1,6 @@
 """What a hostile but ordinary client costs `eddy serve` and everyone else using it: the server's memory over
-a run of megabyte prompts to /v1/completions, and /health's latency while a long reply is checked against the
-longest stop sequences allowed (4 of 256 characters).
+a run of megabyte prompts to /v1/completions and /health's latency meanwhile, and /health's latency while a long
+reply is checked against the longest stop sequences allowed (4 of 256 characters).
 
     python bench/serve_hostile.py [--model tiny-random] [--prompts 5] [--words 1000000] [--json FILE]
 
@@ -51,10 +51,17 @@ def main() -> int:
         rows = [{"prompt": 0, "bytes": 0, "seconds": 0.0, "rss_gb": round(rss_gb(server.pid), 3)}]
         for i in range(args.prompts):
             text = " ".join(rng.choice(WORDS) for _ in range(args.words))
+            done = threading.Event()
+            waits: list[float] = []
+            poller = threading.Thread(target=_poll, args=(port, done, waits))
+            poller.start()
             start = time.perf_counter()
             client.completions.create(model=args.model, prompt=text, max_tokens=2)
-            rows.append({"prompt": i + 1, "bytes": len(text), "seconds": round(time.perf_counter() - start, 1),
-                         "rss_gb": round(rss_gb(server.pid), 3)})
+            seconds = time.perf_counter() - start
+            done.set()
+            poller.join()
+            rows.append({"prompt": i + 1, "bytes": len(text), "seconds": round(seconds, 1),
+                         "health_ms_max": round(max(waits, default=0.0), 1), "rss_gb": round(rss_gb(server.pid), 3)})
         # /health while a 2000-token reply is checked against the longest stops allowed.
         stops = [chr(0x4E00 + i) * 256 for i in range(4)]
         reply = threading.Thread(target=lambda: client.chat.completions.create(
@@ -72,9 +79,10 @@ def main() -> int:
     finally:
         server.terminate()
         server.wait(30)
-    print(f"| prompt | bytes | seconds | server RSS (GB) |\n| ---: | ---: | ---: | ---: |")
+    print("| prompt | bytes | seconds | slowest /health meanwhile (ms) | server RSS after (GB) |\n"
+          "| ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
-        print(f"| {r['prompt']} | {r['bytes']:,} | {r['seconds']} | {r['rss_gb']} |")
+        print(f"| {r['prompt']} | {r['bytes']:,} | {r['seconds']} | {r.get('health_ms_max', '')} | {r['rss_gb']} |")
     health.sort()
     summary = {"health_calls": len(health), "health_ms_median": round(health[len(health) // 2], 1) if health else None,
                "health_ms_max": round(health[-1], 1) if health else None}
@@ -83,6 +91,15 @@ def main() -> int:
         args.json.write_text(json.dumps({"machine": cpu_info(), "model": args.model, "prompts": rows, **summary},
                                         indent=1))
     return 0
+
+
+def _poll(port: int, done: threading.Event, waits: list[float]) -> None:
+    """/health's answer time, every 0.1 s until `done`: what other clients wait while the prompt is handled."""
+    while not done.is_set():
+        start = time.perf_counter()
+        _get(port)
+        waits.append((time.perf_counter() - start) * 1e3)
+        done.wait(0.1)
 
 
 def _get(port: int) -> None:
