@@ -372,3 +372,39 @@ def test_an_abandoned_non_streaming_request_frees_the_engine_within_a_second(gua
 def test_odd_bodies_get_a_sentence(guarded, body, status, words):
     got, _, reply = guarded.raw("POST", "/v1/chat/completions", body)
     assert got == status and words in reply["error"]["message"], reply
+
+
+# --- the chat store against a damaged search index --------------------------------------------------------------
+
+@pytest.mark.parametrize("table,which", [("messages_fts_data", "leaf"), ("messages_fts_data", "root"),
+                                         ("messages_fts_docsize", "leaf"), ("titles_fts_data", "root")])
+def test_a_damaged_search_index_page_keeps_every_chat(tmp_path, table, which):
+    """One overwritten page of the full-text index used to send the whole database aside, the app starting empty."""
+    from app.store import DB_FILE, Store
+    from test_store_salvage import CHATS, aside, content, filled, integrity, is_damaged, overwrite, pages_of
+
+    chats = filled(tmp_path)
+    db = tmp_path / DB_FILE
+    pages = pages_of(db, table)
+    page = pages[0][0] if which == "root" else next(p for p, kind in pages if kind == "leaf")
+    overwrite(db, page)
+    assert is_damaged(db)
+
+    store = Store.open(tmp_path)
+    assert store.recovered_from is None and aside(tmp_path) == [], "the file was moved aside for index damage"
+    assert store.salvage is not None and "search index" in store.recovery_notice
+    assert content(store) == chats  # every chat, every message, in order
+    assert integrity(db) == "ok"
+    hits = store.search("uniq7x13")
+    assert [(h.message_id is not None, h.seq) for h in hits] == [(True, 13)]
+    assert hits[0].title == "Chat number 7"
+    assert [h.title for h in store.search("number 5")] == ["Chat number 5"]  # titles are indexed again too
+    conv = store.create_conversation("after the repair")
+    store.append_message(conv, 0, "user", "freshly indexed zebra")  # the triggers were made again
+    assert [h.conversation_id for h in store.search("zebra")] == [conv]
+    store.close()
+
+    again = Store.open(tmp_path)  # whole now: a second start finds nothing to repair
+    assert again.salvage is None and again.recovered_from is None
+    assert len(again.conversations()) == CHATS + 1
+    again.close()

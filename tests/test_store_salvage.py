@@ -1,5 +1,5 @@
 """A damaged chat database is salvaged, not thrown away (issue 42): damage confined to the search index is
-rebuilt in place from the chats; damage elsewhere keeps the damaged file aside and carries every chat that can
+rebuilt in place from the chats (a damaged page of it: tests/test_security.py); damage elsewhere keeps the damaged file aside and carries every chat that can
 still be read into a new one, saying how many were kept and lost. Real SQLite files, damaged one 4 KiB page
 at a time, as a bad sector or a stray write would.
 """
@@ -83,36 +83,6 @@ def integrity(db: Path) -> str:
 
 def aside(data: Path) -> list[Path]:
     return sorted(p for p in data.glob(f"{DB_FILE}.damaged-*") if not p.name.endswith(("-wal", "-shm")))
-
-
-@pytest.mark.parametrize("table,which", [("messages_fts_data", "leaf"), ("messages_fts_data", "root"),
-                                         ("messages_fts_docsize", "leaf"), ("titles_fts_data", "root")])
-def test_a_damaged_search_index_page_keeps_every_chat(tmp_path, table, which):
-    chats = filled(tmp_path)
-    db = tmp_path / DB_FILE
-    pages = pages_of(db, table)
-    page = pages[0][0] if which == "root" else next(p for p, kind in pages if kind == "leaf")
-    overwrite(db, page)
-    assert is_damaged(db)
-
-    store = Store.open(tmp_path)
-    assert store.recovered_from is None and aside(tmp_path) == [], "the file was moved aside for index damage"
-    assert store.salvage is not None and "search index" in store.recovery_notice
-    assert content(store) == chats  # every chat, every message, in order
-    assert integrity(db) == "ok"
-    hits = store.search("uniq7x13")
-    assert [(h.message_id is not None, h.seq) for h in hits] == [(True, 13)]
-    assert hits[0].title == "Chat number 7"
-    assert [h.title for h in store.search("number 5")] == ["Chat number 5"]  # titles are indexed again too
-    conv = store.create_conversation("after the repair")
-    store.append_message(conv, 0, "user", "freshly indexed zebra")  # the triggers were made again
-    assert [h.conversation_id for h in store.search("zebra")] == [conv]
-    store.close()
-
-    again = Store.open(tmp_path)  # whole now: a second start finds nothing to repair
-    assert again.salvage is None and again.recovered_from is None
-    assert len(again.conversations()) == CHATS + 1
-    again.close()
 
 
 def test_a_damaged_search_index_record_is_rebuilt_when_a_search_finds_it(tmp_path):
