@@ -1,7 +1,8 @@
 """Security: user-typed special-token strings stay text under every chat template we ship or test, a chat
 template that reaches for Python internals or for unbounded work fails safely, and nothing in the project
 loads pickles. (test_tokenizer.py covers the ChatML tokenizer and the classic sandbox escapes; this file
-widens both.)
+widens both.) Then `eddy serve` against a web page and a hostile client, over real HTTP, and the chat store
+against a damaged search index: one test for each of issue 42's probes (the rest: docs/RELIABILITY.md).
 """
 from __future__ import annotations
 
