@@ -125,9 +125,8 @@ class ChatController(QObject):
     def start(self, last_chat: int | None = None) -> None:
         """Shows the chat open when the app last closed (`last_chat`, if it still exists), else the most recent
         one, and starts loading the model (call once the views are connected)."""
-        if self.store.recovery_notice is not None:
-            self.notice.emit("warning" if self.store.recovered_from is not None else "info",
-                             self.store.recovery_notice, "")
+        if self.store.salvage is not None:
+            self.notice.emit(self.store.salvage.level, self.store.salvage.notice(), "")
         rows = self._read(self.store.conversations, [])
         self.conversations.set_rows(rows)
         if rows:

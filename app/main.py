@@ -152,9 +152,8 @@ def _ask_class():
             c.notice.connect(self._on_notice)
             c.turn_finished.connect(self._on_finished)
             # The window's start-up notice about a damaged database was shown before this run was attached.
-            if c.store.recovery_notice is not None:
-                level = "warning" if c.store.recovered_from is not None else "info"
-                print(f"eddy-gui: {level}: {c.store.recovery_notice}", file=sys.stderr, flush=True)
+            if c.store.salvage is not None:
+                print(f"eddy-gui: {c.store.salvage.level}: {c.store.salvage.notice()}", file=sys.stderr, flush=True)
             # Queued: printed on this (GUI) thread, in order, as the tokens arrive.
             c.host.worker.token.connect(self._on_token, Qt.ConnectionType.QueuedConnection)
 

@@ -322,6 +322,11 @@ class Salvage:
     messages_kept: int = 0
     messages_lost: int = 0
 
+    @property
+    def level(self) -> str:
+        """How loudly to tell it: a repaired index lost nothing."""
+        return "info" if self.moved_to is None else "warning"
+
     def notice(self) -> str:
         if self.moved_to is None:
             return ("The chat database's search index was damaged and has been rebuilt from the chats; "
@@ -440,11 +445,6 @@ class Store:
         self.recovered_from = recovered_from
         # What opening did about damage (None: there was none); its notice() is for the user.
         self.salvage = salvage
-
-    @property
-    def recovery_notice(self) -> str | None:
-        """What the user should be told about damage found at start-up, or None."""
-        return self.salvage.notice() if self.salvage is not None else None
 
     # --- opening -------------------------------------------------------------------------------------------
 
@@ -573,13 +573,14 @@ class Store:
 
         kept = {m["id"] for m in messages}
         has_parents = "parent_id" in _columns(old, "messages")
-        for m in messages:
+        for cid in chats:
             # A message whose parent was lost (or a file from before branches) follows the nearest earlier
             # message of its chat, as step 3 links an older Eddy's chats, rather than starting a new branch.
-            if has_parents and (m["parent_id"] is None or m["parent_id"] in kept):
-                continue
-            earlier = [p for p in by_chat[m["conversation_id"]] if (p["seq"], p["id"]) < (m["seq"], m["id"])]
-            m["parent_id"] = max(earlier, key=lambda p: (p["seq"], p["id"]))["id"] if earlier else None
+            previous = None
+            for m in sorted(by_chat.get(cid, []), key=lambda m: (m["seq"], m["id"])):
+                if not has_parents or (m["parent_id"] is not None and m["parent_id"] not in kept):
+                    m["parent_id"] = previous
+                previous = m["id"]
         for t in turns:
             if t["message_id"] not in kept:
                 t["message_id"] = None

@@ -393,7 +393,7 @@ def test_a_damaged_search_index_page_keeps_every_chat(tmp_path, table, which):
 
     store = Store.open(tmp_path)
     assert store.recovered_from is None and aside(tmp_path) == [], "the file was moved aside for index damage"
-    assert store.salvage is not None and "search index" in store.recovery_notice
+    assert store.salvage is not None and "search index" in store.salvage.notice()
     assert content(store) == chats  # every chat, every message, in order
     assert integrity(db) == "ok"
     hits = store.search("uniq7x13")

@@ -126,14 +126,14 @@ def test_a_damaged_page_elsewhere_keeps_every_readable_chat(tmp_path, table):
     assert report.messages_kept == carried and report.messages_kept + report.messages_lost == total
     if table == "messages":
         assert 0 < report.messages_lost < total // 2  # one page's worth, not the rest with it
-        assert f"{report.messages_lost} messages could not be read" in store.recovery_notice
+        assert f"{report.messages_lost} messages could not be read" in store.salvage.notice()
         for title, messages in kept.items():  # what came across is exactly what was written, in order
             original = chats[title]
             assert [m for m in original if m in messages] == messages
     else:
         assert report.messages_lost == 0 and kept == chats
-        assert "could not be read" not in store.recovery_notice
-    assert f"{CHATS} of its {CHATS} chats" in store.recovery_notice and str(store.recovered_from) in store.recovery_notice
+        assert "could not be read" not in store.salvage.notice()
+    assert f"{CHATS} of its {CHATS} chats" in store.salvage.notice() and str(store.recovered_from) in store.salvage.notice()
     assert store.presets() == [("terse", "Answer in one line.")]
     assert integrity(db) == "ok"
     first = store.conversations()[-1]
@@ -159,7 +159,7 @@ def test_a_file_with_nothing_readable_says_so(tmp_path):
     (tmp_path / DB_FILE).write_bytes(b"this is not a database" * 400)
     store = Store.open(tmp_path)
     assert store.conversations() == [] and store.salvage.chats_kept == 0
-    assert "no chat could be read" in store.recovery_notice
+    assert "no chat could be read" in store.salvage.notice()
     store.close()
 
 
