@@ -37,7 +37,7 @@ def _model_name(text: str) -> str:
     return text
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
@@ -127,7 +127,7 @@ def parser() -> argparse.ArgumentParser:
     chat.add_argument("--pin-system", action="store_true",
                       help="keep the system prompt's tokens in the cache forever, as sinks: the assistant never "
                            "forgets it however long the chat")
-    chat.add_argument("--max-new-tokens", type=_positive_int, default=512,
+    chat.add_argument("--max-new-tokens", type=positive_int, default=512,
                       help="the longest reply, in tokens (default 512)")
     # Unset sampling options take the base: greedy decoding (for scripts and benchmarks) unless --chat-defaults.
     chat.add_argument("--chat-defaults", action="store_true",

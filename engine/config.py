@@ -146,9 +146,8 @@ class ModelConfig:
         # The cache's slots are its positions (RoPE counts within the cache), so a cache longer than the model's
         # trained positions reads positions it never learnt, and a window of 10**9 asks for a KV cache of
         # hundreds of gigabytes: both refused here, before a build starts.
-        slots = max(settings.sinks, settings.max_sinks) + settings.window
-        if slots > self.max_positions:
-            sinks = max(settings.sinks, settings.max_sinks)
+        sinks = max(settings.sinks, settings.max_sinks)
+        if sinks + settings.window > self.max_positions:
             raise ModelError(f"this model has {self.max_positions} positions, so sinks + window can be at most "
                              f"{self.max_positions} (got {sinks} + {settings.window}): use --window "
                              f"{max(self.max_positions - sinks, 1)} or less")

@@ -22,19 +22,9 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def _at_least(low: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"{value} is below {low}")
-        return value
-    return parse
-
-
 def add_options(serve: argparse.ArgumentParser) -> None:
+    from ..cli import positive_int  # the command line that calls this has it loaded
+
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback only)")
     serve.add_argument("--port", type=int, default=8080)
     serve.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
@@ -45,11 +35,11 @@ def add_options(serve: argparse.ArgumentParser) -> None:
                        help="clients must send 'Authorization: Bearer KEY'; required with a --host other than loopback")
     serve.add_argument("--pin-system", action="store_true",
                        help="keep each conversation's system prompt in the cache forever, as sinks")
-    serve.add_argument("--conversations", type=_at_least(1), default=4,
+    serve.add_argument("--conversations", type=positive_int, default=4,
                        help="conversations whose caches are kept between requests (default 4)")
-    serve.add_argument("--max-tokens", type=_at_least(1), default=512,
+    serve.add_argument("--max-tokens", type=positive_int, default=512,
                        help="a reply's length when a request names none")
-    serve.add_argument("--max-tokens-limit", type=_at_least(1), default=32768,
+    serve.add_argument("--max-tokens-limit", type=positive_int, default=32768,
                        help="the longest reply a request may ask for (default 32768)")
     serve.add_argument("--queue-timeout", type=float, default=60.0,
                        help="seconds a request may wait for the engine before a 503 (default 60)")
