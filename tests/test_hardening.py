@@ -35,9 +35,14 @@ def _alive(procs: list[psutil.Process]) -> list[psutil.Process]:
     return [p for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
 
-@pytest.mark.parametrize("sig, stage", [(signal.SIGTERM, "compiling"), (signal.SIGKILL, "exporting")],
-                         ids=["SIGTERM-while-compiling", "SIGKILL-while-exporting"])
-def test_a_killed_parent_takes_its_build_and_compiler_with_it(tmp_path: Path, sig: int, stage: str) -> None:
+@pytest.mark.parametrize("sig, stage, victim", [(signal.SIGTERM, "compiling", "parent"),
+                                                (signal.SIGKILL, "exporting", "parent"),
+                                                (signal.SIGKILL, "compiling", "build")],
+                         ids=["SIGTERM-while-compiling", "SIGKILL-while-exporting", "build-SIGKILLed-while-compiling"])
+def test_a_killed_parent_takes_its_build_and_compiler_with_it(tmp_path: Path, sig: int, stage: str,
+                                                              victim: str) -> None:
+    # "build": the build child itself is killed outright, as the kernel does to it when the parent dies; it runs
+    # no code after that, so only the kernel can end its compiler.
     env = dict(os.environ, EDDY_CACHE_DIR=str(tmp_path), PYTHONPATH=str(ROOT))
     parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True, env=env)
     try:
@@ -53,8 +58,12 @@ def test_a_killed_parent_takes_its_build_and_compiler_with_it(tmp_path: Path, si
             assert time.monotonic() < deadline, f"no {want} process appeared"
             time.sleep(0.05)
         build = me.children(recursive=True)
-        os.kill(parent.pid, sig)
-        parent.wait(timeout=10)
+        if victim == "parent":
+            os.kill(parent.pid, sig)
+            parent.wait(timeout=10)
+        else:
+            child = next(p for p in build if "engine.build.process" in " ".join(p.cmdline()))
+            child.send_signal(sig)
         deadline = time.monotonic() + 5
         while _alive(build) and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -23,6 +23,7 @@ from ..errors import ArtefactError, BuildCancelled
 from ..paths import cache_dir
 from . import kernels
 from .model import StreamingLlama
+from .process import tied_to_me
 
 if TYPE_CHECKING:
     from .checkpoint import ModelSource
@@ -179,7 +180,9 @@ def compile_mlir(mlir_path: Path, vmfb_path: Path, device: str, progress: Progre
 
     cmd = [find_tool("iree-compile"), str(mlir_path), "-o", str(vmfb_path), *compile_flags(device, target)]
     with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        # The kernel ends the compiler with whoever started it (see engine/build/process.py): a build child that
+        # is killed outright cannot run the code that would end its compiler.
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=tied_to_me())
         start = time.perf_counter()
         while proc.poll() is None:
             if should_cancel():

@@ -13,7 +13,8 @@ older child, has no detail), then {"done": {"config": ..., "seconds": ...}} or {
 A build dies with the process that asked for it, however that one ends (Cancel, an exception, SIGTERM, SIGKILL):
 the child holds the read end of a pipe on its stdin whose only writer is the parent, and ends its whole process
 group (itself and iree-compile) when that pipe reaches end-of-file, which the kernel guarantees once the parent
-is gone. On Linux PR_SET_PDEATHSIG backs this up for the child itself.
+is gone. On Linux PR_SET_PDEATHSIG backs this up as a chain the kernel keeps: the child dies with the parent and
+iree-compile with the child (die_with_parent), so a child killed before its watch thread runs strands nothing.
 """
 from __future__ import annotations
 
@@ -129,7 +130,7 @@ def _watch_parent() -> None:
     A new session (for Cancel's killpg) also takes the child out of the parent's terminal group, so a SIGTERM
     or Ctrl-C sent to the parent never reaches it; and SIGKILL runs no cleanup at all. The parent's end of
     the stdin pipe is closed by the kernel however the parent dies, so EOF here is the one reliable signal."""
-    _set_parent_death_signal()
+    die_with_parent()
     # A private copy of the pipe, and stdin itself pointed at /dev/null: the interpreter's shutdown (which
     # closes sys.stdin, and aborts when a thread sits in its buffered reader) and iree-compile never touch it.
     lifeline = os.dup(0)
@@ -151,19 +152,38 @@ def _watch_parent() -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
-def _set_parent_death_signal() -> None:
-    # Belt and braces on Linux: the kernel itself kills this process when the parent dies (the pipe watch
-    # also ends iree-compile, which this does not reach).
-    if not sys.platform.startswith("linux"):
+def die_with_parent(parent: int | None = None) -> None:
+    """Asks the kernel to SIGKILL this process when its parent ends (Linux; elsewhere the pipe watch stands alone).
+
+    Also a Popen preexec_fn (pass the parent's pid): a parent that died between fork and this call has already
+    handed the process to another, so the process ends at once rather than run unowned."""
+    if _prctl is None:
         return
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if parent is not None and os.getppid() != parent:
+        os._exit(1)
+
+
+def _load_prctl():
+    # Resolved once, at import: a preexec_fn runs between fork and exec, where loading a library is not safe.
+    if not sys.platform.startswith("linux"):
+        return None
     try:
         import ctypes
 
-        libc = ctypes.CDLL(None, use_errno=True)
-        PR_SET_PDEATHSIG = 1
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        return ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):
-        pass  # the pipe watch still stands
+        return None
+
+
+PR_SET_PDEATHSIG = 1
+_prctl = _load_prctl()
+
+
+def tied_to_me() -> Callable[[], None] | None:
+    """A Popen preexec_fn that makes the new process die with this one; None where the kernel cannot."""
+    me = os.getpid()
+    return (lambda: die_with_parent(me)) if _prctl is not None else None
 
 
 def _child(job: dict) -> None:
