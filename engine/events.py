@@ -64,6 +64,13 @@ class Token(_Event):
 
 
 @dataclass(frozen=True)
+class Reasoning(_Event):
+    """A piece of a reasoning model's thinking (between <think> and </think>), which is not the reply."""
+    kind: ClassVar[str] = "reasoning"
+    text: str
+
+
+@dataclass(frozen=True)
 class Done(_Event):
     kind: ClassVar[str] = "done"
     tokens: int
@@ -121,4 +128,4 @@ class Error(_Event):
     message: str
 
 
-Event = Prefill | PrefillProgress | Token | DecodeProgress | Done | Context | Error
+Event = Prefill | PrefillProgress | Token | Reasoning | DecodeProgress | Done | Context | Error

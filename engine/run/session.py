@@ -19,7 +19,9 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..errors import EddyError, PromptTooLongError
-from ..events import Context, DecodeProgress, Done, Event, Prefill, PrefillProgress, Token
+from ..events import Context, DecodeProgress, Done, Event, Prefill, PrefillProgress, Reasoning, Token
+from .constraint import Constraint, Grammar
+from .reasoning import ThinkSplitter
 from .runtime import CacheSnapshot, StreamingEngine
 from .sampling import Sampler, SamplingParams
 from .tokenizer import Tokenizer, common_prefix, valid_text
@@ -36,6 +38,10 @@ class ChatSettings:
     max_new_tokens: int = 512
     sampling: SamplingParams = field(default_factory=SamplingParams)
     pin_system: bool = False  # the system prompt's tokens stay in the cache as sinks (StreamingEngine.pin)
+    # What the chat template is given besides the messages: `tools` (OpenAI's function list), `enable_thinking`.
+    template_extras: dict | None = None
+    grammar: Grammar | None = None  # the reply is held to it (engine/run/constraint.py)
+    split_thinking: bool = True  # a <think> block becomes Reasoning events and TurnResult.reasoning
 
 
 @dataclass(frozen=True)
@@ -57,6 +63,8 @@ class TurnResult:
     prefill_ms: float
     decode_ms: float
     stop_reason: str  # "eos" | "length" | "stopped"
+    reasoning: str = ""  # the thinking before the answer, when the model wrote any (text is the answer alone)
+    raw: str = ""  # the reply as generated, thinking and tags included (what the cache holds)
 
 
 def _ignore(_event: Event) -> None:
@@ -65,7 +73,7 @@ def _ignore(_event: Event) -> None:
 
 class ChatSession:
     def __init__(self, engine: StreamingEngine, tokenizer: Tokenizer, settings: ChatSettings | None = None) -> None:
-        self.engine, self.tokenizer = engine, tokenizer
+        self.engine, self._tokenizer = engine, tokenizer
         self.settings = settings or ChatSettings()
         # What the cache was filled from: the system message (if any), then the conversation from `dropped` on.
         self.messages: list[dict] = []
@@ -76,6 +84,11 @@ class ChatSession:
         # rewind past what the cache still has): the next turn rebuilds it.
         self._stale = False
         self.stop_flag = threading.Event()
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The model's tokenizer, rendering the template with this chat's extras (tools, thinking on or off)."""
+        return self._tokenizer.with_extras(self.settings.template_extras)
 
     # --- the conversation ----------------------------------------------------------------------------------
 
@@ -93,7 +106,7 @@ class ChatSession:
         prefill event and a context event follow. Refused (PromptTooLongError) before anything changes."""
         emit = on_event or _ignore
         self.stop_flag.clear()
-        conversation = [{"role": m["role"], "content": valid_text(m["content"])} for m in history]
+        conversation = [message_for_template(m) for m in history]
         chat = [*self._opening(), *conversation]
         probe = self._pin_probe(chat)
         messages, ids, dropped = self._fit(chat, None, len(probe)) if chat else ([], [], 0)
@@ -110,7 +123,7 @@ class ChatSession:
         them, it goes back there and prefills only the rest (messages already left out of the cache stay out);
         otherwise this is resume(history). A prefill and a context event follow, as after resume."""
         emit = on_event or _ignore
-        conversation = [{"role": m["role"], "content": valid_text(m["content"])} for m in history]
+        conversation = [message_for_template(m) for m in history]
         kept = self.conversation
         shared = self.dropped
         while (shared - self.dropped < len(kept) and shared < len(conversation)
@@ -229,6 +242,18 @@ class ChatSession:
         system = self.settings.system_prompt
         return [{"role": "system", "content": valid_text(system)}] if system else []
 
+    def _reusable(self, ids: list[int], pinned: int) -> int:
+        """How many of a rebuild's first tokens the cache holds already, left there (0: none, start afresh). A
+        template that renders an earlier turn anew as the chat grows (Qwen3's drops the last reply's thinking)
+        then costs only the tokens from the first that changed, not the whole chat."""
+        engine = self.engine
+        if self._stale or not engine.position or engine.evicted or engine.pinned != pinned:
+            return 0
+        keep = min(common_prefix(engine.mirror(), ids), len(ids) - 1)
+        if keep <= pinned or not engine.truncate(keep):
+            return 0
+        return keep
+
     def _turn_tokens(self, history: list[dict], new: list[dict]) -> tuple[list[int], bool]:
         """The ids this turn feeds (the `new` messages, the user's last), and whether they start a fresh cache
         (nothing is changed here)."""
@@ -260,16 +285,18 @@ class ChatSession:
 
     # --- turns ---------------------------------------------------------------------------------------------
 
-    def answer(self, user_text: str, on_event: EventSink | None = None, before: Sequence[dict] = ()) -> TurnResult:
-        """Answers one user turn, streaming events; returns when the reply ends or the stop flag is set.
+    def answer(self, message: str | dict, on_event: EventSink | None = None, before: Sequence[dict] = ()) -> TurnResult:
+        """Answers one turn, streaming events; returns when the reply ends or the stop flag is set. `message` is
+        the user's text, or a whole message (a tool's result: {"role": "tool", "content", "tool_call_id"}).
         `before`: messages to add to the conversation first, fed with the turn (say, a client's own version of
         the last reply)."""
-        user_text = valid_text(user_text)  # what is fed is what is kept in the history (and saved)
-        before = [{"role": m["role"], "content": valid_text(m["content"])} for m in before]
+        # What is fed is what is kept in the history (and saved).
+        last = message_for_template(message if isinstance(message, dict) else {"role": "user", "content": message})
+        before = [message_for_template(m) for m in before]
         self.stop_flag.clear()
         kept = (list(self.messages), list(self.spans), self.dropped, list(self._owed), self._stale)
         try:
-            return self._answer(user_text, on_event or _ignore, before)
+            return self._answer(last, on_event or _ignore, before)
         except PromptTooLongError:
             raise  # refused before anything changed
         except BaseException:
@@ -327,9 +354,8 @@ class ChatSession:
         self.messages, self.spans, self._owed = list(state.messages), list(state.spans), list(state.owed)
         self.dropped, self._stale = state.dropped, state.stale
 
-    def _answer(self, user_text: str, emit: EventSink, before: list[dict]) -> TurnResult:
+    def _answer(self, user: dict, emit: EventSink, before: list[dict]) -> TurnResult:
         history = list(self.messages or self._opening())
-        user = {"role": "user", "content": user_text}
         ids, fresh = self._turn_tokens(history, [*before, user])
         if fresh:
             history += before
@@ -343,9 +369,13 @@ class ChatSession:
                 pinned = self._pinned(probe, ids)
             # A message longer than the window still goes in: it streams through (StreamingLLM evicts as it goes)
             # and the reply sees its sinks and its most recent `window` tokens.
-            if self.engine.position:
-                self.engine.reset()
-            self.engine.pin(pinned)
+            keep = self._reusable(ids, pinned)
+            if keep:
+                ids = ids[keep:]
+            else:
+                if self.engine.position:
+                    self.engine.reset()
+                self.engine.pin(pinned)
             self.dropped += dropped
             self.spans = self._rendered_spans(history) if history else []  # everything before is rendered anew
             begin = self.spans[-1][1] if self.spans else 0
@@ -380,6 +410,8 @@ class ChatSession:
 
         reply = decode_reply(self.engine, self.tokenizer, logits, self.settings, self.stop_flag, emit)
         generated, reason, decode_ms = reply.tokens, reply.stop_reason, reply.ms
+        # Kept as generated, thinking included: that is what the cache holds. A template that drops an earlier
+        # turn's thinking makes the next turn's render differ from here on, and only the rest is fed again.
         self.messages.append({"role": "assistant", "content": reply.text})
         self.spans.append((self.spans[-1][1], self.engine.position))
         # The stop token itself was never fed; the template's closing text (which starts with it) is owed.
@@ -389,7 +421,7 @@ class ChatSession:
         tok_s = generated / (decode_ms / 1e3) if decode_ms > 0 else 0.0
         emit(self.context())  # before done, which ends the turn for whoever listens
         emit(Done(generated, round(decode_ms, 2), round(tok_s, 2), reason, self.engine.stats))
-        return TurnResult(reply.text, generated, prefilled, prefill_ms, decode_ms, reason)
+        return TurnResult(reply.answer, generated, prefilled, prefill_ms, decode_ms, reason, reply.reasoning, reply.text)
 
     def feed(self, ids: list[int], emit: EventSink) -> np.ndarray | None:
         """Feeds a turn's tokens; the logits after the last, or None if the stop flag ended it part-way. A turn
@@ -413,44 +445,74 @@ class ChatSession:
 
 @dataclass
 class Reply:
-    text: str
+    text: str  # as generated: what the cache holds
     tokens: int
     stop_reason: str  # "eos" | "length" | "stopped"
     ms: float
     last_token: int  # the token that ended it (the stop token when "eos"; -1 if none was sampled)
+    answer: str = ""  # the text without its thinking
+    reasoning: str = ""
 
 
 def decode_reply(engine: StreamingEngine, tokenizer: Tokenizer, logits: np.ndarray, settings: ChatSettings,
                  stop_flag: threading.Event, emit: EventSink) -> Reply:
     """Samples a reply token by token from `logits` (the prompt's last), feeding each token back, until a stop
-    token, the token limit or the stop flag; Token events as text arrives, DecodeProgress a few times a second."""
+    token, the token limit or the stop flag; Token events as text arrives (Reasoning ones for thinking),
+    DecodeProgress a few times a second. A grammar in the settings holds every token to it."""
     sampler = Sampler(settings.sampling)
+    constraint: Constraint | None = tokenizer.grammars.follow(settings.grammar) if settings.grammar else None
+    splitter = ThinkSplitter(tokenizer.opens_thinking) if settings.split_thinking else None
     recent: deque[int] = deque(maxlen=max(1, settings.sampling.repeat_last_n))
     decoder = tokenizer.detokenizer()
     pieces: list[str] = []
+
+    def show(text: str, end: bool = False) -> None:
+        if text:
+            pieces.append(text)
+        if splitter is None:
+            if text:
+                emit(Token(text))
+            return
+        for kind, part in [*splitter.push(text), *(splitter.flush() if end else [])]:
+            emit(Reasoning(part) if kind == "reasoning" else Token(part))
+
     generated, reason, token = 0, "length", -1
     start = reported = time.perf_counter()
     while generated < settings.max_new_tokens:
         if stop_flag.is_set():
             reason = "stopped"
             break
-        token = sampler.sample(logits, recent)
+        token = sampler.sample(constraint.mask(logits) if constraint else logits, recent)
         if token in tokenizer.stop_ids:
             reason = "eos"
             break
+        if constraint is not None:
+            constraint.accept(token)
         generated += 1
         recent.append(token)
         text = decoder.push(token)
         if text:
-            pieces.append(text)
-            emit(Token(text))
+            show(text)
         logits = engine.decode(token)
         now = time.perf_counter()
         if now - reported >= RATE_EVERY_S:
             reported = now
             emit(DecodeProgress(generated, round(generated / (now - start), 2)))
-    tail = decoder.flush()
-    if tail:
-        pieces.append(tail)
-        emit(Token(tail))
-    return Reply("".join(pieces), generated, reason, (time.perf_counter() - start) * 1e3, token)
+    show(decoder.flush(), end=True)
+    raw = "".join(pieces)
+    answer, reasoning = (("".join(splitter.content), "".join(splitter.reasoning)) if splitter else (raw, ""))
+    return Reply(raw, generated, reason, (time.perf_counter() - start) * 1e3, token, answer, reasoning)
+
+
+_TEMPLATE_KEYS = ("tool_calls", "tool_call_id", "name", "reasoning_content")
+
+
+def message_for_template(m: dict) -> dict:
+    """A message as the session keeps and renders it: its role, its content as valid text (None stays None: an
+    assistant message that only calls tools), and the keys templates read for tools and thinking."""
+    content = m.get("content")
+    out = {"role": m["role"], "content": valid_text(content) if isinstance(content, str) else content}
+    if out["content"] is None and not m.get("tool_calls"):
+        out["content"] = ""
+    out.update((k, m[k]) for k in _TEMPLATE_KEYS if m.get(k) is not None)
+    return out

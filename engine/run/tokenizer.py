@@ -7,6 +7,7 @@ A model folder holds `tokenizer.json` (Hugging Face `tokenizers` format) and `ch
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import re
@@ -29,6 +30,7 @@ from tokenizers import Encoding, Tokenizer as _HFTokenizer
 
 from ..errors import ModelError
 from . import template_tail
+from .reasoning import THINK_OPEN
 
 TOKENIZER_FILE = "tokenizer.json"
 CHAT_FILE = "chat.json"
@@ -441,6 +443,11 @@ class Tokenizer:
         # each other's setting (cheaper than a second parsed copy of the vocabulary).
         self._lock = threading.Lock()
         self._template_source: str = cfg["chat_template"]
+        # What the template is rendered with besides the messages (tools, enable_thinking): with_extras.
+        self._extras: dict[str, Any] = {}
+        self._extras_text = ""
+        self._variants: dict[str, Tokenizer] = {}
+        self._grammars: Any = None
         self._template = _compile_template(self._template_source, where)
         self._bos_token: str | None = cfg.get("bos_token")
         self._eos_token: str | None = cfg.get("eos_token")
@@ -477,6 +484,72 @@ class Tokenizer:
             raise ModelError(f"{tok_path}: corrupt or unsupported tokenizer file: {exc}") from exc
         chat_path = folder / CHAT_FILE
         return cls(tok, _load_chat_config(chat_path), chat_path)
+
+    # --- what the template is given -------------------------------------------------------------------------
+
+    @property
+    def template_source(self) -> str:
+        return self._template_source
+
+    def with_extras(self, extras: dict[str, Any] | None) -> "Tokenizer":
+        """This tokenizer rendering its template with `extras` beside the messages (transformers' apply_chat_template
+        keywords: `tools`, `enable_thinking`, ...). The same vocabulary; a chat's tail-rendering state of its own.
+        A few are kept, so a client that sends the same tools every request gets the same one back."""
+        if not extras:
+            return self
+        base = self._base
+        key = json.dumps(extras, sort_keys=True, ensure_ascii=False)
+        variant = base._variants.get(key)
+        if variant is None:
+            if len(base._variants) >= 8:
+                base._variants.pop(next(iter(base._variants)))
+            variant = copy.copy(base)
+            variant._extras, variant._extras_text = dict(extras), key
+            variant._chats = template_tail.Conversations(frozenset(_SENTINEL_CHARS))
+            variant._checks_left = {"delta": _TAIL_CHECKS, "suffix": _TAIL_CHECKS}
+            variant._base_ref = base
+            variant.__dict__.pop("opens_thinking", None)  # the base's answer, without these extras
+            base._variants[key] = variant
+        return variant
+
+    @property
+    def _base(self) -> "Tokenizer":
+        return getattr(self, "_base_ref", self)
+
+    def control_text_in(self, text: str) -> str | None:
+        """The first special token's text found in `text`, else None. Text a template writes as its own (a
+        tool's definition, a call's arguments) is encoded with its special tokens live, so a client's such text
+        is checked with this first."""
+        return next((t for t in self._special_texts() if t in text), None)
+
+    def special_id(self, text: str) -> int | None:
+        """The id of the special token whose text is `text`, else None."""
+        tid = self._tok.token_to_id(text)
+        return tid if tid is not None and tid in self._special_ids else None
+
+    @functools.cache  # noqa: B019  (one per tokenizer, which lives as long as its model)
+    def _special_texts(self) -> tuple[str, ...]:
+        return tuple(t.content for t in self._tok.get_added_tokens_decoder().values() if t.special and t.content)
+
+    @property
+    def grammars(self) -> Any:
+        """The constraint side's view of this vocabulary (engine/run/constraint.py), made on first use."""
+        base = self._base
+        if base._grammars is None:
+            from .constraint import Grammars
+
+            base._grammars = Grammars(base._tok.to_str(), base.stop_ids, base.vocab_size)
+        return base._grammars
+
+    @functools.cached_property
+    def opens_thinking(self) -> bool:
+        """Whether the generation prompt itself opens a thinking block (Qwen3's and DeepSeek-R1's templates end it
+        with "<think>\n"): the reply then starts inside it."""
+        try:
+            text = self._run_template([{"role": "user", "content": "A"}], True)
+        except ModelError:
+            return False
+        return text.rstrip().endswith(THINK_OPEN)
 
     # --- encoding -------------------------------------------------------------------------------------------
 
@@ -706,8 +779,9 @@ class Tokenizer:
         return ids + self.encode_text(run)
 
     def _run_template(self, messages: list[dict], add_generation_prompt: bool) -> str:
-        return _render_budgeted(self._template, messages=messages, add_generation_prompt=add_generation_prompt,
-                                bos_token=self._bos_token or "", eos_token=self._eos_token or "")
+        return _render_budgeted(self._template, **self._extras, messages=messages,
+                                add_generation_prompt=add_generation_prompt, bos_token=self._bos_token or "",
+                                eos_token=self._eos_token or "")
 
     def _render(self, messages: list[dict], add_generation_prompt: bool,
                 marks: frozenset[str] = frozenset()) -> list[tuple[str, int | None]]:
@@ -720,7 +794,10 @@ class Tokenizer:
         # own text can be told apart from anything a user typed. `marks`: sentinel candidates used by messages
         # a stand-in leaves out, so it fails exactly where the full render would.
         contents = [m.get("content") for m in messages]
-        used = set(self._template_source).union(marks, *(v for m in messages for v in m.values() if isinstance(v, str)))
+        used = set(self._template_source).union(marks, self._extras_text,
+                                                *(v for m in messages for v in m.values() if isinstance(v, str)),
+                                                *(json.dumps(v, ensure_ascii=False) for m in messages
+                                                  for v in m.values() if isinstance(v, (list, dict))))
         free = [c for c in _SENTINEL_CHARS if c not in used]
         if len(free) < 2:
             raise ModelError("chat template failed: messages use every sentinel character")

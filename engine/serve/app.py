@@ -28,12 +28,16 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..errors import PromptTooLongError
-from ..events import Done, Prefill, Token
+from ..events import Done, Prefill, Reasoning, Token
+from ..run.constraint import Grammar, GrammarError
 from ..run.generation import ChatDefaults, sampling_params
 from ..run.session import ChatSettings, TurnResult
+from ..run.tokenizer import Tokenizer
+from ..run.tools import Choice, ToolError, ToolPlan, check_tools
 from .conversations import Reuse
 from .guard import LOOPBACK_NAMES, BrowserGuard, cors_options
-from .protocol import FINISH, APIError, ChatRequest, CompletionRequest, Sampling, completion_id, now, parse
+from .protocol import (FINISH, NO_THINKING, APIError, ChatRequest, CompletionRequest, Sampling, completion_id, now,
+                       parse)
 from .worker import Job, JobRunner
 
 log = logging.getLogger(__name__)
@@ -134,13 +138,13 @@ def create_app(engine: JobRunner, settings: ServerSettings) -> Starlette:
         if (req.limit() or 0) > s.max_tokens_limit:
             raise APIError(400, f"max_tokens is over this server's limit of {s.max_tokens_limit}", "max_tokens")
 
-    def chat_settings(req: Sampling, system: str | None, limit: int | None) -> ChatSettings:
+    def chat_settings(req: Sampling, system: str | None, limit: int | None, **more: Any) -> ChatSettings:
         try:
             sampling = sampling_params(s.defaults, req.overrides(), req.seed)
         except ValueError as e:
             raise APIError(422, str(e)) from None
         return ChatSettings(system_prompt=system, max_new_tokens=limit or s.max_tokens, sampling=sampling,
-                            pin_system=s.pin_system)
+                            pin_system=s.pin_system, **more)
 
     async def start(request: Request, work) -> Job:
         """The job, submitted and started; a client that goes away meanwhile drops it from the queue."""
@@ -192,10 +196,12 @@ def create_app(engine: JobRunner, settings: ServerSettings) -> Starlette:
         completion = done.tokens if done else 0
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
-    async def run(request: Request, job: Job, stops: list[str]) -> AsyncIterator[tuple[str, dict]]:
-        """Yields ("text", piece) as the reply grows, then ("end", details); stops the job on a stop sequence or
-        when the client has gone."""
+    async def run(request: Request, job: Job, stops: list[str],
+                  plan: ToolPlan | None = None) -> AsyncIterator[tuple[str, dict]]:
+        """Yields ("text", piece) and ("reasoning", piece) as the reply grows, ("calls", [ToolCall]) once its
+        tool calls are read, then ("end", details); stops the job on a stop sequence or when the client has gone."""
         stops_ = StopWatcher(stops)
+        calls = plan.stream() if plan else None
         prefill = done = None
         try:
             while True:
@@ -215,8 +221,12 @@ def create_app(engine: JobRunner, settings: ServerSettings) -> Starlette:
                     piece = stops_.push(event.text)
                     if stops_.hit:
                         engine.stop(job)
+                    if calls is not None:
+                        piece = calls.push(piece)
                     if piece:
                         yield "text", {"text": piece}
+                elif isinstance(event, Reasoning):
+                    yield "reasoning", {"text": event.text}
                 elif isinstance(event, Done):
                     done = event
             error = job.result.exception()
@@ -230,9 +240,17 @@ def create_app(engine: JobRunner, settings: ServerSettings) -> Starlette:
             result: TurnResult
             result, reuse = job.result.result()
             tail = stops_.flush()
+            found = []
+            if calls is not None:
+                tail = calls.push(tail)
+                rest, found = calls.finish()
+                tail += rest
             if tail:
                 yield "text", {"text": tail}
             reason = "stop" if stops_.hit else FINISH.get(result.stop_reason, "stop")
+            if found and plan is not None:
+                yield "calls", {"calls": plan.named(found)}
+                reason = "tool_calls"
             yield "end", {"finish_reason": reason, "timings": timings(prefill, done, reuse),
                           "usage": usage(prefill, done)}
         finally:
@@ -241,15 +259,21 @@ def create_app(engine: JobRunner, settings: ServerSettings) -> Starlette:
             if job.watcher is not None:
                 job.watcher.cancel()
 
-    async def collect(request: Request, job: Job, stops: list[str]) -> tuple[str, dict]:
-        """A whole reply, for a request that does not stream: its text and how it ended."""
-        text, end = [], {}
-        async for kind, data in run(request, job, stops):
+    async def collect(request: Request, job: Job, stops: list[str],
+                      plan: ToolPlan | None = None) -> tuple[str, dict]:
+        """A whole reply, for a request that does not stream: its text and how it ended (with its "reasoning"
+        and "calls" when it has them)."""
+        text, thinking, calls, end = [], [], [], {}
+        async for kind, data in run(request, job, stops, plan):
             if kind == "text":
                 text.append(data["text"])
+            elif kind == "reasoning":
+                thinking.append(data["text"])
+            elif kind == "calls":
+                calls = data["calls"]
             else:
                 end = data
-        return "".join(text), end
+        return "".join(text), {**end, "reasoning": "".join(thinking), "calls": calls}
 
     def sse(job: Job, chunks: AsyncIterator[str]) -> StreamingResponse:
         """Server-sent events: an error after the stream began goes out as its own event, then [DONE]. The
@@ -280,10 +304,14 @@ def create_app(engine: JobRunner, settings: ServerSettings) -> Starlette:
         authorise(request)
         req = await body(request, ChatRequest)
         check(req)
-        system, history, user = req.split()
+        system, history, last = req.split()
         stops = req.stops()
-        settings_ = chat_settings(req, system, req.limit())
-        job = await start(request, lambda eng, emit: eng.pool.chat(system, history, user, settings_, emit))
+        tokenizer: Tokenizer = engine.session.tokenizer
+        plan, grammar, extras = await asyncio.to_thread(_agent_side, req, tokenizer, [*history, last])
+        system = plan.system(system)  # a template without tools is told of them here
+        settings_ = chat_settings(req, system, req.limit(), template_extras=extras or None, grammar=grammar)
+        job = await start(request, lambda eng, emit: eng.pool.chat(system, history, last, settings_, emit,
+                                                                    shape=plan.messages, reply=plan.message))
         ident, created = completion_id("chatcmpl"), now()
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -295,9 +323,17 @@ def create_app(engine: JobRunner, settings: ServerSettings) -> Starlette:
 
             async def events() -> AsyncIterator[str]:
                 yield chunk({"role": "assistant", "content": ""})
-                async for kind, data in run(request, job, stops):
+                async for kind, data in run(request, job, stops, plan):
                     if kind == "text":
                         yield chunk({"content": data["text"]})
+                    elif kind == "reasoning":
+                        yield chunk({"reasoning_content": data["text"]})
+                    elif kind == "calls":
+                        for i, call in enumerate(data["calls"]):
+                            # The name first, then the arguments: how OpenAI streams a call (clients join them).
+                            yield chunk({"tool_calls": [{"index": i, "id": call.id, "type": "function",
+                                                         "function": {"name": call.name, "arguments": ""}}]})
+                            yield chunk({"tool_calls": [{"index": i, "function": {"arguments": call.arguments}}]})
                     else:
                         extra = {"timings": data["timings"]}
                         if include_usage:
@@ -305,11 +341,16 @@ def create_app(engine: JobRunner, settings: ServerSettings) -> Starlette:
                         yield chunk({}, data["finish_reason"], **extra)
 
             return sse(job, events())
-        text, end = await collect(request, job, stops)
+        text, end = await collect(request, job, stops, plan)
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if end["reasoning"]:
+            message["reasoning_content"] = end["reasoning"]
+        if end["calls"]:
+            message["content"] = text or None
+            message["tool_calls"] = [c.to_openai() for c in end["calls"]]
         return JSONResponse({
             "id": ident, "object": "chat.completion", "created": created, "model": s.model_id,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "finish_reason": end["finish_reason"], "logprobs": None}],
+            "choices": [{"index": 0, "message": message, "finish_reason": end["finish_reason"], "logprobs": None}],
             "usage": end["usage"], "timings": end["timings"]})
 
     async def completions(request: Request) -> Response:
@@ -320,7 +361,7 @@ def create_app(engine: JobRunner, settings: ServerSettings) -> Starlette:
         if not prompt:
             raise APIError(400, "prompt must not be empty", "prompt")
         stops = req.stops()
-        settings_ = chat_settings(req, None, req.limit())
+        settings_ = chat_settings(req, None, req.limit(), split_thinking=False)  # a raw prompt has no template
         # Tokenised on the engine thread: a prompt of megabytes takes seconds, which the event loop must not.
         job = await start(request, lambda eng, emit: eng.pool.complete(eng.session.tokenizer.encode_prompt(prompt),
                                                                          settings_, emit))
@@ -368,6 +409,73 @@ def create_app(engine: JobRunner, settings: ServerSettings) -> Starlette:
         middleware.append(Middleware(CORSMiddleware, **cors_options(s.origins)))
     return Starlette(routes=routes, middleware=middleware,
                      exception_handlers={APIError: api_error, HTTPException: http_error, Exception: server_error})
+
+
+def _agent_side(req: ChatRequest, tokenizer: Tokenizer, messages: list[dict]) -> tuple[ToolPlan, Grammar | None, dict]:
+    """(the request's tools, the grammar its reply is held to, what the template is given besides the messages),
+    every part checked: a 400 naming the field for what cannot be used. In a worker thread: a schema's grammar
+    takes milliseconds to compile, and the first one builds the vocabulary's view (a fraction of a second)."""
+    try:
+        tools = check_tools(req.tools)
+        plan = ToolPlan.make(tokenizer.template_source, tools, Choice.read(req.tool_choice, tools),
+                             req.parallel_tool_calls)
+    except ToolError as e:
+        raise APIError(400, str(e), "tools" if "tool_choice" not in str(e) else "tool_choice") from None
+    # A template writes tool definitions and call arguments as its own text, where special tokens are live.
+    for where, value in (("tools", tools), ("messages", [m.get("tool_calls") for m in messages])):
+        found = tokenizer.control_text_in(json.dumps(value, ensure_ascii=False))
+        if found:
+            raise APIError(400, f"{where} may not contain the model's control token {found!r}", where)
+    grammars = [(name, g) for name, g in (("tool_choice", plan.grammar(tokenizer.special_id) if plan.active else None),
+                                          ("response_format", _response_grammar(req)),
+                                          ("grammar", _grammar_field(req.grammar))) if g is not None]
+    if len(grammars) > 1:
+        raise APIError(400, f"{grammars[0][0]} and {grammars[1][0]} each constrain the reply: send one", grammars[1][0])
+    grammar = grammars[0][1] if grammars else None
+    if grammar is not None:
+        try:
+            tokenizer.grammars.check(grammar)
+        except GrammarError as e:
+            raise APIError(400, str(e), grammars[0][0]) from None
+    extras: dict[str, Any] = dict(plan.extras())
+    for key, value in (req.chat_template_kwargs or {}).items():
+        if not (isinstance(key, str) and key.isidentifier()) or key in ("messages", "tools", "add_generation_prompt"):
+            raise APIError(400, f"chat_template_kwargs may not set {key!r}", "chat_template_kwargs")
+        extras[key] = value
+    if req.reasoning_effort is not None:
+        extras.setdefault("enable_thinking", req.reasoning_effort not in NO_THINKING)
+    elif grammar is not None and "enable_thinking" in tokenizer.template_source:
+        # A grammar holds the reply from its first token, where a thinking block would have to start.
+        extras.setdefault("enable_thinking", False)
+    return plan, grammar, extras
+
+
+def _response_grammar(req: ChatRequest) -> Grammar | None:
+    fmt = req.response_format
+    if fmt is None or fmt.get("type") in (None, "text"):
+        return None
+    try:
+        if fmt.get("type") == "json_object":
+            return Grammar.json_object()
+        if fmt.get("type") == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+                raise APIError(400, "response_format.json_schema must be {\"name\": ..., \"schema\": {...}}",
+                               "response_format")
+            return Grammar.json_schema(spec.get("schema") or {"type": "object"})
+    except GrammarError as e:
+        raise APIError(400, str(e), "response_format") from None
+    raise APIError(400, f"response_format type {fmt.get('type')!r} is not supported (text, json_object, json_schema)",
+                   "response_format")
+
+
+def _grammar_field(text: str | None) -> Grammar | None:
+    if not text:
+        return None
+    try:
+        return Grammar.gbnf(text)
+    except GrammarError as e:
+        raise APIError(400, str(e), "grammar") from None
 
 
 def _parse_body(data: bytes, model: type) -> Any:

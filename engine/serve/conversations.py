@@ -8,8 +8,10 @@ clients taking turns therefore keep their own caches instead of evicting each ot
 """
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from ..events import Done, Prefill
 from ..run.session import ChatSession, ChatSettings, EventSink, SessionState, TurnResult, decode_reply
@@ -23,6 +25,7 @@ class Kept:
     used: float = field(default_factory=time.monotonic)
     # A raw completion's cache (its record is tokens), which no chat request may continue, whatever it sends.
     raw: bool = False
+    extras: str = ""  # what the template was given besides the messages (tools, thinking), as JSON
 
 
 @dataclass(frozen=True)
@@ -41,10 +44,18 @@ class ConversationPool:
         self.active: Kept | None = None
         self.last: TurnResult | None = None  # the latest reply, however it ended (for /health and tests)
 
-    def chat(self, system: str | None, history: list[dict], user: str, settings: ChatSettings,
-             emit: EventSink) -> tuple[TurnResult, Reuse]:
-        """Answers `user` after `history` (the conversation before it, system prompt apart)."""
-        shared, kept = max(((self._shared(k, history), k) for k in self.kept if not k.raw and k.system == system),
+    def chat(self, system: str | None, history: list[dict], user: str | dict, settings: ChatSettings,
+             emit: EventSink, shape: Callable[[list[dict]], list[dict]] | None = None,
+             reply: Callable[[str], dict] | None = None) -> tuple[TurnResult, Reuse]:
+        """Answers `user` (the user's text, or the last message: a tool's result) after `history` (the
+        conversation before it, system prompt apart), all as the client sends them. `shape` turns messages
+        into what the template is given, one for one (tool calls as text for a template without tools);
+        `reply(text)` is the reply as the client will send it back (its calls parsed out)."""
+        last = user if isinstance(user, dict) else {"role": "user", "content": user}
+        shape = shape or (lambda messages: messages)
+        extras = json.dumps(settings.template_extras or {}, sort_keys=True)
+        shared, kept = max(((self._shared(k, history), k) for k in self.kept
+                            if not k.raw and k.system == system and k.extras == extras),
                            key=lambda pair: (pair[0], pair[1].used), default=(0, None))
         if kept is not None and shared == len(kept.record):
             kind = "extend"
@@ -53,20 +64,21 @@ class ConversationPool:
             # the shared part, the system prompt at least, and the original stays for whoever comes back to it.
             kept, kind = self._fork(kept, shared), "rewind"
         else:
-            kept, shared, kind = self._add(Kept(system)), 0, "new"
+            kept, shared, kind = self._add(Kept(system, extras=extras)), 0, "new"
         self._activate(kept)
         session = self.session
         session.settings = settings
         if kind == "new" or shared < session.dropped:
             kind = "rebuild" if kind != "new" else kind
             session.reset()
-            result = session.answer(user, emit, before=history)
+            result = session.answer(*shape([last]), emit, before=shape(history))
         else:
             session.rewind(shared)
-            result = session.answer(user, emit, before=history[shared:])
+            result = session.answer(*shape([last]), emit, before=shape(history[shared:]))
         # What the session holds, as the client will send it back: its reply in full (a client that was sent
         # less, say cut at a stop sequence, resends less, and that message alone is fed again).
-        kept.record = [*history, {"role": "user", "content": user}, {"role": "assistant", "content": result.text}]
+        answer = reply(result.text) if reply else {"role": "assistant", "content": result.text}
+        kept.record = [*history, last, answer]
         kept.used = time.monotonic()
         self.last = result
         return result, Reuse(kind, shared)
@@ -129,10 +141,10 @@ class ConversationPool:
         values: two conversations may start from one snapshot)."""
         if kept is self.active:
             kept.state = self.session.snapshot()
-            fork = self._add(Kept(kept.system, kept.record[:shared], raw=kept.raw))
+            fork = self._add(Kept(kept.system, kept.record[:shared], raw=kept.raw, extras=kept.extras))
             self.active = fork  # the engine holds that very state already
             return fork
-        return self._add(Kept(kept.system, kept.record[:shared], kept.state, raw=kept.raw))
+        return self._add(Kept(kept.system, kept.record[:shared], kept.state, raw=kept.raw, extras=kept.extras))
 
     def _activate(self, kept: Kept) -> None:
         if kept is self.active:

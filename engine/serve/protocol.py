@@ -1,11 +1,14 @@
 """The OpenAI wire format: request bodies checked with pydantic, OpenAI-shaped errors, response pieces.
 
-Fields Eddy's sampler has map to it (llama.cpp's top_k, min_p and repeat_penalty too); fields that would
-change what a client gets back and that Eddy cannot honour (n > 1, logprobs, tools) are a 400 naming the
-field; anything else unknown is ignored, as the OpenAI API itself does with extra fields.
+Fields Eddy's sampler has map to it (llama.cpp's top_k, min_p and repeat_penalty too); tools, tool_choice,
+response_format, reasoning_effort and chat_template_kwargs are read here and carried out by engine/run/tools.py
+and engine/run/constraint.py; fields that would change what a client gets back and that Eddy cannot honour
+(n > 1, logprobs, the old `functions`) are a 400 naming the field; anything else unknown is ignored, as the
+OpenAI API itself does with extra fields.
 """
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal
@@ -13,7 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 # Roles a chat may hold; "developer" is OpenAI's newer name for a system message.
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 # Stop sequences: as many as OpenAI takes, each as long as any real one needs. Their length bounds the work the
 # server does on every token of a reply.
 MAX_STOPS, STOP_CHARS = 4, 256
@@ -40,10 +43,43 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    arguments: str | dict = "{}"
+
+
+class ToolCallIn(BaseModel):
+    """A call an assistant message made, as a client sends it back."""
+    model_config = ConfigDict(extra="ignore")
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+    def normal(self) -> dict:
+        args = self.function.arguments
+        text = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+        return {"id": self.id, "type": "function", "function": {"name": self.function.name, "arguments": text}}
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: str
     content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    def normal(self) -> dict:
+        """The message as the engine keeps it (and as Eddy's own replies are recorded, so a conversation sent
+        back compares equal): the system role for "developer", calls in one shape, no empty extras."""
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [c.normal() for c in self.tool_calls]
+            out["content"] = out["content"] or None
+        if self.role == "tool":
+            out["tool_call_id"] = self.tool_call_id or ""
+        return out
 
     @field_validator("role")
     @classmethod
@@ -108,21 +144,27 @@ class Sampling(BaseModel):
             raise APIError(400, "Eddy generates one choice per request: n must be 1", "n")
         if self.logprobs:
             raise APIError(400, "logprobs are not supported", "logprobs")
-        for name in ("tools", "functions", "tool_choice", "response_format"):
-            value = (self.model_extra or {}).get(name)
-            if value not in (None, [], "none", {"type": "text"}):
-                raise APIError(400, f"{name} is not supported", name)
+        if (self.model_extra or {}).get("functions"):
+            raise APIError(400, "the old `functions` field is not supported: send `tools`", "functions")
 
 
 class ChatRequest(Sampling):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool = True
+    response_format: dict | None = None
+    reasoning_effort: str | None = None
+    # llama-server's and vLLM's way to set the template's switches (enable_thinking).
+    chat_template_kwargs: dict[str, Any] | None = None
+    grammar: str | None = None  # llama-server's GBNF (or a Lark grammar)
 
-    def split(self) -> tuple[str | None, list[dict], str]:
-        """(system prompt, the conversation before the last message, the last user message's text)."""
+    def split(self) -> tuple[str | None, list[dict], dict]:
+        """(system prompt, the conversation before the last message, the last message: the user's or a tool's)."""
         if not self.messages:
             raise APIError(400, "messages must not be empty", "messages")
-        msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+        msgs = [m.normal() for m in self.messages]
         lead = 0
         while lead < len(msgs) and msgs[lead]["role"] == "system":
             lead += 1
@@ -130,9 +172,9 @@ class ChatRequest(Sampling):
         rest = msgs[lead:]
         if any(m["role"] == "system" for m in rest):
             raise APIError(400, "system messages are only taken at the start of the conversation", "messages")
-        if not rest or rest[-1]["role"] != "user":
-            raise APIError(400, "the last message must be the user's", "messages")
-        return system, rest[:-1], rest[-1]["content"]
+        if not rest or rest[-1]["role"] not in ("user", "tool"):
+            raise APIError(400, "the last message must be the user's (or a tool's result)", "messages")
+        return system, rest[:-1], rest[-1]
 
     def limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -173,3 +215,6 @@ def now() -> int:
 
 
 FINISH = {"eos": "stop", "stop_string": "stop", "length": "length", "stopped": "stop"}
+
+# reasoning_effort values that turn thinking off (OpenAI's "none"; llama-server and Ollama take the same).
+NO_THINKING = ("none",)
