@@ -397,6 +397,27 @@ class MessageWidget(QFrame):
             header.addWidget(w)
         header.addWidget(self.copy)
         layout.addLayout(header)
+        # A reasoning model's thinking: open while it thinks, folded once the reply is done (its length and
+        # time on the button); a click opens or folds it, and that choice then stays.
+        self.thinking_toggle = QToolButton()
+        self.thinking_toggle.setObjectName("thinking")
+        self.thinking_toggle.setAutoRaise(True)
+        self.thinking_toggle.setCheckable(True)
+        self.thinking_toggle.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonTextOnly)
+        self.thinking_toggle.setAccessibleName("Show or hide the model's thinking")
+        self.thinking_toggle.toggled.connect(self._show_thinking)
+        self.thinking_toggle.clicked.connect(lambda: setattr(self, "_thinking_chosen", True))
+        self.thinking = MarkdownView()
+        self.thinking.setObjectName("thinkingText")
+        self.thinking.setAccessibleName("The model's thinking")
+        self._thinking_chosen = False
+        quiet = self.thinking.palette()  # thinking reads as an aside: the placeholder's colour, in any theme
+        quiet.setColor(QPalette.ColorRole.Text, quiet.color(QPalette.ColorRole.PlaceholderText))
+        self.thinking.setPalette(quiet)
+        layout.addWidget(self.thinking_toggle)
+        layout.addWidget(self.thinking)
+        self.thinking_toggle.hide()
+        self.thinking.hide()
         self.body = MarkdownView()
         self.body.setAccessibleName("Message text")
         self.body.extra_menu = self.fill_menu
@@ -461,11 +482,13 @@ class MessageWidget(QFrame):
         """`seen`: for the message the model's window begins inside, (its tokens still seen, all its tokens)."""
         # Every window change renders every bubble again; most show just what they did (a 200-message chat
         # spent 30-60 ms of the GUI thread per send on that alone).
-        shown = (message.content, message.streaming, dict(message.meta), message.created, forgotten, partly, seen)
+        shown = (message.content, message.streaming, dict(message.meta), message.created, forgotten, partly, seen,
+                 message.reasoning)
         if shown == self._shown:
             return
         self._shown = shown
         self._content = message.content
+        self._set_thinking(message)
         self.forgotten = forgotten
         markdown = message.role == "assistant"
         cut = None
@@ -499,6 +522,28 @@ class MessageWidget(QFrame):
         self.setAccessibleName(who + (" (no longer seen by the model)" if forgotten else ""))
         self.setAccessibleDescription(message.content[:500])
         self._recolour()
+
+    def _set_thinking(self, message: Message) -> None:
+        text = message.reasoning
+        self.thinking_toggle.setVisible(bool(text))
+        if not text:
+            self.thinking.hide()
+            return
+        still = message.streaming and not message.content
+        seconds = message.extra.get("thinking_ms", 0) / 1e3
+        label = "Thinking…" if still else (f"Thought for {seconds:.1f} s" if seconds else "Thought")
+        self.thinking_toggle.setText(f"{'▾' if self.thinking_toggle.isChecked() else '▸'} {label} · "
+                                     f"{len(text):,} characters")
+        self.thinking.set_content(text, markdown=True)
+        if not self._thinking_chosen:
+            self.thinking_toggle.setChecked(still)  # open while it thinks, folded after
+        self._show_thinking(self.thinking_toggle.isChecked())
+
+    def _show_thinking(self, shown: bool) -> None:
+        self.thinking.setVisible(shown and bool(self._shown and self._shown[-1]))
+        text = self.thinking_toggle.text()
+        if text[:1] in "▸▾":
+            self.thinking_toggle.setText(("▾" if shown else "▸") + text[1:])
 
     def cut_y(self) -> int:
         """Where the cut-off note sits inside this bubble, in its own coordinates (-1: it has none)."""

@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 
 from PySide6.QtCore import QObject, Signal
 
-from engine.events import CacheStats, Context, DecodeProgress, Done, Prefill, PrefillProgress, Token
+from engine.events import CacheStats, Context, DecodeProgress, Done, Prefill, PrefillProgress, Reasoning, Token
 from engine.run.generation import ChatDefaults
 
 from .branches import ChatTree, Node
@@ -45,6 +45,7 @@ class InFlight:
     new_from: int = -1  # the first message the turn added (its user message, or a regenerated reply's index)
     stat_row: int = -1
     prefill: Prefill | None = None
+    thinking: tuple[float, float] = (0.0, 0.0)  # monotonic times of its first and last thinking token
 
 
 class ChatController(QObject):
@@ -107,6 +108,7 @@ class ChatController(QObject):
         w.prefill_progress.connect(self._on_prefill_progress)
         w.counted.connect(self._on_counted)
         w.token.connect(self._on_token)
+        w.reasoning.connect(self._on_reasoning)
         w.decode_progress.connect(self._on_decode_progress)
         w.done.connect(self._on_done)
         w.context.connect(self._on_context)
@@ -455,7 +457,8 @@ class ChatController(QObject):
             return False
         if not 0 <= index < len(self.chat.messages):
             return False
-        copies = [Message(m.role, m.content, meta=dict(m.meta)) for m in self.chat.messages[: index + 1]]
+        copies = [Message(m.role, m.content, meta=dict(m.meta), extra=dict(m.extra))
+                  for m in self.chat.messages[: index + 1]]
         title = _title_from(f"{self.chat.title} (fork)")
         prompt = self.prompts.chat_prompt  # the fork keeps the chat's own system prompt (None: the default)
         self._leave_current()
@@ -465,8 +468,8 @@ class ChatController(QObject):
         conv_id = self.chat.conversation_id
 
         def write() -> None:
-            for message, mid in zip(copies, self.store.replace_messages(conv_id, title,
-                                                                       [(m.role, m.content) for m in copies])):
+            rows = [(m.role, m.content, i - 1 if i else None, 0, m.extra) for i, m in enumerate(copies)]
+            for message, mid in zip(copies, self.store.replace_tree(conv_id, title, rows)):
                 message.id = mid
 
         self._write(conv_id, write)
@@ -545,6 +548,14 @@ class ChatController(QObject):
         if self._current(origin):
             self.chat.add_text(self._turn.reply_index, ev.text)
 
+    def _on_reasoning(self, ev: Reasoning, origin: Origin) -> None:
+        if not self._current(origin):
+            return
+        turn = self._turn
+        now = time.monotonic()
+        turn.thinking = (turn.thinking[0] or now, now)
+        self.chat.add_reasoning(turn.reply_index, ev.text)
+
     def _on_decode_progress(self, ev: DecodeProgress, origin: Origin) -> None:
         if not self._current(origin):
             return
@@ -559,6 +570,10 @@ class ChatController(QObject):
         prefill = turn.prefill or Prefill(0, 0.0, ev.cache)
         meta = {"tokens": ev.tokens, "tok_s": ev.tok_s, "stop_reason": ev.stop_reason,
                 "prefill_tokens": prefill.new_tokens, "prefill_ms": prefill.ms}
+        reply = self.chat.messages[turn.reply_index]
+        if turn.thinking[0]:
+            # Stored with the message: how long it thought, from its first thinking token to its last.
+            reply.extra = {**reply.extra, "thinking_ms": round((turn.thinking[1] - turn.thinking[0]) * 1e3)}
         self.chat.update(turn.reply_index, streaming=False, pending=False, meta=meta)
         if turn.stat_row >= 0:
             self.turns.update(turn.stat_row, tokens=ev.tokens, decode_ms=ev.ms, tok_s=ev.tok_s,
@@ -673,7 +688,8 @@ class ChatController(QObject):
             if node.parent is not None and parent is None:
                 # Its parent never reached the disk: the whole chat is written, in order, once it can be.
                 raise StoreError("Could not save the message: the one before it is not saved yet.")
-            message.id = self.store.add_message(conv_id, parent, index, message.role, message.content, node.rank)
+            message.id = self.store.add_message(conv_id, parent, index, message.role, message.content, node.rank,
+                                                message.extra)
 
         return self._write(conv_id, write)
 
@@ -713,8 +729,8 @@ class ChatController(QObject):
     def _pairs(self) -> list[tuple[str, str]]:
         """The branch shown, after the system prompt the model is given for it (when there is one)."""
         system = self.prompts.effective.strip()
-        return [("system", system)] * bool(system) + [(m.role, m.content) for m in self.chat.messages
-                                                      if not m.streaming]
+        return [("system", system, {})] * bool(system) + [(m.role, m.content, m.extra) for m in self.chat.messages
+                                                          if not m.streaming]
 
     def chat_markdown(self) -> str:
         return to_markdown(self.chat.title, self._pairs())
@@ -724,7 +740,7 @@ class ChatController(QObject):
         where = {node: i for i, node in enumerate(nodes)}
         shown = set(self.chat.nodes)
         return [{"id": where[n], "parent": where[n.parent] if n.parent is not None else None, "role": n.item.role,
-                 "content": n.item.content, "shown": n in shown} for n in nodes]
+                 "content": n.item.content, **n.item.extra, "shown": n in shown} for n in nodes]
 
     def export_chat(self, path: Path, fmt: str) -> None:
         """Writes the open chat as "markdown" (the branch shown) or "json" (that branch, and every branch as a
@@ -846,6 +862,6 @@ def _tree_of(rows: list[MessageRow], turns: Sequence[TurnRow] = ()) -> ChatTree[
         t = stats.get(r.id)
         meta = {"tokens": t.tokens, "tok_s": t.tok_s, "stop_reason": t.stop_reason, "prefill_tokens": t.prefill_tokens,
                 "prefill_ms": t.prefill_ms} if t is not None and r.role == "assistant" else {}
-        return Message(r.role, r.content, id=r.id, meta=meta, created=r.created)
+        return Message(r.role, r.content, id=r.id, meta=meta, created=r.created, extra=r.extra)
 
     return ChatTree.of(rows, lambda r: r.id, lambda r: r.parent_id, lambda r: r.chosen, message)

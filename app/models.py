@@ -30,9 +30,22 @@ class Message:
     streaming: bool = False              # a reply still being written
     pending: bool = False                # sent, but the engine has not reported where it went yet
     created: float = field(default_factory=time.time)  # when it was written (seconds since the epoch)
+    # What it holds besides its text (app/store.py EXTRA): a reply's "reasoning" and "thinking_ms", the
+    # "tool_calls" it made; a tool card's call and state.
+    extra: dict[str, Any] = field(default_factory=dict)
 
-    def as_dict(self) -> dict[str, str]:
-        return {"role": self.role, "content": self.content}
+    @property
+    def reasoning(self) -> str:
+        return self.extra.get("reasoning", "")
+
+    def as_dict(self) -> dict[str, Any]:
+        """The message as the engine takes it (a tool card is the tool's result; a reply's calls go with it)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.extra.get("tool_calls"):
+            out["tool_calls"] = self.extra["tool_calls"]
+        if self.role == "tool":
+            out["tool_call_id"] = self.extra.get("tool_call_id", "")
+        return out
 
 
 class ChatModel(QObject):
@@ -137,6 +150,11 @@ class ChatModel(QObject):
 
     def add_text(self, index: int, text: str) -> None:
         self.messages[index].content += text
+        self.changed.emit(index)
+
+    def add_reasoning(self, index: int, text: str) -> None:
+        m = self.messages[index]
+        m.extra = {**m.extra, "reasoning": m.extra.get("reasoning", "") + text}
         self.changed.emit(index)
 
     def update(self, index: int, **changes: Any) -> None:

@@ -79,7 +79,8 @@ class SaveQueue(QObject):
             title, tree = snapshot
         done = [n for n in tree.nodes() if not n.item.streaming]  # a reply being written is a leaf
         where = {node: i for i, node in enumerate(done)}
-        rows = [(n.item.role, n.item.content, where[n.parent] if n.parent is not None else None, n.rank) for n in done]
+        rows = [(n.item.role, n.item.content, where[n.parent] if n.parent is not None else None, n.rank, n.item.extra)
+                for n in done]
         try:
             real_id = self.store.create_conversation(title) if conv_id < 0 else conv_id
             ids = self.store.replace_tree(real_id, title, rows)

@@ -11,7 +11,7 @@ import json
 import logging
 import sqlite3
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
@@ -120,6 +120,14 @@ CREATE TABLE presets (
 # change a column) drops the old one, and with them on that drop would first cascade-delete every message.
 Step = str | Callable[[sqlite3.Connection], None]
 
+# Version 5: what a message holds besides its text, as JSON ('' for none): a reply's thinking ("reasoning",
+# "thinking_ms"), the tool calls it made ("tool_calls") and, for a tool's result (role "tool"), the call it
+# answers and how it ran ("tool_call_id", "tool", "arguments", "state", "seconds"). Only the text is searched,
+# so a tool's result is found like any message.
+EXTRA = """
+ALTER TABLE messages ADD COLUMN extra TEXT NOT NULL DEFAULT '';
+"""
+
 # (N, step): step N brings a version N-1 database to version N. Append only, never edit a released step:
 # users' databases have already run it. Version 0 is an empty file.
 MIGRATIONS: list[tuple[int, Step]] = [
@@ -127,6 +135,7 @@ MIGRATIONS: list[tuple[int, Step]] = [
     (2, SEARCH),
     (3, BRANCHES),
     (4, SYSTEM_PROMPTS),
+    (5, EXTRA),
 ]
 
 # The version is SQLite's PRAGMA user_version, not a table of our own: release 1 already writes 1 there, it
@@ -182,6 +191,7 @@ class MessageRow:
     created: float
     parent_id: int | None = None  # None: a first message
     chosen: int = 0               # among its siblings the highest is shown (app/branches.py)
+    extra: dict = field(default_factory=dict)  # thinking, tool calls, a tool card's state (EXTRA above)
 
 
 @dataclass
@@ -693,9 +703,10 @@ class Store:
 
     def tree(self, conv_id: int) -> list[MessageRow]:
         """Every message of the chat, every branch, each after its parent."""
-        rows = self._run("read the chat", "SELECT id, seq, role, content, created, parent_id, chosen FROM messages "
+        rows = self._run("read the chat", "SELECT id, seq, role, content, created, parent_id, chosen, extra FROM messages "
                          "WHERE conversation_id=? ORDER BY seq, id", (conv_id,))
-        return [MessageRow(r["id"], r["seq"], r["role"], r["content"], r["created"], r["parent_id"], r["chosen"])
+        return [MessageRow(r["id"], r["seq"], r["role"], r["content"], r["created"], r["parent_id"], r["chosen"],
+                           _extra_of(r["extra"]))
                 for r in rows]
 
     def messages(self, conv_id: int) -> list[MessageRow]:
@@ -705,28 +716,34 @@ class Store:
         return [node.item for node in tree.path()]
 
     def add_message(self, conv_id: int, parent_id: int | None, seq: int, role: str, content: str,
-                    chosen: int) -> int:
+                    chosen: int, extra: dict | None = None) -> int:
         """Saves a message under `parent_id` (None: a first message) at depth `seq`, with its rank."""
         now = time.time()
         cur, _ = self._transaction("save the message", [
-            ("INSERT INTO messages(conversation_id, seq, role, content, created, parent_id, chosen) "
-             "VALUES (?, ?, ?, ?, ?, ?, ?)", (conv_id, seq, role, _text(content), now, parent_id, chosen)),
+            ("INSERT INTO messages(conversation_id, seq, role, content, created, parent_id, chosen, extra) "
+             "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+             (conv_id, seq, role, _text(content), now, parent_id, chosen, _extra_text(extra))),
             ("UPDATE conversations SET updated=? WHERE id=?", (now, conv_id)),
         ])
         return int(cur.lastrowid)
 
-    def append_message(self, conv_id: int, seq: int, role: str, content: str) -> int:
+    def append_message(self, conv_id: int, seq: int, role: str, content: str, extra: dict | None = None) -> int:
         """Saves a message at position `seq` of a chat without alternatives: after the one at seq - 1."""
         now = time.time()
         cur, _ = self._transaction("save the message", [
-            ("INSERT INTO messages(conversation_id, seq, role, content, created, parent_id, chosen) VALUES "
+            ("INSERT INTO messages(conversation_id, seq, role, content, created, parent_id, chosen, extra) VALUES "
              "(?, ?, ?, ?, ?, (SELECT id FROM messages WHERE conversation_id=? AND seq=? "
              "ORDER BY chosen DESC, id DESC LIMIT 1), "
-             "(SELECT COALESCE(MAX(chosen), 0) + 1 FROM messages WHERE conversation_id=?))",
-             (conv_id, seq, role, _text(content), now, conv_id, seq - 1, conv_id)),
+             "(SELECT COALESCE(MAX(chosen), 0) + 1 FROM messages WHERE conversation_id=?), ?)",
+             (conv_id, seq, role, _text(content), now, conv_id, seq - 1, conv_id, _extra_text(extra))),
             ("UPDATE conversations SET updated=? WHERE id=?", (now, conv_id)),
         ])
         return int(cur.lastrowid)
+
+    def update_message(self, message_id: int, content: str, extra: dict | None) -> None:
+        """Rewrites a message's text and extra (a tool card whose call has run)."""
+        self._run("save the message", "UPDATE messages SET content=?, extra=? WHERE id=?",
+                  (_text(content), _extra_text(extra), message_id))
 
     def choose_message(self, message_id: int, chosen: int) -> None:
         """Records that a message was chosen (its branch is the one shown), with its new rank."""
@@ -745,9 +762,10 @@ class Store:
         return self.replace_tree(conv_id, title, [(role, content, i - 1 if i else None, 0)
                                                   for i, (role, content) in enumerate(messages)])
 
-    def replace_tree(self, conv_id: int, title: str, messages: list[tuple[str, str, int | None, int]]) -> list[int]:
+    def replace_tree(self, conv_id: int, title: str, messages: list[tuple]) -> list[int]:
         """Writes a whole chat at once (used to catch up after a failed save): each message as (role, content,
-        the index of its parent in `messages`, earlier in the list, or None, its rank); returns the new ids."""
+        the index of its parent in `messages`, earlier in the list, or None, its rank[, its extra]); returns the
+        new ids."""
         now = time.time()
         ids: list[int] = []
         depth: list[int] = []
@@ -757,14 +775,15 @@ class Store:
                          (conv_id, _text(title), now, now))
             conn.execute("UPDATE conversations SET title=?, updated=? WHERE id=?", (_text(title), now, conv_id))
             conn.execute("DELETE FROM messages WHERE conversation_id=?", (conv_id,))
-            for role, content, parent, chosen in messages:
+            for role, content, parent, chosen, *extra in messages:
                 if parent is not None and not 0 <= parent < len(ids):
                     raise ValueError(f"message {len(ids)}'s parent {parent} does not come before it")
                 seq = depth[parent] + 1 if parent is not None else 0
                 cur = conn.execute("INSERT INTO messages(conversation_id, seq, role, content, created, parent_id, "
-                                   "chosen) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                                   "chosen, extra) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                                    (conv_id, seq, role, _text(content), now,
-                                    ids[parent] if parent is not None else None, chosen))
+                                    ids[parent] if parent is not None else None, chosen,
+                                    _extra_text(extra[0] if extra else None)))
                 ids.append(int(cur.lastrowid))
                 depth.append(seq)
 
@@ -841,3 +860,17 @@ class Store:
             out.append(TurnRow(r["kind"], r["prefill_tokens"], r["prefill_ms"], r["tokens"], r["decode_ms"],
                                r["tok_s"], r["stop_reason"], cache, r["message_id"], r["id"]))
         return out
+
+
+def _extra_text(extra: dict | None) -> str:
+    return json.dumps(extra, ensure_ascii=False) if extra else ""
+
+
+def _extra_of(text: str | None) -> dict:
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return {}  # a damaged value costs the message its extras, never the chat
+    return value if isinstance(value, dict) else {}

@@ -22,7 +22,7 @@ from typing import Any, Callable
 from PySide6.QtCore import QObject, QThread, Signal, Slot
 
 from engine.errors import BuildCancelled, EddyError, PromptTooLongError
-from engine.events import Context, DecodeProgress, Done, Event, Prefill, PrefillProgress, Token
+from engine.events import Context, DecodeProgress, Done, Event, Prefill, PrefillProgress, Reasoning, Token
 from engine.run.generation import ChatDefaults, sampling_params
 from engine.run.session import ChatSession, ChatSettings, EventSink
 
@@ -77,6 +77,7 @@ class EngineWorker(QObject):
     prefill = Signal(object, object)   # each engine event kind with its Origin
     prefill_progress = Signal(object, object)
     token = Signal(object, object)
+    reasoning = Signal(object, object)  # a reasoning model's thinking, beside the reply's tokens
     decode_progress = Signal(object, object)
     done = Signal(object, object)
     context = Signal(object, object)
@@ -100,7 +101,7 @@ class EngineWorker(QObject):
         self._stop_ticket = -1
         self._latest_switch = 0
         self._signals: dict[type, Signal] = {
-            Prefill: self.prefill, PrefillProgress: self.prefill_progress, Token: self.token,
+            Prefill: self.prefill, PrefillProgress: self.prefill_progress, Token: self.token, Reasoning: self.reasoning,
             DecodeProgress: self.decode_progress, Done: self.done, Context: self.context,
         }
 

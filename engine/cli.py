@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Sequence
 from .devices import CUDA_TARGETS
 from .config import DEVICES, DTYPE_CHOICES, KV_CHOICES, PIN_SLOTS, TARGET_CPUS, BuildSettings
 from .errors import EddyError
-from .events import Done, Error, Event, Prefill, PrefillProgress, Token
+from .events import Done, Error, Event, Prefill, PrefillProgress, Reasoning, Token
 
 from .run.generation import EDDY_CHAT_DEFAULTS
 from .run.sampling import OPTIONS, SamplingParams
@@ -21,8 +21,9 @@ from .run.sampling import OPTIONS, SamplingParams
 if TYPE_CHECKING:
     from .build.progress import Progress
 
-# What --json prints: DESIGN.md's lines (the other events are for live displays).
-JSON_LINES = (Prefill, Token, Done, Error)
+# What --json prints: DESIGN.md's lines, and a reasoning model's thinking beside its tokens (the other events
+# are for live displays).
+JSON_LINES = (Prefill, Token, Reasoning, Done, Error)
 
 
 def _describe(values: dict) -> str:
@@ -333,6 +334,10 @@ def _chat(args: argparse.Namespace) -> int:
                 sys.stderr.write(f"\r\033[K{line}" + ("\n" if event.done == event.total else ""))
             elif event.done == event.total:
                 sys.stderr.write(line + "\n")  # a log gets the outcome, not a line per chunk
+            sys.stderr.flush()
+        elif isinstance(event, Reasoning):
+            # Thinking goes to stderr, dimmed on a terminal: stdout stays the answer alone, for pipes.
+            sys.stderr.write(f"\033[2m{event.text}\033[0m" if live else event.text)
             sys.stderr.flush()
         elif isinstance(event, Token):
             sys.stdout.write(event.text)

@@ -239,3 +239,12 @@ def test_thinking_is_split_from_the_answer_streamed_or_not(thinking):
     off = create(thinking, [{"role": "user", "content": "Quick"}], reasoning_effort="none", max_tokens=6,
                  temperature=0)
     assert "reasoning_content" not in off.choices[0].message.model_extra
+
+
+def test_each_family_format_forces_calls_with_a_grammar_that_compiles(model):
+    from engine.run.tools import FORMATS, Choice, call_grammar
+
+    tok = model.chat().tokenizer
+    for fmt in FORMATS.values():
+        for choice, parallel in ((Choice("required"), True), (Choice("function", "add"), False)):
+            tok.grammars.check(call_grammar(TOOLS, choice, parallel, fmt, json.dumps))

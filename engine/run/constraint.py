@@ -100,24 +100,35 @@ class Grammars:
 
 
 class Constraint:
-    """One reply's place in its grammar: mask() before each sample, accept() after it."""
+    """One reply's place in its grammar: compute() before each sample, allows() or mask(), then accept().
+
+    The sampler first draws from the logits as they are and keeps the token when the grammar allows it (one bit
+    to test); only a token the grammar forbids costs the masked logits and a second draw, as llama.cpp does it.
+    Greedy decoding picks what the masked argmax would; a sampled token is one drawn from the allowed tokens in
+    proportion to their probability, as a draw from the masked distribution is (the two differ only in
+    where top-k and top-p cut)."""
 
     def __init__(self, matcher: Any, vocab_size: int) -> None:
         self._matcher = matcher
         self._vocab = vocab_size
         self._bits = np.full((vocab_size + 31) // 32, -1, dtype=np.int32)
 
-    def mask(self, logits: np.ndarray) -> np.ndarray:
-        """A copy of `logits` with every token the grammar forbids at -inf (the model's vocabulary may be
-        padded past the tokenizer's: those never pass)."""
+    def compute(self) -> None:
+        """The allowed next tokens, into the bitmask (a few microseconds: llguidance slices its token trie)."""
         self._matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
-        allowed = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[: min(self._vocab, logits.size)]
-        out = np.full_like(logits, -np.inf)
-        keep = np.flatnonzero(allowed)
-        if keep.size == 0:
+
+    def allows(self, token: int) -> bool:
+        return 0 <= token < self._vocab and bool((int(self._bits[token >> 5]) >> (token & 31)) & 1)
+
+    def mask(self, logits: np.ndarray) -> np.ndarray:
+        """A copy of `logits` with every token the grammar forbids at -inf (after compute(); the model's
+        vocabulary may be padded past the tokenizer's: those never pass)."""
+        n = min(self._vocab, logits.size)
+        allowed = np.zeros(logits.size, dtype=bool)
+        allowed[:n] = np.unpackbits(self._bits.view(np.uint8), bitorder="little", count=n).view(bool)
+        if not allowed.any():
             raise GrammarError(f"the grammar allows no next token: {self._matcher.get_error() or 'a dead end'}")
-        out[keep] = logits[keep]
-        return out
+        return np.where(allowed, logits, np.float32(-np.inf)).astype(logits.dtype, copy=False)
 
     def accept(self, token: int) -> None:
         if not self._matcher.consume_token(token):

@@ -482,7 +482,11 @@ def decode_reply(engine: StreamingEngine, tokenizer: Tokenizer, logits: np.ndarr
         if stop_flag.is_set():
             reason = "stopped"
             break
-        token = sampler.sample(constraint.mask(logits) if constraint else logits, recent)
+        token = sampler.sample(logits, recent)
+        if constraint is not None:
+            constraint.compute()
+            if not constraint.allows(token):
+                token = sampler.sample(constraint.mask(logits), recent)
         if token in tokenizer.stop_ids:
             reason = "eos"
             break

@@ -2,8 +2,8 @@
 
 Each family writes its calls its own way, so one table holds the formats (FORMATS) and the template picks one:
 a template that renders `tools` itself is given them (transformers' apply_chat_template does the same), and its
-own text says which format it teaches (Qwen's and Hermes' `<tool_call>` JSON, Mistral's `[TOOL_CALLS]`, Llama
-3.x's bare JSON with "parameters", Gemma's and Phi's bare JSON). A template that knows nothing of tools
+own text says which format it teaches (Qwen's and Hermes' `<tool_call>` JSON, Mistral's `[TOOL_CALLS]`, Phi-4's
+`<|tool_call|>` list, Llama 3.x's bare JSON with "parameters", Gemma's bare or fenced JSON). A template that knows nothing of tools
 (SmolLM2's ChatML) gets them in the system prompt, in the Hermes format, with tool results as user turns.
 
 `tool_choice` "required" or a named function is enforced by a grammar (engine/run/constraint.py): the reply is
@@ -115,6 +115,7 @@ class Format:
 FORMATS: dict[str, Format] = {f.name: f for f in (
     Format("hermes", "<tool_call>", "</tool_call>", "arguments", False, ("<tool_call>",)),
     Format("mistral", "[TOOL_CALLS]", "", "arguments", True, ("[TOOL_CALLS]",)),
+    Format("phi4", "<|tool_call|>", "<|/tool_call|>", "arguments", False, ("<|tool_call|>",)),
     Format("llama3", "", "", "parameters", False, ("<|python_tag|>", "ipython")),
     Format("json", "", "", "arguments", False, ()),
 )}
@@ -189,7 +190,8 @@ def call_grammar(tools: list[dict], choice: Choice, parallel: bool, fmt: Format,
         return Grammar.lark(f"start: {token_text(fmt.opener)} calls\ncalls: %json {json.dumps(body)}\n")
     opener = f'{token_text(fmt.opener)} "\\n" ' if fmt.opener else ""
     closer = f' "\\n" {token_text(fmt.closer)}' if fmt.closer else ""
-    repeat = f'(call "\\n")* call' if parallel else "call"
+    # A named function is one call, as OpenAI gives it.
+    repeat = f'(call "\\n")* call' if parallel and choice.mode != "function" else "call"
     return Grammar.lark(f"start: {repeat}\ncall: {opener}obj{closer}\nobj: %json {json.dumps(one)}\n")
 
 

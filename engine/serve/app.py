@@ -250,7 +250,8 @@ def create_app(engine: JobRunner, settings: ServerSettings) -> Starlette:
             reason = "stop" if stops_.hit else FINISH.get(result.stop_reason, "stop")
             if found and plan is not None:
                 yield "calls", {"calls": plan.named(found)}
-                reason = "tool_calls"
+                # A reply that ran out of tokens says so, with the calls it did finish.
+                reason = "length" if reason == "length" else "tool_calls"
             yield "end", {"finish_reason": reason, "timings": timings(prefill, done, reuse),
                           "usage": usage(prefill, done)}
         finally:
