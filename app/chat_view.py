@@ -8,22 +8,27 @@ REFRESH_MS, so a fast model (1000 tokens/s) costs the event loop a few renders a
 """
 from __future__ import annotations
 
+import json
 import math
 import re
 import time
 from typing import Callable
 
 from PySide6.QtCore import QEvent, QRectF, QSize, Qt, QTimer, QUrl, Signal
-from PySide6.QtGui import (QBrush, QColor, QDesktopServices, QGuiApplication, QPainter, QPainterPath, QPalette,
+from PySide6.QtGui import (QBrush, QColor, QDesktopServices, QFontDatabase, QGuiApplication, QPainter, QPainterPath,
+                           QPalette,
                            QTextBlockFormat, QTextCharFormat, QTextCursor, QTextFormat)
-from PySide6.QtWidgets import (QFrame, QHBoxLayout, QLabel, QMenu, QScrollArea, QSizePolicy, QTextBrowser,
-                               QToolButton, QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (QFrame, QHBoxLayout, QLabel, QMenu, QPushButton, QScrollArea, QSizePolicy,
+                               QTextBrowser, QToolButton, QVBoxLayout, QWidget)
 
 from .elided_label import ElidedLabel
 from .icons import icon
 from .models import ChatModel, Message
 
 REFRESH_MS = 40
+# What a tool card's meta line says in each state (app/tool_cards.py).
+CARD_STATES = {"asking": "asks to run", "running": "running…", "done": "done", "failed": "failed",
+               "denied": "not allowed", "stopped": "stopped", "skipped": "not run"}
 # A chat of more than LAZY_FROM messages opens with its last EAGER_MESSAGES built at once (more than a screen)
 # and the older ones built above them in slices of about BUILD_SLICE_MS every BUILD_EVERY_MS: a bubble lays its
 # text out when built, 3-10 ms each, so 200 at once froze the window for seconds. Each slice is followed by a
@@ -356,6 +361,7 @@ class MessageWidget(QFrame):
     regenerate_requested = Signal()
     fork_requested = Signal()
     delete_requested = Signal()
+    tool_action = Signal(str)  # a tool card's button: "run", "always", "deny", "stop"
 
     def __init__(self, message: Message, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -368,7 +374,7 @@ class MessageWidget(QFrame):
         layout.setSpacing(2)
         header = QHBoxLayout()
         header.setSpacing(6)
-        self.who = QLabel("You" if message.role == "user" else "Eddy")
+        self.who = QLabel({"user": "You", "tool": "Tool"}.get(message.role, "Eddy"))
         font = self.who.font()
         font.setBold(True)
         self.who.setFont(font)
@@ -418,6 +424,28 @@ class MessageWidget(QFrame):
         layout.addWidget(self.thinking)
         self.thinking_toggle.hide()
         self.thinking.hide()
+        # A tool card: the call (tool and arguments) and, while it asks or runs, what the user may do.
+        self.call = ElidedLabel()
+        self.call.setObjectName("toolCall")
+        self.call.setFont(QFontDatabase.systemFont(QFontDatabase.SystemFont.FixedFont))
+        self.card_buttons = QHBoxLayout()
+        self.card_buttons.setSpacing(6)
+        self.tool_buttons: dict[str, QPushButton] = {}
+        for action, text, tip in (("run", "Run", "Run this call once"),
+                                  ("always", "Always allow", "Run this tool from now on without asking"),
+                                  ("deny", "Don't run", "Tell the model the call was not allowed"),
+                                  ("stop", "Stop", "Stop the call; the model is told it was stopped")):
+            b = QPushButton(text)
+            b.setToolTip(tip)
+            b.clicked.connect(lambda _=False, a=action: self.tool_action.emit(a))
+            self.card_buttons.addWidget(b)
+            self.tool_buttons[action] = b
+        self.card_buttons.addStretch(1)
+        layout.addWidget(self.call)
+        layout.addLayout(self.card_buttons)
+        self.call.hide()
+        for b in self.tool_buttons.values():
+            b.hide()
         self.body = MarkdownView()
         self.body.setAccessibleName("Message text")
         self.body.extra_menu = self.fill_menu
@@ -445,7 +473,7 @@ class MessageWidget(QFrame):
         if self.role == "user":
             edit = menu.addAction("Edit message…", self.edit_requested.emit)
             edit.setEnabled(not self.locked)
-        else:
+        elif self.role == "assistant":
             again = menu.addAction("Regenerate reply", self.regenerate_requested.emit)
             again.setEnabled(not self.locked)
         fork = menu.addAction("Fork chat here", self.fork_requested.emit)
@@ -483,14 +511,15 @@ class MessageWidget(QFrame):
         # Every window change renders every bubble again; most show just what they did (a 200-message chat
         # spent 30-60 ms of the GUI thread per send on that alone).
         shown = (message.content, message.streaming, dict(message.meta), message.created, forgotten, partly, seen,
-                 message.reasoning)
+                 json.dumps(message.extra, sort_keys=True), message.reasoning)
         if shown == self._shown:
             return
         self._shown = shown
         self._content = message.content
         self._set_thinking(message)
+        self._set_card(message)
         self.forgotten = forgotten
-        markdown = message.role == "assistant"
+        markdown = message.role == "assistant"  # a tool's result is shown as it came
         cut = None
         if seen and not markdown:
             cut = (cut_offset(message.content, *seen),
@@ -499,7 +528,10 @@ class MessageWidget(QFrame):
         self.cut_note = cut[1] if cut else ""
         self.body.set_content(message.content, markdown=markdown, cut=cut)
         bits = []
-        if message.streaming:
+        if message.role == "tool":
+            bits.append(CARD_STATES.get(message.extra.get("state", ""), "")
+                        + (f" in {message.extra['seconds']:.1f} s" if message.extra.get("seconds") is not None else ""))
+        elif message.streaming:
             bits.append("writing…")
         elif message.meta:
             m = message.meta
@@ -538,6 +570,18 @@ class MessageWidget(QFrame):
         if not self._thinking_chosen:
             self.thinking_toggle.setChecked(still)  # open while it thinks, folded after
         self._show_thinking(self.thinking_toggle.isChecked())
+
+    def _set_card(self, message: Message) -> None:
+        card = message.role == "tool"
+        self.call.setVisible(card)
+        state = message.extra.get("state", "")
+        for action, b in self.tool_buttons.items():
+            b.setVisible(card and (state == "running") == (action == "stop") and state in ("asking", "running"))
+        if card:
+            call = f"{message.extra.get('tool', '?')}({message.extra.get('arguments', '')})"
+            self.call.setText(call)
+            self.call.setToolTip(call[:2000])
+            self.body.setVisible(bool(message.content))
 
     def _show_thinking(self, shown: bool) -> None:
         self.thinking.setVisible(shown and bool(self._shown and self._shown[-1]))
@@ -666,6 +710,7 @@ class ChatView(QScrollArea):
     edit_requested = Signal(int)         # message index
     regenerate_requested = Signal(int)   # message index of the reply
     fork_requested = Signal(int)         # message index
+    tool_action = Signal(int, str)       # a tool card's index and button ("run", "always", "deny", "stop")
     delete_requested = Signal(int)       # message index (one of several alternatives)
 
     def __init__(self, model: ChatModel, parent: QWidget | None = None) -> None:
@@ -851,6 +896,7 @@ class ChatView(QScrollArea):
         w.edit_requested.connect(lambda: self.edit_requested.emit(self._index(w)))
         w.regenerate_requested.connect(lambda: self.regenerate_requested.emit(self._index(w)))
         w.fork_requested.connect(lambda: self.fork_requested.emit(self._index(w)))
+        w.tool_action.connect(lambda action: self.tool_action.emit(self._index(w), action))
         w.delete_requested.connect(lambda: self.delete_requested.emit(self._index(w)))
         return w
 

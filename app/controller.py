@@ -7,6 +7,7 @@ say (its typed events); saving that fails is retried by the SaveQueue (app/savin
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -24,6 +25,7 @@ from .models import ChatModel, ConversationListModel, DraftModel, Message, TurnS
 from .saving import SaveQueue
 from .settings import AppSettings, load_settings, save_settings
 from .system_prompts import SystemPrompts
+from .tool_cards import ToolCards, load_servers
 from .store import ConversationRow, MessageRow, SearchHit, Store, StoreError, TurnRow
 from .transcript import to_json, to_markdown
 from .worker import TURN_ERRORS, EngineHost, Origin
@@ -67,6 +69,7 @@ class ChatController(QObject):
     closed = Signal()                  # shutdown() finished: the engine thread has ended, the store is closed
     server_changed = Signal()          # the local server started, stopped, or began or ended a request
     server_turn = Signal(object)       # a local-server request's TurnRow (kind "server"; never stored)
+    tools_changed = Signal()           # the MCP servers' status or tools changed
 
     def __init__(self, data_dir: Path, model_override: str | None = None, parent: QObject | None = None,
                  host: EngineHost | None = None) -> None:
@@ -121,6 +124,15 @@ class ChatController(QObject):
         self.local_server.request_started.connect(self._on_server_request)
         self.local_server.request_done.connect(self._on_served)
         self.local_server.stopped.connect(self._on_server_stopped)
+        # Tools from MCP servers (app/tool_cards.py): offered to the model, each call a card in the chat.
+        self.tools = ToolCards(self.chat, self._save_message, self._save_card, self)
+        self.tool_choice = "auto"  # "required": a user's message is answered with calls (a grammar holds it)
+        self.tools_problem = ""    # what is wrong with mcp.json, if anything
+        self.tools.results_ready.connect(self._send_tool_results)
+        self.tools.notice.connect(lambda kind, text: self.notice.emit(kind, text, ""))
+        self.tools.changed.connect(self._on_tools_changed)
+        w.tool_calls.connect(self._on_tool_calls)
+        self._last_reply = -1  # the index of the reply that ended last (its calls come after its done)
 
     # --- start-up ------------------------------------------------------------------------------------------
 
@@ -135,8 +147,51 @@ class ChatController(QObject):
             self.open_chat(last_chat if any(r.id == last_chat for r in rows) else rows[0].id)
         else:
             self._show_new_chat()
+        self.start_tools()
         self.load_model()
 
+    # --- tools ---------------------------------------------------------------------------------------------
+
+    def start_tools(self) -> None:
+        """(Re)starts the MCP servers of the data folder's mcp.json; a problem with the file is a notice."""
+        specs, self.tools_problem = load_servers(self.data_dir)
+        if self.tools_problem:
+            self.notice.emit("warning", f"No tools from MCP servers: {self.tools_problem}", "")
+        self.tools.start(specs)
+
+    def _on_tools_changed(self) -> None:
+        self.tools_changed.emit()
+        if self.model_state == "ready":
+            self.host.configure(self._chat_dict())  # the model is told of the tools there are now
+
+    def tool_action(self, index: int, action: str) -> None:
+        """A tool card's button: "run", "always", "deny" or "stop"."""
+        self.tools.act(index, action)
+        self.busy_changed.emit()
+
+    def _on_tool_calls(self, ticket: int, calls: list) -> None:
+        index = self._last_reply
+        if self._closing or not 0 <= index < len(self.chat.messages):
+            return
+        reply = self.chat.messages[index]
+        reply.extra = {**reply.extra, "tool_calls": list(calls)}
+        self.chat.changed.emit(index)
+        self._save_card(reply)
+        self.tools.offer(list(calls))
+        self.busy_changed.emit()
+
+    def _save_card(self, message: Message) -> None:
+        """Writes a message's new text and extra (a card's result, a reply's calls) once it is on disk."""
+        conv_id = self.chat.conversation_id
+        if conv_id is None or message.id is None:
+            return  # not on disk yet: it is written whole, as it is by then
+        self._write(conv_id, lambda: self.store.update_message(message.id, message.content, message.extra))
+
+    def _send_tool_results(self, results: list) -> None:
+        if self._closing or self.model_state != "ready" or self.busy:
+            return
+        last = len(self.chat.messages) - 1
+        self._start_turn(self.host.send_tool_results(results), last, "", after_tools=True)
     @property
     def model_spec(self) -> str:
         return self.model_override if self.model_override is not None else self.settings.model
@@ -147,7 +202,7 @@ class ChatController(QObject):
 
     @property
     def can_send(self) -> bool:
-        return self.model_state == "ready" and not self.busy and not self._closing
+        return self.model_state == "ready" and not self.busy and not self._closing and not self.tools.busy
 
     # --- the model -----------------------------------------------------------------------------------------
 
@@ -167,8 +222,10 @@ class ChatController(QObject):
         self.host.cancel_load()
 
     def _chat_dict(self) -> dict:
-        # The open chat's own system prompt, else Settings': what the engine is given for this chat.
-        return {**self.settings.chat_dict(), "system_prompt": self.prompts.effective.strip() or None}
+        # The open chat's own system prompt, else Settings': what the engine is given for this chat; and the
+        # tools of the MCP servers running now.
+        return {**self.settings.chat_dict(), "system_prompt": self.prompts.effective.strip() or None,
+                "tools": self.tools.tools(), "tool_choice": self.tool_choice}
 
     def _on_chat_prompt(self) -> None:
         # The chat's beginning changed: rebuild its cache with the new prompt, after the reply in progress ends.
@@ -339,6 +396,7 @@ class ChatController(QObject):
         self._ensure_conversation(question or ", ".join(d.name for d in documents))
         user = self.chat.append(Message("user", message, pending=True))
         self._save_message(user)
+        self.tools.new_user_turn()
         self._start_turn(self.host.send(message), user, question, documents)
         self.draft.set_documents([])
         return True
@@ -491,11 +549,12 @@ class ChatController(QObject):
             self.host.stop(self._turn.ticket)
 
     def _start_turn(self, ticket: int, user_index: int, text: str, documents: tuple[Document, ...] = (),
-                    regenerate: bool = False) -> None:
+                    regenerate: bool = False, after_tools: bool = False) -> None:
+        """`after_tools`: the reply to tools' results (`user_index` is the last card): a failure takes only it."""
         message = Message("assistant", "", streaming=True, pending=True)
         reply = self.chat.branch(user_index + 1, message) if regenerate else self.chat.append(message)
         self._turn = InFlight(ticket, self.chat.conversation_id, user_index, reply, text, documents,
-                              new_from=reply if regenerate else user_index)
+                              new_from=reply if regenerate or after_tools else user_index)
         self.busy_changed.emit()
 
     def _end_turn(self) -> None:
@@ -586,6 +645,7 @@ class ChatController(QObject):
         self._write(conv_id, lambda: self.store.add_turn(conv_id, row), stats_only=True)
         self.live_rate.emit(ev.tok_s, ev.tokens)
         self.turn_finished.emit(row)
+        self._last_reply = turn.reply_index
         self._end_turn()
 
     def _on_cache(self, cache: CacheStats) -> None:
@@ -761,6 +821,9 @@ class ChatController(QObject):
             return
         self._closing = True
         self._after_idle.clear()
+        # Off the GUI thread (a hung server takes seconds to end); not a daemon, so the process waits for it
+        # and no server outlives the app.
+        threading.Thread(target=self.tools.close, name="mcp-close").start()
         self.local_server.stop()  # first: a server request in progress ends within a token, freeing the engine
         self.host.shutdown()
 

@@ -107,6 +107,7 @@ class MainWindow(QMainWindow):
         self.chat_view.switch_requested.connect(c.switch_alternative)
         self.chat_view.edit_requested.connect(self.start_edit)
         self.chat_view.fork_requested.connect(c.fork_chat)
+        self.chat_view.tool_action.connect(c.tool_action)
         self.chat_view.delete_requested.connect(self._confirm_delete_alternative)
         self.chat_view.regenerate_requested.connect(c.regenerate)
         c.busy_changed.connect(lambda: self.chat_view.set_locked(c.busy))

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from PySide6.QtCore import QObject, QThread, Signal, Slot
@@ -25,6 +25,7 @@ from engine.errors import BuildCancelled, EddyError, PromptTooLongError
 from engine.events import Context, DecodeProgress, Done, Event, Prefill, PrefillProgress, Reasoning, Token
 from engine.run.generation import ChatDefaults, sampling_params
 from engine.run.session import ChatSession, ChatSettings, EventSink
+from engine.run.tools import Choice, ToolError, ToolPlan
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,9 @@ class EngineWorker(QObject):
     context = Signal(object, object)
     error = Signal(str, str)           # kind, message for the user
     counted = Signal(int, int)         # answers count(seq, text): seq, the text's tokens
+    # After a reply's done: the tool calls it made, as OpenAI's dicts (ticket, [call, ...]), the calls' text
+    # kept out of its tokens.
+    tool_calls = Signal(int, object)
     pong = Signal(int)                 # answers ping(): every request queued before it has been handled
     finished = Signal()
 
@@ -91,6 +95,7 @@ class EngineWorker(QObject):
         self._model: Any = None
         self._session: ChatSession | None = None
         self._chat_settings = ChatSettings()
+        self._chat: dict = {}  # the last chat dict (its tools and tool_choice are applied per turn)
         # Loads are numbered; a cancel covers every load up to the one current when it was asked for, so
         # it can neither be lost (load not started yet) nor leak into a later load.
         self._cancelled_through = 0
@@ -154,7 +159,9 @@ class EngineWorker(QObject):
             settings, device_note = runnable(BuildSettings(**build))
             self._model = open_model(model or None, settings, progress, cancelled)
             self._chat_settings = _chat_settings(chat, self._model.chat_defaults)
+            self._chat = dict(chat)
             self._session = self._model.chat(self._chat_settings)
+            self._session.settings = self._with_tools()
         except EddyError as e:
             was_cancelled = cancelled() or isinstance(e, BuildCancelled)
             self.error.emit("cancelled" if was_cancelled else "load", str(e))
@@ -187,12 +194,25 @@ class EngineWorker(QObject):
         except ValueError as e:
             self.error.emit("settings", str(e))
             return
+        self._chat = dict(chat)
         if self._session is not None:
-            self._session.settings = self._chat_settings
+            self._session.settings = self._with_tools()
 
     @Slot(int, str)
     def send(self, ticket: int, text: str) -> None:
-        self._turn(ticket, lambda session, on_event: session.answer(text, on_event))
+        # tool_choice "required" (or a named function) forces a call in the reply to the user's message, not
+        # in the ones after its results (or the loop would never end).
+        self._turn(ticket, lambda session, on_event: session.answer(text, on_event),
+                   force=self._chat.get("tool_choice", "auto") != "auto")
+
+    @Slot(int, object)
+    def send_tool_results(self, ticket: int, results: list) -> None:
+        """Answers after tools' results ({"role": "tool", "content", "tool_call_id"} each, in call order)."""
+        def run(session: ChatSession, on_event: EventSink) -> object:
+            shaped = self._plan().messages(list(results))
+            return session.answer(shaped[-1], on_event, before=shaped[:-1])
+
+        self._turn(ticket, run)
 
     @Slot(int)
     def regenerate(self, ticket: int) -> None:
@@ -203,7 +223,7 @@ class EngineWorker(QObject):
         """Answers `text` as the message after `history` (the chat up to an edited message): the session goes
         back to there, or rebuilds it, before the turn; only the turn's own events are sent."""
         def run(session: ChatSession, on_event: EventSink) -> object:
-            session.follow(history)  # its prefill is not the turn's: the turn's own events follow
+            session.follow(self._plan().messages(history))  # its prefill is not the turn's: its own events follow
             return session.answer(text, on_event)
 
         self._turn(ticket, run)
@@ -217,7 +237,7 @@ class EngineWorker(QObject):
             return
         origin = Origin(switch=seq)
         try:
-            session.follow(history, lambda event: self._forward(event, origin))
+            session.follow(self._plan().messages(history), lambda event: self._forward(event, origin))
         except Exception as e:
             log.exception("rebuilding the cache failed")
             self.error.emit("rebuild", f"Could not restore the chat into the model's cache: {e}")
@@ -252,21 +272,62 @@ class EngineWorker(QObject):
 
     # --- internals -------------------------------------------------------------------------------------------
 
-    def _turn(self, ticket: int, run: Callable[[ChatSession, EventSink], object]) -> None:
+    def _plan(self) -> ToolPlan:
+        """The window's tools (from its MCP servers) as this model's template takes them."""
+        tools = list(self._chat.get("tools") or [])
+        source = self._session.tokenizer.template_source if self._session is not None else ""
+        return ToolPlan.make(source, tools, Choice("auto" if tools else "none"))
+
+    def _with_tools(self, force: bool = False) -> ChatSettings:
+        """The chat settings with the tools told to the model: in the template's own way or the system prompt;
+        `force`: the reply must be calls (a grammar holds it to them)."""
+        plan = self._plan()
+        if not plan.active:
+            return self._chat_settings
+        base = self._chat_settings
+        grammar = None
+        if force:
+            try:
+                plan.choice = Choice.read(self._chat.get("tool_choice"), plan.tools)
+            except ToolError:
+                plan.choice = Choice("required")  # a named tool that has gone: any of the others
+            grammar = plan.grammar(self._session.tokenizer.special_id)
+        return replace(base, system_prompt=plan.system(base.system_prompt), template_extras=plan.extras() or None,
+                       grammar=grammar)
+
+    def _turn(self, ticket: int, run: Callable[[ChatSession, EventSink], object], force: bool = False) -> None:
         session = self._session
         if session is None:
             self.error.emit("turn", "No model is loaded.")
             return
         self._ticket = ticket
         origin = Origin(ticket=ticket)
+        plan = self._plan()
+        stream = plan.stream()
+        calls: list = []
+        if force and plan.active:
+            session.settings = self._with_tools(force=True)
 
         def on_event(event: Event) -> None:
             if self._stop_ticket == ticket:
                 session.stop()
+            if stream is not None and isinstance(event, Token):
+                # A call's text never shows as the reply's: the calls come after done, on their own signal.
+                text = stream.push(event.text)
+                if text:
+                    self._forward(Token(text), origin)
+                return
+            if stream is not None and isinstance(event, Done):
+                tail, found = stream.finish()
+                if tail:
+                    self._forward(Token(tail), origin)
+                calls.extend(c.to_openai() for c in plan.named(found))
             self._forward(event, origin)
 
         try:
             run(session, on_event)
+            if calls:
+                self.tool_calls.emit(ticket, calls)
         except PromptTooLongError as e:
             self.error.emit("too_long", str(e))
         except Exception as e:
@@ -275,6 +336,8 @@ class EngineWorker(QObject):
             self.error.emit("turn", str(e) if isinstance(e, EddyError) else f"Generation failed: {e!r}")
         finally:
             self._ticket = -1
+            if force:
+                session.settings = self._with_tools()
 
     def _forward(self, event: Event, origin: Origin) -> None:
         self._signals[type(event)].emit(event, origin)
@@ -296,6 +359,7 @@ class EngineHost(QObject):
     _send = Signal(int, str)
     _regenerate = Signal(int)
     _answer_from = Signal(int, object, str)
+    _tool_results = Signal(int, object)
     _switch = Signal(int, object)
     _count = Signal(int, str)
     _ping = Signal(int)
@@ -316,6 +380,7 @@ class EngineHost(QObject):
         self._send.connect(self.worker.send)
         self._regenerate.connect(self.worker.regenerate)
         self._answer_from.connect(self.worker.answer_from)
+        self._tool_results.connect(self.worker.send_tool_results)
         self._switch.connect(self.worker.switch_chat)
         self._count.connect(self.worker.count)
         self._ping.connect(self.worker.ping)
@@ -358,6 +423,12 @@ class EngineHost(QObject):
         """Answers `text` after `history`, a start of the conversation (an edited message's branch)."""
         self._tickets += 1
         self._answer_from.emit(self._tickets, history, text)
+        return self._tickets
+
+    def send_tool_results(self, results: list[dict]) -> int:
+        """Answers after the tools' results (the calls of the last reply, each answered)."""
+        self._tickets += 1
+        self._tool_results.emit(self._tickets, results)
         return self._tickets
 
     @property

@@ -58,6 +58,13 @@ def build(name: str) -> MCPServer:
         return f"slept {seconds} s"
 
     @server.tool()
+    async def hang() -> str:
+        """Never answer (a tool whose server has hung, for the window's timeout)."""
+        _log("hang start")
+        await anyio.sleep_forever()
+        return "never"
+
+    @server.tool()
     async def freeze(seconds: float) -> str:
         """Block the whole server (its event loop) for the given number of seconds."""
         _log("freeze start")

@@ -93,9 +93,32 @@ class Choice:
 
 def _call_object(name_key: str, args_key: str) -> Callable[[dict], dict]:
     def schema(fn: dict) -> dict:
-        return {"type": "object", "properties": {name_key: {"const": fn["name"]}, args_key: fn["parameters"]},
+        params = fn["parameters"]
+        if params.get("type") == "object" and "additionalProperties" not in params:
+            # A forced call takes the parameters the function declares: left open, a small model may go on
+            # inventing properties until it runs out of tokens.
+            params = {**params, "additionalProperties": False}
+        return {"type": "object", "properties": {name_key: {"const": fn["name"]}, args_key: _bounded(params)},
                 "required": [name_key, args_key], "additionalProperties": False}
     return schema
+
+
+# JSON's safe integers: clients (JavaScript's above all) lose precision past them, and a small model held to an
+# unbounded integer may write digits until it runs out of tokens.
+_SAFE = 2 ** 53 - 1
+
+
+def _bounded(schema: Any) -> Any:
+    """`schema` with every integer lacking bounds held to JSON's safe range."""
+    if isinstance(schema, list):
+        return [_bounded(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _bounded(v) for k, v in schema.items()}
+    if out.get("type") == "integer":
+        out.setdefault("minimum", -_SAFE)
+        out.setdefault("maximum", _SAFE)
+    return out
 
 
 @dataclass(frozen=True)
