@@ -536,6 +536,9 @@ class MessageWidget(QFrame):
         elif message.meta:
             m = message.meta
             bits.append(f"{m.get('tokens', 0)} tokens · {m.get('tok_s', 0):.1f} tok/s")
+            calls = [c.get("function", {}).get("name", "?") for c in message.extra.get("tool_calls") or []]
+            if calls:
+                bits.append("calls " + ", ".join(calls))
             if m.get("stop_reason") == "stopped":
                 bits.append("stopped")
             elif m.get("stop_reason") == "length":
@@ -581,7 +584,8 @@ class MessageWidget(QFrame):
             call = f"{message.extra.get('tool', '?')}({message.extra.get('arguments', '')})"
             self.call.setText(call)
             self.call.setToolTip(call[:2000])
-            self.body.setVisible(bool(message.content))
+        # A card before its result, and a reply that only called tools, have no text to show.
+        self.body.setVisible(bool(message.content) or message.streaming or not (card or message.extra.get("tool_calls")))
 
     def _show_thinking(self, shown: bool) -> None:
         self.thinking.setVisible(shown and bool(self._shown and self._shown[-1]))

@@ -25,7 +25,7 @@ from .models import ChatModel, ConversationListModel, DraftModel, Message, TurnS
 from .saving import SaveQueue
 from .settings import AppSettings, load_settings, save_settings
 from .system_prompts import SystemPrompts
-from .tool_cards import ToolCards, load_servers
+from .tool_cards import MCP_FILE, ToolCards, load_servers
 from .store import ConversationRow, MessageRow, SearchHit, Store, StoreError, TurnRow
 from .transcript import to_json, to_markdown
 from .worker import TURN_ERRORS, EngineHost, Origin
@@ -131,6 +131,8 @@ class ChatController(QObject):
         self.tools.results_ready.connect(self._send_tool_results)
         self.tools.notice.connect(lambda kind, text: self.notice.emit(kind, text, ""))
         self.tools.changed.connect(self._on_tools_changed)
+        self.tools.allowed = {t for t in self.settings.tools.allowed_tools.split(",") if t}
+        self.tools.allowed_changed.connect(self._keep_allowed_tools)
         w.tool_calls.connect(self._on_tool_calls)
         self._last_reply = -1  # the index of the reply that ended last (its calls come after its done)
 
@@ -158,6 +160,34 @@ class ChatController(QObject):
         if self.tools_problem:
             self.notice.emit("warning", f"No tools from MCP servers: {self.tools_problem}", "")
         self.tools.start(specs)
+
+    def mcp_servers(self) -> tuple[str, list]:
+        """(the data folder's mcp.json text, the servers' statuses) for the settings dialog."""
+        try:
+            text = (self.data_dir / MCP_FILE).read_text(encoding="utf-8")
+        except OSError:
+            text = ""
+        return text, self.tools.host.status()
+
+    def set_mcp_servers(self, text: str) -> None:
+        """Keeps `text` (checked JSON, or "" for none) as mcp.json and restarts the servers if it changed."""
+        path = self.data_dir / MCP_FILE
+        if text.strip() == self.mcp_servers()[0].strip():
+            return
+        try:
+            if text.strip():
+                path.write_text(text.strip() + "\n", encoding="utf-8")
+            else:
+                path.unlink(missing_ok=True)
+        except OSError as e:
+            self.notice.emit("error", f"Could not save the MCP servers to {path}: {e.strerror or e}", "")
+            return
+        self.start_tools()
+
+    def _keep_allowed_tools(self) -> None:
+        tools = replace(self.settings.tools, allowed_tools=",".join(sorted(self.tools.allowed)))
+        self.settings = replace(self.settings, tools=tools)
+        save_settings(self.data_dir, self.settings)
 
     def _on_tools_changed(self) -> None:
         self.tools_changed.emit()
@@ -274,6 +304,7 @@ class ChatController(QObject):
                 self.model_override = None  # an explicit choice replaces the --model of this run
             self.load_model()
             return
+        self.tools.allowed = {t for t in new.tools.allowed_tools.split(",") if t}
         self.host.configure(self._chat_dict())
         self._sync_server()
         if old.system_prompt != new.system_prompt:

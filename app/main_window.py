@@ -388,9 +388,10 @@ class MainWindow(QMainWindow):
 
     def open_settings(self) -> None:
         dialog = SettingsDialog(self.controller.settings, self, self.controller.model_override,
-                                self.controller.chat_defaults)
+                                self.controller.chat_defaults, self.controller.mcp_servers())
         if dialog.exec() == SettingsDialog.DialogCode.Accepted:
             new = dialog.value()
+            self.controller.set_mcp_servers(dialog.tools.text)
             if self.controller.settings.needs_rebuild(new):
                 self.notice.show_notice("info", "The model is being rebuilt for the new settings.")
             self.controller.apply_settings(new)

@@ -1,6 +1,6 @@
 """Takes the README screenshots from the real app (a developer tool, not used by the app itself).
 
-    xvfb-run -a -s "-screen 0 1600x1000x24" python -m app.screenshots main-window|first-run|settings|alternatives|system-prompt OUT.png [--model M]
+    xvfb-run -a -s "-screen 0 1600x1000x24" python -m app.screenshots main-window|first-run|settings|alternatives|system-prompt|tools OUT.png [--model M]
     EDDY_CACHE_DIR=$(mktemp -d) xvfb-run -a -s "-screen 0 1600x1000x24" python -m app.screenshots first-run OUT.png
 
 Under an X server (Xvfb) the picture is the screen's own pixels, so it shows what a user would see,
@@ -19,7 +19,8 @@ details opens a stored chat with a reply holding two code blocks (each with its 
 and while the reply streams scrolls back up to the code as a reader would: the "Follow the reply" button shows,
 and the tooltip of the code's reply (its time, tokens and tok/s) is up.
 system-prompt saves two presets, picks one for a new chat (pinned in the sinks) and chats twice: the header at the
-top of the chat and the cache bar's pinned segment.
+top of the chat and the cache bar's pinned segment. tools opens a stored reply's thinking and has the model call
+the echo MCP server's add tool (OUT-card.png: the card asking to run; OUT: after it ran and the reply followed).
 """
 from __future__ import annotations
 
@@ -514,10 +515,67 @@ def system_prompt(out: Path, model: str | None, build: dict[str, object]) -> int
     return main(["--data-dir", str(data)] + (["--model", model] if model else []), on_window=drive)
 
 
+THOUGHT = ("The user wants the sum of two numbers and has given me an add tool. Adding by hand would do, but "
+           "the tool is exact and shows its work, so I will call it with a = 17 and b = 25 and report its answer.")
+
+
+def tools(out: Path, model: str | None) -> int:
+    """A reasoning reply's folded "Thinking" block (a stored chat: the default model does not think) opened, and
+    a tool card from the echo MCP server of tests/: the call forced by the grammar, run, and the reply after it."""
+    echo = Path(__file__).resolve().parents[1] / "tests" / "mcp_echo_server.py"
+
+    def drive(window: MainWindow) -> None:
+        window.resize(1300, 900)
+        c = window.controller
+
+        def ready(state: str) -> None:
+            if state == "ready" and not getattr(drive, "done", False):
+                drive.done = True
+                QTimer.singleShot(1500, ask)  # the MCP server's tools are listed by then
+
+        def ask() -> None:
+            name = next(t["function"]["name"] for t in c.tools.tools() if t["function"]["name"].endswith("add"))
+            c.tool_choice = {"type": "function", "function": {"name": name}}
+            c.host.configure(c._chat_dict())
+            c.send("What is 17 + 25? Use the add tool.")
+
+        def finished(_row) -> None:
+            if c.chat.messages[-1].role == "assistant" and c.chat.messages[-2].role == "tool":
+                window.chat_view.flush()
+                window.chat_view.widget(1).thinking_toggle.setChecked(True)  # the stored reply's thinking, opened
+                QTimer.singleShot(600, lambda: (_save(_snapshot(window), out), window.close()))
+
+        def card() -> None:
+            last = c.chat.messages[-1] if c.chat.messages else None
+            if last is not None and last.role == "tool" and last.extra.get("state") == "asking":
+                c.tool_choice = "auto"
+                c.host.configure(c._chat_dict())
+                window.chat_view.flush()
+                _save(_snapshot(window), out.with_name(out.stem + "-card.png"))
+                c.tool_action(len(c.chat.messages) - 1, "run")
+
+        c.model_state_changed.connect(ready)
+        c.turn_finished.connect(finished)
+        c.busy_changed.connect(lambda: QTimer.singleShot(300, card))
+        QTimer.singleShot(10 * 60 * 1000, window.close)  # never hang a script
+
+    data = Path(tempfile.mkdtemp(prefix="eddy-shot-"))
+    save_settings(data, AppSettings.of(max_new_tokens=120))
+    (data / "mcp.json").write_text(f'{{"mcpServers": {{"echo": {{"command": "{sys.executable}", '
+                                   f'"args": ["{echo}"]}}}}}}')
+    store = Store.open(data)
+    conv = store.create_conversation("Adding with a tool")
+    store.append_message(conv, 0, "user", "Can you add numbers for me?")
+    store.append_message(conv, 1, "assistant", "Yes: give me two numbers and I will add them with the add tool.",
+                         extra={"reasoning": THOUGHT, "thinking_ms": 2400})
+    store.close()
+    return main(["--data-dir", str(data)] + (["--model", model] if model else []), on_window=drive)
+
+
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("what", choices=["main-window", "first-run", "settings", "search", "document", "alternatives",
-                                    "local-server", "details", "system-prompt"])
+                                    "local-server", "details", "system-prompt", "tools"])
     p.add_argument("out", type=Path)
     p.add_argument("--model", default=None)
     p.add_argument("--max-turns", type=int, default=14)
@@ -537,6 +595,8 @@ if __name__ == "__main__":
         sys.exit(details(a.out, a.model))
     if a.what == "system-prompt":
         sys.exit(system_prompt(a.out, a.model, {"window": a.window} if a.window else {}))
+    if a.what == "tools":
+        sys.exit(tools(a.out, a.model))
     if a.what == "main-window":
         sys.exit(main_window(a.out, a.model, a.max_turns, a.grab_after, a.dark))
     if a.what == "settings":

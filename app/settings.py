@@ -51,11 +51,19 @@ class ServerOptions:
 
 
 @dataclass(frozen=True)
+class ToolOptions:
+    """The window's tools (the MCP servers themselves are in the data folder's mcp.json, app/tool_cards.py)."""
+
+    allowed_tools: str = ""  # tools that run without asking ("Always allow"), comma-separated
+
+
+@dataclass(frozen=True)
 class AppSettings:
     model: str = ""  # "" = the default model; else a built-in name, a .gguf file or a Hugging Face folder
     build: BuildSettings = BuildSettings()  # its max_sinks is not the app's: pin_system decides it
     chat: ChatOptions = ChatOptions()
     server: ServerOptions = ServerOptions()
+    tools: ToolOptions = ToolOptions()
 
     @classmethod
     def of(cls, **values: Any) -> "AppSettings":
@@ -128,6 +136,7 @@ def _where() -> dict[str, tuple[str, ...]]:
     pairs += [(f.name, ("chat",)) for f in fields(ChatOptions) if f.name != "sampling"]
     pairs += [(name, ("chat", "sampling")) for name in SAMPLING_FIELDS]
     pairs += [(f.name, ("server",)) for f in fields(ServerOptions)]
+    pairs += [(f.name, ("tools",)) for f in fields(ToolOptions)]
     out = dict(pairs)
     if len(out) != len(pairs):  # the file is flat: a sampler option named like a build field would share its key
         raise RuntimeError("two settings share a name in the settings file")

@@ -21,6 +21,7 @@ from engine.run.sampling import OPTIONS, Option
 
 from .cache_section import CacheSection
 from .server_section import ServerSection
+from .tools_section import ToolsSection
 from .settings import AppSettings
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
@@ -60,7 +61,8 @@ def _option_box(option: Option, value: Any) -> QSpinBox | QDoubleSpinBox:
 
 class SettingsDialog(QDialog):
     def __init__(self, current: AppSettings, parent: QWidget | None = None, override: str | None = None,
-                 defaults: ChatDefaults | None = None) -> None:
+                 defaults: ChatDefaults | None = None, tools: tuple[str, list] = ("", [])) -> None:
+        """`tools`: the MCP servers' JSON text and their statuses (app/tools_section.py)."""
         super().__init__(parent)
         self.setWindowTitle("Eddy settings")
         self.setAccessibleName("Settings")
@@ -132,6 +134,8 @@ class SettingsDialog(QDialog):
         left.addWidget(self.cache)
         self.server = ServerSection(current.server)
         left.addWidget(self.server)
+        self.tools = ToolsSection(*tools)
+        left.addWidget(self.tools)
         left.addStretch(1)
         columns.addLayout(left, 3)  # the wider: the cache list has the longer lines
         layout.addLayout(columns)

@@ -49,6 +49,7 @@ class ToolCards(QObject):
     changed = Signal()                   # the servers' status or tools changed (Settings shows them)
     results_ready = Signal(object)       # [{"role": "tool", "content", "tool_call_id"}, ...] for the model
     notice = Signal(str, str)            # kind, text
+    allowed_changed = Signal()           # a tool was allowed to run without asking (the settings keep it)
     _finished = Signal(object, object)   # (card message, ToolResult | None): from the MCP thread
 
     def __init__(self, chat: ChatModel, save_new: Callable[[int], object], save_change: Callable[[Message], object],
@@ -120,6 +121,7 @@ class ToolCards(QObject):
         if action in ("run", "always") and state == ASKING:
             if action == "always":
                 self.allowed.add(card.extra["tool"])
+                self.allowed_changed.emit()
             self._run(card)
         elif action == "deny" and state == ASKING:
             self._set(card, DENIED, "The user did not allow this call.")

@@ -120,7 +120,7 @@ def reply_speed(tokens: int, repeats: int) -> dict:
             runs[kind].append(result.tokens / (result.decode_ms / 1e3))
             produced[kind].append(result.tokens)
     free, held = statistics.median(runs["free"]), statistics.median(runs["constrained"])
-    return {"model": "smollm2-135m-instruct", "build": model.settings.dtype if hasattr(model, "settings") else "",
+    return {"model": "smollm2-135m-instruct", "build": model.engine.settings.dtype,
             "tokens": tokens, "repeats": repeats, "free_tok_s": round(free, 1), "constrained_tok_s": round(held, 1),
             "constrained_over_free": round(held / free, 3),
             "tokens_generated": {k: statistics.median(v) for k, v in produced.items()}}

@@ -208,6 +208,17 @@ def test_what_cannot_be_used_is_a_400_naming_the_field(served, kw, param):
     assert create(served, [{"role": "user", "content": "hi"}], max_tokens=2).choices[0].message is not None
 
 
+def test_a_regular_expression_holds_the_reply(served):
+    pattern = r"(yes|no), [0-9]{1,3} times"
+    out = create(served, [{"role": "user", "content": "Answer"}], extra_body={"guided_regex": pattern}, max_tokens=30)
+    import re
+
+    assert out.choices[0].finish_reason == "stop" and re.fullmatch(pattern, out.choices[0].message.content)
+    with pytest.raises(openai.BadRequestError) as e:
+        create(served, [{"role": "user", "content": "x"}], extra_body={"guided_regex": "(unclosed"}, max_tokens=2)
+    assert e.value.body["param"] == "guided_regex"
+
+
 def test_a_call_that_is_never_closed_ends_at_max_tokens_and_says_so(served):
     free = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
     tools = [{"type": "function", "function": {"name": "note", "parameters": free}}]

@@ -59,8 +59,10 @@ def test_a_forced_call_shows_its_card_runs_when_approved_and_the_reply_follows(q
     c.tool_choice = "auto"  # the reply after the result is the model's own
     c.host.configure(c._chat_dict())
     with qtbot.waitSignal(c.turn_finished, timeout=TURN_TIMEOUT_MS):
-        bubble.tool_buttons["run"].click()
+        bubble.tool_buttons["always"].click()  # run it, and never ask again for this tool
     assert card.extra["state"] == "done" and card.content == str(args["a"] + args["b"])
+    from app.settings import load_settings
+    assert load_settings(c.data_dir).tools.allowed_tools == add  # kept for the next start
     answer = c.chat.messages[-1]
     assert answer.role == "assistant" and not answer.streaming and answer.content
     wait_idle(qtbot, window)
@@ -94,3 +96,36 @@ def test_a_call_to_a_server_that_hangs_times_out_with_a_notice_and_the_chat_goes
     assert card.extra["state"] == "failed" and "timed out" in card.content
     assert any(hang in n and "timed out" in n for n in notices)
     assert c.chat.messages[-1].role == "assistant"
+
+
+def test_settings_list_the_servers_check_new_ones_and_apply_them(qtbot, tmp_path):
+    from app.settings_dialog import SettingsDialog
+    from app.tools_section import ServersDialog
+
+    window, c = _window(qtbot, tmp_path)
+    dialog = SettingsDialog(c.settings, window, None, c.chat_defaults, c.mcp_servers())
+    qtbot.addWidget(dialog)
+    assert dialog.tools.list.text().startswith("echo: ") and "tools" in dialog.tools.list.text()
+    editor = ServersDialog('{"mcpServers": {"x": {"url": "ftp://nowhere"}}}', dialog)
+    qtbot.addWidget(editor)
+    editor.accept()
+    assert editor.result() != ServersDialog.DialogCode.Accepted and editor.error.text()  # refused, and says why
+    c.set_mcp_servers("")  # OK with no servers: the file goes, and so do the model's tools
+    qtbot.waitUntil(lambda: c.tools.tools() == [], timeout=10_000)
+    assert not (c.data_dir / "mcp.json").exists()
+
+
+def test_calls_past_the_bound_are_not_run_and_the_loop_ends(qtbot, tmp_path):
+    window, c = _window(qtbot, tmp_path)
+    c.tools.limit = 0  # the bound (8 by default) already reached
+    c.tool_choice = {"type": "function", "function": {"name": _tool(c, "add")}}
+    c.host.configure(c._chat_dict())
+    notices = []
+    c.notice.connect(lambda kind, text, action: notices.append(text))
+    _send(qtbot, window, "Add numbers.")
+    qtbot.waitUntil(lambda: c.chat.messages[-1].role == "tool", timeout=TURN_TIMEOUT_MS)
+    card = c.chat.messages[-1]
+    assert card.extra["state"] == "skipped" and "at most 0 tool calls" in card.content
+    assert any("stopped running them" in n for n in notices)
+    wait_idle(qtbot, window)
+    assert c.chat.messages[-1] is card and c.can_send  # nothing went back to the model: the user goes on

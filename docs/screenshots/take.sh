@@ -35,3 +35,6 @@ EDDY_CACHE_DIR=$(mktemp -d) "$PY" -m app.screenshots first-run "$OUT/first-run.p
 "$PY" -m app.screenshots details "$OUT/details.png"
 # A chat with its own system prompt from a preset, pinned in the sinks: the header and the cache bar's caption.
 "$PY" -m app.screenshots system-prompt "$OUT/system-prompt.png" --model tiny-random --window 124
+# A reasoning reply's thinking block opened (a stored chat: the default model does not think), and a tool card of
+# the echo MCP server in tests/ (tools-card.png: asking to run; tools.png: after it ran and the reply followed).
+"$PY" -m app.screenshots tools "$OUT/tools.png"

@@ -429,7 +429,8 @@ def _agent_side(req: ChatRequest, tokenizer: Tokenizer, messages: list[dict]) ->
             raise APIError(400, f"{where} may not contain the model's control token {found!r}", where)
     grammars = [(name, g) for name, g in (("tool_choice", plan.grammar(tokenizer.special_id) if plan.active else None),
                                           ("response_format", _response_grammar(req)),
-                                          ("grammar", _grammar_field(req.grammar))) if g is not None]
+                                          ("grammar", _grammar_field(req.grammar)),
+                                          ("guided_regex", _regex_field(req.guided_regex))) if g is not None]
     if len(grammars) > 1:
         raise APIError(400, f"{grammars[0][0]} and {grammars[1][0]} each constrain the reply: send one", grammars[1][0])
     grammar = grammars[0][1] if grammars else None
@@ -477,6 +478,15 @@ def _grammar_field(text: str | None) -> Grammar | None:
         return Grammar.gbnf(text)
     except GrammarError as e:
         raise APIError(400, str(e), "grammar") from None
+
+
+def _regex_field(pattern: str | None) -> Grammar | None:
+    if not pattern:
+        return None
+    try:
+        return Grammar.regex(pattern)
+    except GrammarError as e:
+        raise APIError(400, str(e), "guided_regex") from None
 
 
 def _parse_body(data: bytes, model: type) -> Any:

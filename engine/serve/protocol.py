@@ -159,6 +159,7 @@ class ChatRequest(Sampling):
     # llama-server's and vLLM's way to set the template's switches (enable_thinking).
     chat_template_kwargs: dict[str, Any] | None = None
     grammar: str | None = None  # llama-server's GBNF (or a Lark grammar)
+    guided_regex: str | None = None  # vLLM's: the reply matches this regular expression
 
     def split(self) -> tuple[str | None, list[dict], dict]:
         """(system prompt, the conversation before the last message, the last message: the user's or a tool's)."""
