@@ -129,3 +129,22 @@ def test_calls_past_the_bound_are_not_run_and_the_loop_ends(qtbot, tmp_path):
     assert any("stopped running them" in n for n in notices)
     wait_idle(qtbot, window)
     assert c.chat.messages[-1] is card and c.can_send  # nothing went back to the model: the user goes on
+
+
+def test_a_running_call_can_be_stopped_and_the_model_is_told(qtbot, tmp_path):
+    window, c = _window(qtbot, tmp_path)
+    c.tool_choice = {"type": "function", "function": {"name": _tool(c, "hang")}}
+    c.host.configure(c._chat_dict())
+    _send(qtbot, window, "Call the tool that hangs.")
+    qtbot.waitUntil(lambda: c.chat.messages[-1].role == "tool", timeout=TURN_TIMEOUT_MS)
+    index = len(c.chat.messages) - 1
+    c.tool_action(index, "run")
+    card = c.chat.messages[index]
+    assert card.extra["state"] == "running"
+    qtbot.waitUntil(lambda: window.chat_view.widget(index) is not None)
+    bubble = window.chat_view.widget(index)
+    qtbot.waitUntil(lambda: bubble.tool_buttons["stop"].isVisible())
+    with qtbot.waitSignal(c.turn_finished, timeout=TURN_TIMEOUT_MS):
+        bubble.tool_buttons["stop"].click()
+    assert card.extra["state"] == "stopped" and "stopped" in card.content
+    assert c.chat.messages[-1].role == "assistant"  # the model was told, and answered
