@@ -275,7 +275,7 @@ class EngineWorker(QObject):
     def _plan(self) -> ToolPlan:
         """The window's tools (from its MCP servers) as this model's template takes them."""
         tools = list(self._chat.get("tools") or [])
-        source = self._session.tokenizer.template_source if self._session is not None else ""
+        source = self._session.model_tokenizer.template_source if self._session is not None else ""
         return ToolPlan.make(source, tools, Choice("auto" if tools else "none"))
 
     def _with_tools(self, force: bool = False) -> ChatSettings:

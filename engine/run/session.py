@@ -90,6 +90,11 @@ class ChatSession:
         """The model's tokenizer, rendering the template with this chat's extras (tools, thinking on or off)."""
         return self._tokenizer.with_extras(self.settings.template_extras)
 
+    @property
+    def model_tokenizer(self) -> Tokenizer:
+        """The model's tokenizer as loaded, whatever this chat's extras: safe to read from any thread."""
+        return self._tokenizer
+
     # --- the conversation ----------------------------------------------------------------------------------
 
     def reset(self) -> None:

@@ -447,6 +447,7 @@ class Tokenizer:
         self._extras: dict[str, Any] = {}
         self._extras_text = ""
         self._variants: dict[str, Tokenizer] = {}
+        self._variants_lock = threading.Lock()  # the engine thread and a server's request threads both ask
         self._grammars: Any = None
         self._template = _compile_template(self._template_source, where)
         self._bos_token: str | None = cfg.get("bos_token")
@@ -499,6 +500,11 @@ class Tokenizer:
             return self
         base = self._base
         key = json.dumps(extras, sort_keys=True, ensure_ascii=False)
+        with base._variants_lock:
+            return base._variant(key, extras)
+
+    def _variant(self, key: str, extras: dict[str, Any]) -> "Tokenizer":
+        base = self
         variant = base._variants.get(key)
         if variant is None:
             if len(base._variants) >= 8:

@@ -307,7 +307,7 @@ def create_app(engine: JobRunner, settings: ServerSettings) -> Starlette:
         check(req)
         system, history, last = req.split()
         stops = req.stops()
-        tokenizer: Tokenizer = engine.session.tokenizer
+        tokenizer: Tokenizer = engine.session.model_tokenizer
         plan, grammar, extras = await asyncio.to_thread(_agent_side, req, tokenizer, [*history, last])
         system = plan.system(system)  # a template without tools is told of them here
         settings_ = chat_settings(req, system, req.limit(), template_extras=extras or None, grammar=grammar)
