@@ -255,7 +255,7 @@ class ChatController(QObject):
         # The open chat's own system prompt, else Settings': what the engine is given for this chat; and the
         # tools of the MCP servers running now.
         return {**self.settings.chat_dict(), "system_prompt": self.prompts.effective.strip() or None,
-                "tools": self.tools.tools(), "tool_choice": self.tool_choice}
+                "tools": self.tools.tools(), "tool_choice": self.tool_choice, "api_key": self.settings.api_key}
 
     def _on_chat_prompt(self) -> None:
         # The chat's beginning changed: rebuild its cache with the new prompt, after the reply in progress ends.
@@ -888,6 +888,8 @@ class ChatController(QObject):
         s = self.settings
         if not s.server.serve or self.model_state != "ready" or self._closing or not self.model_info:
             return None
+        if self.model_info.get("remote"):
+            return None  # a remote model's server is already a server: clients can use it directly
         return ServerConfig(s.server.server_port, s.server.server_key, str(self.model_info.get("model")),
                             self.chat_defaults, s.chat.pin_system, s.chat.max_new_tokens)
 

@@ -59,7 +59,8 @@ class ToolOptions:
 
 @dataclass(frozen=True)
 class AppSettings:
-    model: str = ""  # "" = the default model; else a built-in name, a .gguf file or a Hugging Face folder
+    model: str = ""  # "" = the default model; else a built-in name, a .gguf file, a Hugging Face folder or a URL
+    api_key: str = ""  # a remote model's (an http(s)://.../v1 URL as the model); "" = none, or $EDDY_API_KEY
     build: BuildSettings = BuildSettings()  # its max_sinks is not the app's: pin_system decides it
     chat: ChatOptions = ChatOptions()
     server: ServerOptions = ServerOptions()
@@ -121,7 +122,8 @@ class AppSettings:
 
     def needs_rebuild(self, other: "AppSettings") -> bool:
         # build_settings() holds pin_system too, as the sink slots it compiles.
-        return self.model != other.model or self.build_settings() != other.build_settings()
+        return (self.model != other.model or self.api_key != other.api_key  # a remote model reconnects
+                or self.build_settings() != other.build_settings())
 
     def user_set(self) -> dict[str, Any]:
         """The values that differ from a fresh install's: what is stored."""
@@ -131,7 +133,7 @@ class AppSettings:
 
 def _where() -> dict[str, tuple[str, ...]]:
     """Each flat name and the attributes that lead to its part of AppSettings."""
-    pairs = [("model", ())]
+    pairs = [("model", ()), ("api_key", ())]
     pairs += [(f.name, ("build",)) for f in fields(BuildSettings) if f.name != "max_sinks"]
     pairs += [(f.name, ("chat",)) for f in fields(ChatOptions) if f.name != "sampling"]
     pairs += [(name, ("chat", "sampling")) for name in SAMPLING_FIELDS]

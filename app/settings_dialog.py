@@ -74,7 +74,8 @@ class SettingsDialog(QDialog):
         self.model = QLineEdit(current.model)
         self.model.setPlaceholderText(DEFAULT_MODEL_LABEL)
         self.model.setAccessibleName("Model")
-        self.model.setToolTip("Empty for the default model, tiny-random, a .gguf file or a Hugging Face model folder")
+        self.model.setToolTip("Empty for the default model, tiny-random, a .gguf file, a Hugging Face model folder, or "
+                              "the URL of an OpenAI-compatible server (http://host:port/v1: vLLM, llama.cpp, Ollama)")
         pick_file = QPushButton("GGUF file…")
         pick_file.setAccessibleName("Choose a GGUF file")
         pick_file.clicked.connect(self._pick_file)
@@ -89,6 +90,11 @@ class SettingsDialog(QDialog):
             row.addWidget(b)
         form.addRow("Model", self.model)
         form.addRow("", row)
+        self.api_key = QLineEdit(current.api_key)
+        self.api_key.setAccessibleName("API key of a remote model")
+        self.api_key.setPlaceholderText("for a server URL that needs one")
+        self.api_key.setEchoMode(QLineEdit.EchoMode.PasswordEchoOnEdit)
+        form.addRow("API key", self.api_key)
         if override is not None:
             note = QLabel(f"This run uses --model {override}; a model chosen here replaces it.")
             note.setWordWrap(True)
@@ -202,6 +208,7 @@ class SettingsDialog(QDialog):
             c.currentTextChanged.connect(self._changed)
         self.pin_system.toggled.connect(self._changed)
         self.model.textChanged.connect(self._changed)
+        self.api_key.textChanged.connect(self._changed)
         self._changed()
 
     def _pick_file(self) -> None:
@@ -223,7 +230,8 @@ class SettingsDialog(QDialog):
         chat = replace(c.chat, max_new_tokens=self.max_new_tokens.value(), seed=self.seed.value(),
                        system_prompt=self.system_prompt.toPlainText().strip(), pin_system=self.pin_system.isChecked(),
                        sampling=SamplingOverrides(**self._sampling_values()))
-        return replace(c, model=self.model.text().strip(), build=build, chat=chat, server=self.server.value())
+        return replace(c, model=self.model.text().strip(), api_key=self.api_key.text().strip(), build=build, chat=chat,
+                       server=self.server.value())
 
     def _sampling_values(self) -> dict[str, float | int | None]:
         """The user's own values; None where a field shows the model's default (so it keeps following it)."""

@@ -25,6 +25,7 @@ from engine.errors import BuildCancelled, EddyError, PromptTooLongError
 from engine.events import Context, DecodeProgress, Done, Event, Prefill, PrefillProgress, Reasoning, Token
 from engine.run.generation import ChatDefaults, sampling_params
 from engine.run.session import ChatSession, ChatSettings, EventSink
+from engine.remote import is_remote, open_remote
 from engine.run.tools import Choice, ToolError, ToolPlan
 
 log = logging.getLogger(__name__)
@@ -154,6 +155,9 @@ class EngineWorker(QObject):
             self.progress_detail.emit(stage, detail)
 
         start = time.perf_counter()
+        if is_remote(model):
+            self._load_remote(model, chat, start)
+            return
         try:
             _chat_settings(chat, None)  # a bad value fails before a long build
             settings, device_note = runnable(BuildSettings(**build))
@@ -184,6 +188,25 @@ class EngineWorker(QObject):
             "seconds": round(time.perf_counter() - start, 2),
             "built": built,
             "cache": engine.stats,
+            "chat_defaults": self._model.chat_defaults.to_dict(),
+        })
+
+    def _load_remote(self, url: str, chat: dict, start: float) -> None:
+        """A model on an OpenAI-compatible server (engine/remote.py): nothing to build, its context is the window."""
+        try:
+            self._model = open_remote(url, chat.get("api_key") or None)
+            self._chat_settings = _chat_settings(chat, self._model.chat_defaults)
+            self._chat = dict(chat)
+            self._session = self._model.chat(self._chat_settings)
+        except (EddyError, ValueError) as e:
+            self.error.emit("load", str(e))
+            return
+        info = self._model.info
+        self.loaded.emit({
+            "model": info.model, "folder": url, "remote": True,
+            "settings": {"sinks": 0, "window": info.context, "dtype": "remote", "device": "remote"},
+            "device": f"remote · {self._model.source.url}" + ("" if info.context_known else " (context assumed)"),
+            "seconds": round(time.perf_counter() - start, 2), "built": False, "cache": self._session.stats,
             "chat_defaults": self._model.chat_defaults.to_dict(),
         })
 
@@ -249,7 +272,7 @@ class EngineWorker(QObject):
         if session is None:
             return
         try:
-            self.counted.emit(seq, len(session.tokenizer.encode_text(text)))
+            self.counted.emit(seq, session.count_tokens(text))
         except Exception:  # a count is only a hint: never an error for the user
             log.exception("counting a draft's tokens failed")
 
@@ -275,7 +298,10 @@ class EngineWorker(QObject):
     def _plan(self) -> ToolPlan:
         """The window's tools (from its MCP servers) as this model's template takes them."""
         tools = list(self._chat.get("tools") or [])
-        source = self._session.model_tokenizer.template_source if self._session is not None else ""
+        tokenizer = self._session.model_tokenizer if self._session is not None else None
+        if tokenizer is None:  # a remote model: no tools through Eddy's templates (the server's are its own)
+            return ToolPlan.make("", [], Choice("none"))
+        source = tokenizer.template_source
         return ToolPlan.make(source, tools, Choice("auto" if tools else "none"))
 
     def _with_tools(self, force: bool = False) -> ChatSettings:

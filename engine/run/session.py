@@ -90,6 +90,10 @@ class ChatSession:
         """The model's tokenizer, rendering the template with this chat's extras (tools, thinking on or off)."""
         return self._tokenizer.with_extras(self.settings.template_extras)
 
+    def count_tokens(self, text: str) -> int:
+        """How many tokens `text` is as a message's content (a draft's count)."""
+        return len(self._tokenizer.encode_text(text))
+
     @property
     def model_tokenizer(self) -> Tokenizer:
         """The model's tokenizer as loaded, whatever this chat's extras: safe to read from any thread."""

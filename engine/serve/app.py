@@ -298,8 +298,11 @@ def create_app(engine: JobRunner, settings: ServerSettings) -> Starlette:
 
     async def models(request: Request) -> Response:
         authorise(request)
+        # context_length: what the model sees at once (sinks + window), so a client that sends whole histories
+        # (Eddy's own remote engine, engine/remote.py) fits them to it; longer ones still slide here, never refused.
         return JSONResponse({"object": "list", "data": [
-            {"id": s.model_id, "object": "model", "created": 0, "owned_by": "eddy"}]})
+            {"id": s.model_id, "object": "model", "created": 0, "owned_by": "eddy",
+             "context_length": engine.session.engine.capacity}]})
 
     async def chat(request: Request) -> Response:
         authorise(request)
