@@ -88,6 +88,10 @@ def main(argv: Sequence[str] | None = None, on_window: Callable[["MainWindow"], 
 
 
 def _main(args: argparse.Namespace, on_window: Callable[["MainWindow"], None] | None, ask) -> int:
+    problem = _platform_problem()
+    if problem:
+        print(problem, file=sys.stderr, flush=True)
+        return 1
     import qasync
     from PySide6.QtWidgets import QApplication
 
@@ -126,6 +130,19 @@ def _main(args: argparse.Namespace, on_window: Callable[["MainWindow"], None] | 
         loop.run_until_complete(_run(window))
     window.controller.host.wait()  # already ended on the normal path; a safety net otherwise
     return 0
+
+
+def _platform_problem() -> str | None:
+    """Missing X11 libraries or no screen, said before QApplication, where Qt would abort without naming them."""
+    try:
+        gui = sys.modules.get("PySide6.QtGui")
+        if gui is not None and gui.QGuiApplication.instance() is not None:
+            return None  # a platform is loaded already (an embedding script, a test): nothing left to check
+        from .qt_check import startup_problem
+
+        return startup_problem()
+    except Exception:  # the check is a courtesy: if it breaks, Qt starts (or fails) as before
+        return None
 
 
 def _ask_class():
