@@ -101,6 +101,8 @@ def message_tooltip(message: Message) -> str:
         lines.append(f"{m.get('tokens', 0):,} tokens at {m.get('tok_s', 0):.1f} tok/s (decode)")
         if m.get("prefill_tokens"):
             lines.append(f"Read {m['prefill_tokens']:,} new tokens first, in {m.get('prefill_ms', 0):,.0f} ms")
+    if message.extra.get("model"):
+        lines.append(f"By {message.extra['model']}")
     return "\n".join(lines)
 
 

@@ -152,6 +152,21 @@ class ChatController(QObject):
         self.start_tools()
         self.load_model()
 
+    # --- models --------------------------------------------------------------------------------------------
+
+    def switch_model(self, spec: str) -> None:
+        """Talks to another model from now on (a file, a folder, a built-in name or a server's URL): the chat
+        stays and is put into the new model's cache; a model not built yet shows the build dialog."""
+        spec = spec.strip()
+        if spec == self.settings.model and self.model_state == "ready":
+            return
+        recent = [m for m in self.settings.recent_models.split("|") if m and m != spec]
+        if self.settings.model and self.settings.model != spec:
+            recent = [self.settings.model, *[m for m in recent if m != self.settings.model]]
+        new = replace(self.settings, model=spec, recent_models="|".join(([spec] if spec else []) + recent)[:4000])
+        self.model_override = None
+        self.apply_settings(new)
+
     # --- tools ---------------------------------------------------------------------------------------------
 
     def start_tools(self) -> None:
@@ -661,6 +676,8 @@ class ChatController(QObject):
         meta = {"tokens": ev.tokens, "tok_s": ev.tok_s, "stop_reason": ev.stop_reason,
                 "prefill_tokens": prefill.new_tokens, "prefill_ms": prefill.ms}
         reply = self.chat.messages[turn.reply_index]
+        if self.model_info.get("model"):
+            reply.extra = {**reply.extra, "model": self.model_info["model"]}  # which model wrote it (hover, export)
         if turn.thinking[0]:
             # Stored with the message: how long it thought, from its first thinking token to its last.
             reply.extra = {**reply.extra, "thinking_ms": round((turn.thinking[1] - turn.thinking[0]) * 1e3)}

@@ -26,6 +26,7 @@ from .search_view import LiveSearch, SearchPopup, SearchResults
 from .server_section import ServerStatus
 from .settings_dialog import DEFAULT_MODEL_NAME, SettingsDialog
 from .stats_panel import StatsPanel
+from .model_picker import ModelCatalog, ModelPicker, choices
 from .system_prompt_bar import SystemPromptBar
 
 UI_STATE_FILE = "ui.ini"
@@ -181,7 +182,18 @@ class MainWindow(QMainWindow):
         layout.setSpacing(6)
         self.notice = NoticeBar()
         layout.addWidget(self.notice)
-        self.system_bar = SystemPromptBar(self.controller.prompts)  # the chat's system prompt and its preset
+        # The model (app/model_picker.py) at the top, the chat's system prompt and its preset below it.
+        self.model_picker = ModelPicker()
+        self.model_picker.picked.connect(self.controller.switch_model)
+        self.catalog = ModelCatalog(self)
+        self.catalog.ready.connect(self._show_models)
+        self.catalog.refresh()  # in the background: the disk is scanned for a few seconds at most
+        self.setAcceptDrops(True)  # a .gguf dropped on the window is opened
+        self.system_bar = SystemPromptBar(self.controller.prompts)
+        top = QHBoxLayout()
+        top.addWidget(self.model_picker)
+        top.addStretch(1)
+        layout.addLayout(top)
         layout.addWidget(self.system_bar)
         self.chat_view = ChatView(self.controller.chat)
         layout.addWidget(self.chat_view, 1)
@@ -243,6 +255,7 @@ class MainWindow(QMainWindow):
         bar = self.menuBar()
         file_menu = bar.addMenu("&File")
         self.new_action = self._action(file_menu, "&New chat", QKeySequence.StandardKey.New, c.new_chat)
+        self._action(file_menu, "&Open model…", QKeySequence.StandardKey.Open, self.open_model)
         file_menu.addSeparator()
         self._action(file_menu, "Export as &Markdown…", None, lambda: self.export_chat("markdown"))
         self._action(file_menu, "Export as &JSON…", None, lambda: self.export_chat("json"))
@@ -276,6 +289,29 @@ class MainWindow(QMainWindow):
         esc = QShortcut(QKeySequence(Qt.Key.Key_Escape), self)
         esc.setContext(Qt.ShortcutContext.WindowShortcut)
         esc.activated.connect(self.escape)
+
+    # --- models --------------------------------------------------------------------------------------------
+
+    def open_model(self) -> None:
+        """File › Open model…: a GGUF file (a Hugging Face folder or a server's URL go in Settings' Model field)."""
+        path, _ = QFileDialog.getOpenFileName(self, "Open a model", "", "GGUF models (*.gguf);;All files (*)")
+        if path:
+            self.controller.switch_model(path)
+
+    def _show_models(self, entries: list, found: list) -> None:
+        c = self.controller
+        recent = [m for m in c.settings.recent_models.split("|") if m]
+        self.model_picker.set_choices(choices(recent, entries, found, c.model_spec), c.model_spec)
+
+    def dragEnterEvent(self, event) -> None:  # noqa: N802 (Qt API)
+        if _dropped_gguf(event.mimeData()) is not None:
+            event.acceptProposedAction()
+
+    def dropEvent(self, event) -> None:  # noqa: N802 (Qt API)
+        path = _dropped_gguf(event.mimeData())
+        if path is not None:
+            event.acceptProposedAction()
+            self.controller.switch_model(path)
 
     def _action(self, menu: QMenu, text: str, shortcut, slot) -> QAction:
         action = QAction(text, self)
@@ -512,6 +548,7 @@ class MainWindow(QMainWindow):
 
     def _on_model_info(self, _info: dict) -> None:
         self._show_status()
+        self.catalog.refresh()  # a build just made is "built" now
 
     def _show_status(self, *_: object) -> None:
         """The model and its cache: the sinks in force in this chat (more when a system prompt is pinned)."""
@@ -607,3 +644,11 @@ class MainWindow(QMainWindow):
         if str(s.value("stats_visible", "true")).lower() == "false":
             self.stats.hide()
             self.stats_action.setChecked(False)
+
+
+def _dropped_gguf(mime) -> str | None:
+    """The .gguf file a drag brings, if it brings exactly one."""
+    urls = [u for u in mime.urls() if u.isLocalFile()] if mime.hasUrls() else []
+    if len(urls) == 1 and urls[0].toLocalFile().lower().endswith(".gguf"):
+        return urls[0].toLocalFile()
+    return None

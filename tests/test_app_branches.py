@@ -102,7 +102,8 @@ def test_regenerated_replies_are_alternatives_that_survive_a_restart_and_export(
     assert md == to_markdown("Name a colour", shown(window)) and md.count("**Eddy:**") == 1
     c.export_chat(tmp_path / "chat.json", "json")
     doc = json.loads((tmp_path / "chat.json").read_text())
-    assert doc["messages"] == [{"role": r, "content": t} for r, t in shown(window)]
+    assert [(m["role"], m["content"]) for m in doc["messages"]] == list(shown(window))
+    assert doc["messages"][1]["model"] == "tiny-random"  # which model wrote the reply
     tree = doc["tree"]
     assert [(n["role"], n["content"], n["parent"]) for n in tree] == \
         [("user", "Name a colour", None)] + [("assistant", r, 0) for r in replies]

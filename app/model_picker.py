@@ -1,0 +1,157 @@
+"""The model picker at the top of the chat: the models Eddy can run, and switching between them.
+
+It lists, recent first: the models used lately, the builds in the artefact cache, the models already on disk
+(Hugging Face's cache, LM Studio's, GPT4All's and Jan's folders, Ollama's store: engine/discover.py, found in
+the background) and the default. Each says its family, size and weight type and whether its build is cached (a
+model that is not built takes a first build, a minute or more); one Eddy cannot run is listed greyed with why.
+Picking one is a model switch (the controller's switch_model): the chat stays, and is put into the new model's
+cache.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from PySide6.QtCore import QObject, Qt, Signal
+from PySide6.QtGui import QStandardItem, QStandardItemModel
+from PySide6.QtWidgets import QComboBox, QWidget
+
+SCAN_SECONDS = 5.0  # a scan of the disk stops after this long, with what it found
+
+
+@dataclass(frozen=True)
+class ModelChoice:
+    spec: str      # what the settings' model field takes ("" = the default model)
+    label: str     # the model's name
+    detail: str    # family · size · weights · built or not
+    group: str     # "recent", "built", "on disk", "remote"
+    runnable: bool = True
+    reason: str = ""  # why not, when not
+
+
+def choices(recent: list[str], entries: list[Any], found: list[Any], current: str) -> list[ModelChoice]:
+    """Every model to offer, recent first, each once (by its spec)."""
+    from engine.build.checkpoint import DEFAULT_MODEL
+
+    out: dict[str, ModelChoice] = {}
+    built = {e.model for e in entries if getattr(e, "state", "ready") == "ready"}
+
+    def add(choice: ModelChoice) -> None:
+        key = choice.spec or DEFAULT_MODEL
+        if key not in out:
+            out[key] = choice
+
+    for spec in [current, *recent]:
+        if not spec and spec != current:
+            continue
+        name = _name(spec) or DEFAULT_MODEL
+        remote = spec.startswith(("http://", "https://"))
+        add(ModelChoice(spec, name, "remote server" if remote else ("built" if name in built else "not built yet"),
+                        "remote" if remote else "recent"))
+    add(ModelChoice("", DEFAULT_MODEL, "llama · 135M · q4 · " + ("built" if DEFAULT_MODEL in built else
+                                                                   "first build about a minute"), "built"))
+    for f in found:
+        bits = [b for b in (f.family, f.params, f.weights, _size(f.size_bytes)) if b]
+        state = "built" if f.name in built or Path(f.path).name in built else "first build a minute or more"
+        add(ModelChoice(str(f.path), f.name, " · ".join(bits + ([state] if f.runnable else [])) + f" · {f.source}",
+                        "on disk", f.runnable, f.reason))
+    for e in entries:
+        if getattr(e, "state", "ready") == "ready" and e.model not in {c.label for c in out.values()}:
+            add(ModelChoice(e.model, e.model, "built", "built"))
+    return list(out.values())
+
+
+def _name(spec: str) -> str:
+    if spec.startswith(("http://", "https://")):
+        return spec
+    return Path(spec).name if ("/" in spec or spec.endswith(".gguf")) else spec
+
+
+def _size(n: int) -> str:
+    if not n:
+        return ""
+    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.0f} MB"
+
+
+class ModelCatalog(QObject):
+    """Finds the models in the background (the cache and a bounded scan of the disk); `ready` hands them over."""
+
+    ready = Signal(object, object)  # (cache entries, found models)
+
+    def __init__(self, parent: QObject | None = None) -> None:
+        super().__init__(parent)
+        self.folders: list[Path] = []
+        self._busy = False
+
+    def refresh(self) -> None:
+        if self._busy:
+            return
+        self._busy = True
+        threading.Thread(target=self._scan, name="model-scan", daemon=True).start()
+
+    def _scan(self) -> None:
+        entries: list = []
+        found: list = []
+        try:
+            from engine.build.cache import list_entries
+
+            entries = list_entries()
+        except Exception:  # an unreadable cache offers fewer models; the picker still works
+            pass
+        try:
+            from engine.discover import scan
+
+            found = scan(extra_folders=self.folders, time_limit_s=SCAN_SECONDS)
+        except Exception:
+            pass
+        self._busy = False
+        self.ready.emit(entries, found)
+
+
+class ModelPicker(QComboBox):
+    """The combo box itself: picking a runnable model emits `picked(spec)`."""
+
+    picked = Signal(str)
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setAccessibleName("Model")
+        self.setToolTip("The model this chat talks to: pick another to switch (the chat stays)")
+        # As wide as a model's name, not as its whole line: the list that opens is as wide as it needs.
+        self.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
+        self.setMinimumContentsLength(16)
+        self.items = QStandardItemModel(self)
+        self.setModel(self.items)
+        self.choices: list[ModelChoice] = []
+        self._quiet = False
+        self.activated.connect(self._activated)
+
+    def set_choices(self, items: list[ModelChoice], current: str) -> None:
+        self._quiet = True
+        try:
+            self.items.clear()
+            self.choices = list(items)
+            for c in self.choices:
+                item = QStandardItem(f"{c.label}  —  {c.detail}" if c.detail else c.label)
+                item.setToolTip(c.reason or (c.spec or "the default model, inside Eddy"))
+                if not c.runnable:
+                    item.setFlags(item.flags() & ~Qt.ItemFlag.ItemIsEnabled)  # greyed, with why in its tooltip
+                    item.setText(f"{c.label}  —  can't run: {c.reason}")
+                self.items.appendRow(item)
+            at = next((i for i, c in enumerate(self.choices) if c.spec == current), 0)
+            self.setCurrentIndex(at)
+            metrics = self.view().fontMetrics()
+            widest = max((metrics.horizontalAdvance(self.items.item(i).text()) for i in range(self.items.rowCount())),
+                         default=0)
+            self.view().setMinimumWidth(min(widest + 40, 900))
+        finally:
+            self._quiet = False
+
+    def _activated(self, index: int) -> None:
+        if self._quiet or not 0 <= index < len(self.choices):
+            return
+        choice = self.choices[index]
+        if choice.runnable:
+            self.picked.emit(choice.spec)
