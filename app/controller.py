@@ -157,12 +157,12 @@ class ChatController(QObject):
     def switch_model(self, spec: str) -> None:
         """Talks to another model from now on (a file, a folder, a built-in name or a server's URL): the chat
         stays and is put into the new model's cache; a model not built yet shows the build dialog."""
-        spec = spec.strip()
-        if spec == self.settings.model and self.model_state == "ready":
+        spec, current = spec.strip(), self.model_spec
+        if spec == current and self.model_state == "ready":
             return
         recent = [m for m in self.settings.recent_models.split("|") if m and m != spec]
-        if self.settings.model and self.settings.model != spec:
-            recent = [self.settings.model, *[m for m in recent if m != self.settings.model]]
+        if current and current != spec:
+            recent = [current, *[m for m in recent if m != current]]
         new = replace(self.settings, model=spec, recent_models="|".join(([spec] if spec else []) + recent)[:4000])
         self.model_override = None
         self.apply_settings(new)
