@@ -187,7 +187,7 @@ class MainWindow(QMainWindow):
         self.model_picker.picked.connect(self.controller.switch_model)
         self.catalog = ModelCatalog(self)
         self.catalog.ready.connect(self._show_models)
-        self.catalog.refresh()  # in the background: the disk is scanned for a few seconds at most
+        self.refresh_models()  # in the background: the disk is scanned for a few seconds at most
         self.setAcceptDrops(True)  # a .gguf dropped on the window is opened
         self.system_bar = SystemPromptBar(self.controller.prompts)
         top = QHBoxLayout()
@@ -298,10 +298,15 @@ class MainWindow(QMainWindow):
         if path:
             self.controller.switch_model(path)
 
-    def _show_models(self, entries: list, found: list) -> None:
+    def refresh_models(self) -> None:
+        """Looks for models again (in the background); the picker shows them when found."""
+        c = self.controller
+        self.catalog.refresh([c.model_spec, *c.settings.recent_models.split("|")], c.settings.build_settings())
+
+    def _show_models(self, entries: list, found: list, built: set) -> None:
         c = self.controller
         recent = [m for m in c.settings.recent_models.split("|") if m]
-        self.model_picker.set_choices(choices(recent, entries, found, c.model_spec), c.model_spec)
+        self.model_picker.set_choices(choices(recent, entries, found, c.model_spec, built), c.model_spec)
 
     def dragEnterEvent(self, event) -> None:  # noqa: N802 (Qt API)
         if _dropped_gguf(event.mimeData()) is not None:
@@ -548,7 +553,7 @@ class MainWindow(QMainWindow):
 
     def _on_model_info(self, _info: dict) -> None:
         self._show_status()
-        self.catalog.refresh()  # a build just made is "built" now
+        self.refresh_models()  # a build just made is "built" now
 
     def _show_status(self, *_: object) -> None:
         """The model and its cache: the sinks in force in this chat (more when a system prompt is pinned)."""

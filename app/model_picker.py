@@ -31,36 +31,55 @@ class ModelChoice:
     reason: str = ""  # why not, when not
 
 
-def choices(recent: list[str], entries: list[Any], found: list[Any], current: str) -> list[ModelChoice]:
-    """Every model to offer, recent first, each once (by its spec)."""
+def choices(recent: list[str], entries: list[Any], found: list[Any], current: str,
+            built: set[str] | frozenset[str] = frozenset()) -> list[ModelChoice]:
+    """Every model to offer, recent first, each once (by its spec). `built`: the specs whose build for the
+    current settings is in the cache (ModelCatalog works them out)."""
     from engine.build.checkpoint import DEFAULT_MODEL
 
     out: dict[str, ModelChoice] = {}
-    built = {e.model for e in entries if getattr(e, "state", "ready") == "ready"}
 
     def add(choice: ModelChoice) -> None:
         key = choice.spec or DEFAULT_MODEL
         if key not in out:
             out[key] = choice
 
+    def state(spec: str) -> str:
+        return "built" if spec in built else "first build a minute or more"
+
     for spec in [current, *recent]:
         if not spec and spec != current:
             continue
-        name = _name(spec) or DEFAULT_MODEL
         remote = spec.startswith(("http://", "https://"))
-        add(ModelChoice(spec, name, "remote server" if remote else ("built" if name in built else "not built yet"),
+        add(ModelChoice(spec, _name(spec) or DEFAULT_MODEL, "remote server" if remote else state(spec),
                         "remote" if remote else "recent"))
-    add(ModelChoice("", DEFAULT_MODEL, "llama · 135M · q4 · " + ("built" if DEFAULT_MODEL in built else
-                                                                   "first build about a minute"), "built"))
+    add(ModelChoice("", DEFAULT_MODEL, "llama · 135M · q4 · " + state(""), "built"))
     for f in found:
         bits = [b for b in (f.family, f.params, f.weights, _size(f.size_bytes)) if b]
-        state = "built" if f.name in built or Path(f.path).name in built else "first build a minute or more"
-        add(ModelChoice(str(f.path), f.name, " · ".join(bits + ([state] if f.runnable else [])) + f" · {f.source}",
-                        "on disk", f.runnable, f.reason))
+        add(ModelChoice(str(f.path), f.name, " · ".join(bits + ([state(str(f.path))] if f.runnable else []))
+                        + f" · {f.source}", "on disk", f.runnable, f.reason))
     for e in entries:
         if getattr(e, "state", "ready") == "ready" and e.model not in {c.label for c in out.values()}:
-            add(ModelChoice(e.model, e.model, "built", "built"))
+            add(ModelChoice(e.model, e.model, "built (another build's settings)", "built"))
     return list(out.values())
+
+
+def built_specs(specs: list[str], settings: Any) -> set[str]:
+    """Which of `specs` have their build for `settings` in the artefact cache (the key hashes a file's first
+    and last MiB: cheap even for a large GGUF)."""
+    from engine.build.artefacts import artefact_dir
+    from engine.build.checkpoint import resolve_model
+
+    out = set()
+    for spec in specs:
+        if spec.startswith(("http://", "https://")):
+            continue
+        try:
+            if artefact_dir(resolve_model(spec or None), settings).is_dir():
+                out.add(spec)
+        except Exception:  # a model that cannot be resolved is not built
+            continue
+    return out
 
 
 def _name(spec: str) -> str:
@@ -78,20 +97,24 @@ def _size(n: int) -> str:
 class ModelCatalog(QObject):
     """Finds the models in the background (the cache and a bounded scan of the disk); `ready` hands them over."""
 
-    ready = Signal(object, object)  # (cache entries, found models)
+    ready = Signal(object, object, object)  # (cache entries, found models, the specs built for the settings)
 
     def __init__(self, parent: QObject | None = None) -> None:
         super().__init__(parent)
         self.folders: list[Path] = []
         self._busy = False
+        self._again: tuple[list[str], Any] | None = None
+        self.ready.connect(self._next)
 
-    def refresh(self) -> None:
+    def refresh(self, specs: list[str] = (), settings: Any = None) -> None:
+        """Finds the models again; `specs` (recent ones) are checked for a build with `settings` too."""
         if self._busy:
+            self._again = (list(specs), settings)  # asked during a scan: once more when it ends, with these
             return
-        self._busy = True
-        threading.Thread(target=self._scan, name="model-scan", daemon=True).start()
+        self._busy, self._again = True, None
+        threading.Thread(target=self._scan, args=(list(specs), settings), name="model-scan", daemon=True).start()
 
-    def _scan(self) -> None:
+    def _scan(self, specs: list[str], settings: Any) -> None:
         entries: list = []
         found: list = []
         try:
@@ -106,8 +129,16 @@ class ModelCatalog(QObject):
             found = scan(extra_folders=self.folders, time_limit_s=SCAN_SECONDS)
         except Exception:
             pass
+        built: set[str] = set()
+        if settings is not None:
+            built = built_specs(["", *specs, *(str(f.path) for f in found if f.runnable)], settings)
+        self.ready.emit(entries, found, built)
+
+    def _next(self, *_: object) -> None:  # on the GUI thread, after each scan
         self._busy = False
-        self.ready.emit(entries, found)
+        again, self._again = self._again, None
+        if again is not None:
+            self.refresh(*again)
 
 
 class ModelPicker(QComboBox):

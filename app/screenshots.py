@@ -21,6 +21,7 @@ and the tooltip of the code's reply (its time, tokens and tok/s) is up.
 system-prompt saves two presets, picks one for a new chat (pinned in the sinks) and chats twice: the header at the
 top of the chat and the cache bar's pinned segment. tools opens a stored reply's thinking and has the model call
 the echo MCP server's add tool (OUT-card.png: the card asking to run; OUT: after it ran and the reply followed).
+models opens the model picker over GGUFs placed where a Hugging Face cache and Ollama keep them, and a cut one.
 """
 from __future__ import annotations
 
@@ -515,6 +516,65 @@ def system_prompt(out: Path, model: str | None, build: dict[str, object]) -> int
     return main(["--data-dir", str(data)] + (["--model", model] if model else []), on_window=drive)
 
 
+def models(out: Path, model: str | None) -> int:
+    """The model picker open over the window: the built models, and GGUFs found where other apps keep them (a
+    Hugging Face cache and an Ollama store made here with the default model's own file, and a cut one)."""
+    import json
+    import os
+
+    from engine.build.checkpoint.source import default_gguf_path
+
+    real = default_gguf_path()
+    shop = Path(tempfile.mkdtemp(prefix="eddy-shot-stores-"))
+    hub = shop / "hf" / "hub" / "models--HuggingFaceTB--SmolLM2-135M-Instruct-GGUF" / "snapshots" / "1"
+    hub.mkdir(parents=True)
+    os.symlink(real, hub / "SmolLM2-135M-Instruct.Q4_1.gguf")
+    digest = "ab" * 32
+    (shop / "ollama" / "blobs").mkdir(parents=True)
+    os.symlink(real, shop / "ollama" / "blobs" / f"sha256-{digest}")
+    manifest = shop / "ollama" / "manifests" / "registry.ollama.ai" / "library" / "smollm2" / "135m"
+    manifest.parent.mkdir(parents=True)
+    manifest.write_text(json.dumps({"layers": [{"mediaType": "application/vnd.ollama.image.model",
+                                                "digest": f"sha256:{digest}"}]}))
+    (shop / "mine").mkdir()
+    (shop / "mine" / "half-downloaded.gguf").write_bytes(real.read_bytes()[: 1 << 20])
+    os.environ["HF_HUB_CACHE"] = str(shop / "hf" / "hub")
+    os.environ["OLLAMA_MODELS"] = str(shop / "ollama")
+
+    def drive(window: MainWindow) -> None:
+        window.resize(1300, 820)
+        window.catalog.folders = [shop / "mine"]
+
+        def ready(state: str) -> None:
+            if state == "ready" and not getattr(drive, "done", False):
+                drive.done = True
+                window.catalog.ready.connect(lambda *_: QTimer.singleShot(300, shown))
+                window.refresh_models()
+
+        def shown() -> None:
+            picker = window.model_picker
+            picker.showPopup()
+            QTimer.singleShot(400, grab)
+
+        def grab() -> None:
+            picker = window.model_picker
+            shot = window.grab()
+            popup = picker.view().window()
+            painter = QPainter(shot)
+            painter.drawPixmap(picker.mapTo(window, QPoint(0, picker.height())), popup.grab())
+            painter.end()
+            picker.hidePopup()
+            _save(shot, out)
+            window.close()
+
+        window.controller.model_state_changed.connect(ready)
+        QTimer.singleShot(10 * 60 * 1000, window.close)  # never hang a script
+
+    data = Path(tempfile.mkdtemp(prefix="eddy-shot-"))
+    save_settings(data, AppSettings.of(recent_models="tiny-random"))
+    return main(["--data-dir", str(data)] + (["--model", model] if model else []), on_window=drive)
+
+
 THOUGHT = ("The user wants the sum of two numbers and has given me an add tool. Adding by hand would do, but "
            "the tool is exact and shows its work, so I will call it with a = 17 and b = 25 and report its answer.")
 
@@ -575,7 +635,7 @@ def tools(out: Path, model: str | None) -> int:
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("what", choices=["main-window", "first-run", "settings", "search", "document", "alternatives",
-                                    "local-server", "details", "system-prompt", "tools"])
+                                    "local-server", "details", "system-prompt", "tools", "models"])
     p.add_argument("out", type=Path)
     p.add_argument("--model", default=None)
     p.add_argument("--max-turns", type=int, default=14)
@@ -595,6 +655,8 @@ if __name__ == "__main__":
         sys.exit(details(a.out, a.model))
     if a.what == "system-prompt":
         sys.exit(system_prompt(a.out, a.model, {"window": a.window} if a.window else {}))
+    if a.what == "models":
+        sys.exit(models(a.out, a.model))
     if a.what == "tools":
         sys.exit(tools(a.out, a.model))
     if a.what == "main-window":

@@ -1,4 +1,4 @@
-"""The `eddy` command line: chat, serve, compile, bench, ppl, cache (the contract in DESIGN.md)."""
+"""The `eddy` command line: chat, serve, compile, bench, ppl, cache, models (the contract in DESIGN.md)."""
 from __future__ import annotations
 
 import argparse
@@ -60,7 +60,8 @@ def _live(stream: "object") -> bool:
 
 def _build_options(p: argparse.ArgumentParser) -> None:
     d = BuildSettings()
-    p.add_argument("--model", type=_model_name, default=None, help="smollm2-135m-instruct (default), tiny-random, a .gguf file or a Hugging Face folder")
+    p.add_argument("--model", type=_model_name, default=None, help="smollm2-135m-instruct (default), tiny-random, a .gguf file, a Hugging Face folder, or (eddy chat) "
+                        "an OpenAI-compatible server's http(s)://HOST:PORT/v1")
     p.add_argument("--sinks", type=int, default=d.sinks, help=f"attention-sink tokens kept forever (default {d.sinks})")
     p.add_argument("--window", type=int, default=d.window, help=f"recent tokens kept (default {d.window})")
     p.add_argument("--max-sinks", type=int, default=None,
@@ -124,6 +125,10 @@ def parser() -> argparse.ArgumentParser:
                                       "(repeatable output for scripts and benchmarks).")
     _build_options(chat)
     chat.add_argument("--prompt", help="answer this one turn and exit")
+    chat.add_argument("--api-key", default=None,
+                      help="the key of a server given as --model http(s)://HOST:PORT/v1 (default: $EDDY_API_KEY)")
+    chat.add_argument("--context", type=positive_int, default=None,
+                      help="a server model's context in tokens, when the server does not say (default 4096)")
     chat.add_argument("--system", default=None, help="system prompt")
     chat.add_argument("--pin-system", action="store_true",
                       help="keep the system prompt's tokens in the cache forever, as sinks: the assistant never "
@@ -169,6 +174,21 @@ def parser() -> argparse.ArgumentParser:
     rm.add_argument("keys", nargs="*", metavar="KEY",
                     help="a key from eddy cache list (or enough of its first digits), or the folder's name")
     rm.add_argument("--all", action="store_true", help="delete every cached build not in use")
+
+    models = sub.add_parser("models", help="list the models already on disk (Hugging Face, LM Studio, GPT4All, Jan, "
+                                           "Ollama), each usable as --model PATH",
+                            description="List the models other apps have downloaded (the Hugging Face cache, LM "
+                                        "Studio, GPT4All, Jan, Ollama) and those in --folder, with the path "
+                                        "--model takes: Eddy uses them where they lie, nothing is copied. Models "
+                                        "Eddy cannot run are only counted at the end, unless --all lists them, "
+                                        "last, each with why (the same in the table and in --json).")
+    models.add_argument("--folder", action="append", default=[], metavar="DIR",
+                        help="also search this folder and those below it for .gguf files and Hugging Face folders "
+                             "(repeatable)")
+    models.add_argument("--all", action="store_true", help="also list the models Eddy cannot run, and why")
+    models.add_argument("--json", action="store_true",
+                        help="a JSON list instead of the table (path, source, name, family, size_bytes, weights, "
+                             "params, runnable, reason)")
 
     from .ppl import DEFAULT_CHUNK, DEFAULT_STRIDE, MODES
 
@@ -223,6 +243,8 @@ def _run(args: argparse.Namespace, json_events: bool) -> int:
             return 0
         if args.command == "cache":
             return _cache(args)
+        if args.command == "models":
+            return _models(args)
         if args.command == "bench":
             from .bench import run_bench
 
@@ -292,6 +314,39 @@ def _cache(args: argparse.Namespace) -> int:
     return 0
 
 
+def _models(args: argparse.Namespace) -> int:
+    from .build.progress import megabytes
+    from .discover import scan
+
+    found = scan(extra_folders=args.folder)
+    shown = found if args.all else [m for m in found if m.runnable]
+    hidden = len(found) - len(shown)
+    if not found.complete:
+        print("eddy: the search ran out of time; some models may be missing from the list", file=sys.stderr)
+    if args.json:
+        print(json.dumps([m.to_json() for m in shown], indent=2))
+        return 0
+    more = f"{hidden} more that Eddy cannot run: eddy models --all lists them and why." if hidden else ""
+    if not shown:
+        where = ", ".join(str(p) for p in found.searched)
+        print(f"No models {'Eddy can run ' if hidden else ''}found in: {where}")
+        if more:
+            print(more)
+        return 0
+    rows = [("NAME", "FAMILY", "PARAMS", "WEIGHTS", "SIZE", "SOURCE", "PATH", "RUNS")]
+    for m in shown:
+        rows.append((m.name, m.family or "?", m.params or "?", m.weights or "?", megabytes(m.size_bytes), m.source,
+                     str(m.path), "yes" if m.runnable else f"no: {m.reason}"))
+    if all(m.runnable for m in shown):
+        rows = [r[:-1] for r in rows]  # a column of "yes" says nothing
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1])
+    if more:
+        print(more)
+    return 0
+
+
 CHAT_COMMANDS = {"/help": "list these commands", "/reset": "start a new chat (the model forgets this one)",
                  "/quit": "leave (so do /exit and Ctrl-D)", "/exit": "leave"}
 CHAT_HELP = "".join(f"  {name:<7} {what}\n" for name, what in CHAT_COMMANDS.items()) + \
@@ -309,6 +364,7 @@ def _chat_command(text: str) -> str | None:
 
 def _chat(args: argparse.Namespace) -> int:
     from .loader import open_model
+    from .remote import is_remote, open_remote
     from .run.session import ChatSettings
 
     from .run.generation import ChatDefaults, sampling_params
@@ -316,7 +372,13 @@ def _chat(args: argparse.Namespace) -> int:
     given = {name: getattr(args, name) for name in OPTIONS}
     greedy = {name: getattr(SamplingParams(), name) for name in OPTIONS}
     sampling_params(ChatDefaults(greedy), given, args.seed)  # a bad value fails here, before a long build
-    model = open_model(args.model, _settings(args), _progress_printer(args.json))
+    if is_remote(args.model):
+        # Another machine's model through its OpenAI-compatible server (engine/remote.py): nothing is built.
+        model = open_remote(args.model, args.api_key, args.context)
+        where = f"{model.info.model} at {model.source.url}"
+    else:
+        model = open_model(args.model, _settings(args), _progress_printer(args.json))
+        where = None
     base = model.chat_defaults if args.chat_defaults else ChatDefaults(greedy)
     sampling = sampling_params(base, given, args.seed)
     session = model.chat(ChatSettings(system_prompt=args.system, max_new_tokens=args.max_new_tokens, sampling=sampling,
@@ -375,8 +437,8 @@ def _chat(args: argparse.Namespace) -> int:
     if interactive:
         from .gpu import device_name
 
-        sys.stderr.write(f"Eddy on {device_name(model.engine.settings)} — type a message, /help for the commands, "
-                         f"/quit or Ctrl-D to leave.\n")
+        sys.stderr.write(f"Eddy on {where or device_name(model.engine.settings)} — type a message, /help for the "
+                         f"commands, /quit or Ctrl-D to leave.\n")
     while True:
         if interactive:
             sys.stderr.write("\n> ")

@@ -38,7 +38,8 @@ EventSink = Callable[[Event], None]
 API_KEY_ENV = "EDDY_API_KEY"
 DEFAULT_CONTEXT = 4096  # when the server does not say
 CHARS_PER_TOKEN = 3.5  # before the first reply's usage tells the server's own ratio
-MARGIN = 32  # tokens of headroom: the chat template's own text around each message is estimated, not counted
+# Tokens of headroom (at most a sixteenth of the context): the template's text around each message is estimated.
+MARGIN = 32
 _URL = re.compile(r"^https?://", re.I)
 
 
@@ -89,13 +90,16 @@ class Endpoint:
 
 
 def _close_on(stop: threading.Event, conn: http.client.HTTPConnection, response: http.client.HTTPResponse) -> None:
+    # Only the socket is shut here: its read in the other thread then ends (EOF), and that thread closes the
+    # response itself (http.client's objects are not for two threads).
+    sock = conn.sock
     while not response.isclosed():
         if stop.wait(0.05):
             try:
-                conn.sock and conn.sock.shutdown(socket.SHUT_RDWR)
+                if sock is not None:
+                    sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-            conn.close()
             return
 
 
@@ -277,6 +281,11 @@ class RemoteSession:
         system = self.settings.system_prompt
         return [{"role": "system", "content": system}] if system else []
 
+    @property
+    def reply_room(self) -> int:
+        """The reply's length: the settings' unless that would take more than a quarter of the context."""
+        return max(1, min(self.settings.max_new_tokens, self.info.context // 4))
+
     def _estimate(self, text: str) -> int:
         return max(1, int(len(text) / self.chars_per_token) + 4)  # + the template's few tokens per message
 
@@ -284,11 +293,12 @@ class RemoteSession:
              room: int | None = None) -> list[dict]:
         """The newest messages that fit the context after the system prompt (and the reply's room), from a user
         message on; the last message always goes, its text cut from the front if it alone is too long."""
-        budget = (room or self.info.context) - MARGIN - (self.settings.max_new_tokens if with_reply else 0)
+        context = room or self.info.context
+        budget = context - min(MARGIN, context // 16) - (self.reply_room if with_reply else 0)
         budget -= sum(self._estimate(m["content"]) for m in opening)
         if budget <= 0:
-            raise PromptTooLongError(f"the system prompt and the reply ({self.settings.max_new_tokens} tokens) do not "
-                                     f"fit the server's context of {self.info.context} tokens")
+            raise PromptTooLongError(f"the system prompt does not fit the server's context of {self.info.context} "
+                                     f"tokens with room for a reply")
         sizes = [self._estimate(m.get("content") or "") for m in messages]
         start, used = len(messages), 0
         while start > 0 and used + sizes[start - 1] <= budget:
@@ -313,7 +323,7 @@ class RemoteSession:
     def _body(self, messages: list[dict]) -> dict:
         p = self.settings.sampling
         body: dict[str, Any] = {"model": self.info.model, "messages": messages, "stream": True,
-                                "stream_options": {"include_usage": True}, "max_tokens": self.settings.max_new_tokens,
+                                "stream_options": {"include_usage": True}, "max_tokens": self.reply_room,
                                 "temperature": p.temperature, "top_p": p.top_p, "presence_penalty": p.presence_penalty,
                                 "frequency_penalty": p.frequency_penalty}
         # llama.cpp's, vLLM's and Ollama's own fields; a server that does not know them ignores them.
@@ -382,7 +392,8 @@ class RemoteSession:
                     if choice.get("finish_reason"):
                         reason = {"stop": "eos", "length": "length", "tool_calls": "eos"}.get(choice["finish_reason"],
                                                                                             "eos")
-        except (OSError, http.client.HTTPException) as e:
+        except (OSError, ValueError, AttributeError, http.client.HTTPException) as e:
+            # (ValueError, AttributeError: http.client reading a socket that a stop has shut.)
             if not self.stop_flag.is_set():
                 raise RemoteError(f"the connection to {self.endpoint.base} broke mid-reply: {_reason(e)}") from None
         finally:

@@ -44,13 +44,14 @@ def test_the_picker_lists_built_found_and_refused_models_and_a_switch_keeps_the_
     window = open_window(qtbot, data)
     c, picker = window.controller, window.model_picker
     window.catalog.folders = [extra]
-    with qtbot.waitSignal(window.catalog.ready, timeout=30_000):
-        window.catalog.refresh()
+    window.refresh_models()  # (a scan may be running since the start: this one follows it)
+    qtbot.waitUntil(lambda: any(ch.label == "cut" for ch in picker.choices), timeout=30_000)
     by_label = {ch.label: ch for ch in picker.choices}
     assert by_label["tiny-random"].detail == "built" and picker.currentText().startswith("tiny-random")
     assert by_label["smollm2:135m"].runnable and "ollama" in by_label["smollm2:135m"].detail
     hf = [ch for ch in picker.choices if "hf-cache" in ch.detail]
     assert hf and hf[0].runnable and "llama" in hf[0].detail
+    assert "first build" in hf[0].detail  # builds are kept per model name and content: this one is not built
     cut = by_label["cut"]
     row = picker.choices.index(cut)
     assert not cut.runnable and cut.reason and not (picker.items.item(row).flags() & Qt.ItemFlag.ItemIsEnabled)

@@ -125,3 +125,11 @@ def test_the_window_chats_with_a_remote_model_and_marks_what_left_its_context(se
         assert row.stop_reason in ("eos", "length") and row.prefill_tokens <= 64
     assert len(c.chat.messages) == 24 and all(not m.streaming for m in c.chat.messages)
     assert c.chat.forgotten() > 0 and c.cache.capacity == 64  # the marker: what left the server's context
+
+
+def test_eddy_gui_ask_answers_through_a_server_given_as_the_model(server, tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), EDDY_API_KEY=KEY, QT_QPA_PLATFORM="offscreen")
+    out = subprocess.run([sys.executable, "-m", "app", "--data-dir", str(tmp_path / "data"), "--model", server,
+                          "--ask", "Hello"], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip()  # the reply, streamed to stdout

@@ -38,3 +38,5 @@ EDDY_CACHE_DIR=$(mktemp -d) "$PY" -m app.screenshots first-run "$OUT/first-run.p
 # A reasoning reply's thinking block opened (a stored chat: the default model does not think), and a tool card of
 # the echo MCP server in tests/ (tools-card.png: asking to run; tools.png: after it ran and the reply followed).
 "$PY" -m app.screenshots tools "$OUT/tools.png"
+# The model picker open over GGUFs placed where a Hugging Face cache and Ollama keep them, and a cut one.
+"$PY" -m app.screenshots models "$OUT/models.png"

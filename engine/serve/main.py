@@ -50,6 +50,11 @@ def serve(args: argparse.Namespace, settings: BuildSettings, progress: "Progress
         raise EddyError(f"--host {args.host} makes the server reachable from other machines: give it an --api-key")
     if args.max_tokens > args.max_tokens_limit:
         raise EddyError(f"--max-tokens {args.max_tokens} is over --max-tokens-limit {args.max_tokens_limit}")
+    from ..remote import is_remote
+
+    if is_remote(args.model):
+        raise EddyError(f"{args.model} is a server already: point clients at it directly (eddy serve runs a model "
+                        "on this machine)")
     import uvicorn
 
     from ..loader import open_model
