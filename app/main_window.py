@@ -551,8 +551,9 @@ class MainWindow(QMainWindow):
             self.status_label.setText("No model loaded")
         self._update_controls()
 
-    def _on_model_info(self, _info: dict) -> None:
+    def _on_model_info(self, info: dict) -> None:
         self._show_status()
+        self.stats.show_remote(info)
         self.refresh_models()  # a build just made is "built" now
 
     def _show_status(self, *_: object) -> None:
@@ -561,6 +562,10 @@ class MainWindow(QMainWindow):
         if self.controller.model_state != "ready" or not info:
             return
         s = info["settings"]
+        if info.get("remote"):
+            self.status_label.setText(f"{info['model']} · {info['device']} · context {s['window']:,} tokens · "
+                                      f"connected in {info['seconds']:.1f} s")
+            return
         sinks = cache.sinks or s["sinks"]
         pinned = f" ({cache.pinned} pinned)" if cache.pinned else ""
         self.status_label.setText(f"{info['model']} · {s['dtype']} · {info.get('device', s['device'])} · cache {sinks} sinks{pinned} + "

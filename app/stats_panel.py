@@ -45,6 +45,12 @@ class StatsPanel(QFrame):
         self.context_label.setTextFormat(Qt.TextFormat.RichText)
         self.context_label.linkActivated.connect(lambda _link: self.show_marker_requested.emit())
         layout.addWidget(self.context_label)
+        # A remote model: what Eddy cannot know there, said once (the figures below are the server's own).
+        self.remote_label = QLabel("")
+        self.remote_label.setWordWrap(True)
+        self.remote_label.setAccessibleName("Remote model")
+        self.remote_label.hide()
+        layout.addWidget(self.remote_label)
 
         layout.addSpacing(6)
         layout.addWidget(_heading("This turn"))
@@ -100,6 +106,16 @@ class StatsPanel(QFrame):
         layout.addWidget(self.table, 1)
 
     # --- fed by the controller's signals -------------------------------------------------------------------
+
+    def show_remote(self, info: dict) -> None:
+        """Says, for a model on a server, which figures come from it and which Eddy cannot know."""
+        remote = bool(info.get("remote"))
+        self.remote_label.setVisible(remote)
+        if remote:
+            self.remote_label.setText(
+                "A model on a server: the window is its context; tokens and speeds are the server's own counts "
+                "(estimated where it sends none). Nothing is cached here, so there is no reuse to show, and the "
+                "time to first token includes the network.")
 
     def show_cache(self, stats: CacheStats) -> None:
         self.cache_bar.set_stats(stats)
