@@ -270,7 +270,8 @@ class ChatController(QObject):
         # The open chat's own system prompt, else Settings': what the engine is given for this chat; and the
         # tools of the MCP servers running now.
         return {**self.settings.chat_dict(), "system_prompt": self.prompts.effective.strip() or None,
-                "tools": self.tools.tools(), "tool_choice": self.tool_choice, "api_key": self.settings.api_key}
+                "tools": self.tools.tools(), "tool_choice": self.tool_choice, "api_key": self.settings.api_key,
+                "context": self.settings.context}
 
     def _on_chat_prompt(self) -> None:
         # The chat's beginning changed: rebuild its cache with the new prompt, after the reply in progress ends.

@@ -303,10 +303,10 @@ class MainWindow(QMainWindow):
         c = self.controller
         self.catalog.refresh([c.model_spec, *c.settings.recent_models.split("|")], c.settings.build_settings())
 
-    def _show_models(self, entries: list, found: list, built: set) -> None:
+    def _show_models(self, entries: list, found: list, built: set, times: object) -> None:
         c = self.controller
         recent = [m for m in c.settings.recent_models.split("|") if m]
-        self.model_picker.set_choices(choices(recent, entries, found, c.model_spec, built), c.model_spec)
+        self.model_picker.set_choices(choices(recent, entries, found, c.model_spec, built, times), c.model_spec)
 
     def dragEnterEvent(self, event) -> None:  # noqa: N802 (Qt API)
         if _dropped_gguf(event.mimeData()) is not None:

@@ -31,8 +31,39 @@ class ModelChoice:
     reason: str = ""  # why not, when not
 
 
+@dataclass(frozen=True)
+class BuildTimes:
+    """What this machine's earlier builds took (their manifests' build_seconds): a fixed part (export and
+    compile, which follow the model's shape more than its size) and seconds per byte of weights written."""
+    fixed_s: float = 75.0  # the default model's on a 2-core machine, before anything was built here
+    per_byte_s: float = 1e-7
+
+    @staticmethod
+    def of(folders: list[Path]) -> "BuildTimes":
+        import json
+        import statistics
+
+        fixed, per_byte = [], []
+        for folder in folders:
+            try:
+                m = json.loads((folder / "manifest.json").read_text())
+                t, size = m["build_seconds"], m["files"]["weights.irpa"]
+                fixed.append(float(t.get("export", 0)) + float(t.get("compile", 0)))
+                if size > 0:
+                    per_byte.append(float(t.get("save", 0)) / size)
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
+                continue
+        if not fixed:
+            return BuildTimes()
+        return BuildTimes(max(fixed), statistics.median(per_byte) if per_byte else BuildTimes.per_byte_s)
+
+    def first_build(self, size_bytes: int) -> str:
+        seconds = self.fixed_s + self.per_byte_s * size_bytes
+        return f"first build about {max(1, round(seconds / 60))} min"
+
+
 def choices(recent: list[str], entries: list[Any], found: list[Any], current: str,
-            built: set[str] | frozenset[str] = frozenset()) -> list[ModelChoice]:
+            built: set[str] | frozenset[str] = frozenset(), times: BuildTimes = BuildTimes()) -> list[ModelChoice]:
     """Every model to offer, recent first, each once (by its spec). `built`: the specs whose build for the
     current settings is in the cache (ModelCatalog works them out)."""
     from engine.build.checkpoint import DEFAULT_MODEL
@@ -44,8 +75,8 @@ def choices(recent: list[str], entries: list[Any], found: list[Any], current: st
         if key not in out:
             out[key] = choice
 
-    def state(spec: str) -> str:
-        return "built" if spec in built else "first build a minute or more"
+    def state(spec: str, size: int = 0) -> str:
+        return "built" if spec in built else times.first_build(size)
 
     for spec in [current, *recent]:
         if not spec and spec != current:
@@ -56,7 +87,7 @@ def choices(recent: list[str], entries: list[Any], found: list[Any], current: st
     add(ModelChoice("", DEFAULT_MODEL, "llama · 135M · q4 · " + state(""), "built"))
     for f in found:
         bits = [b for b in (f.family, f.params, f.weights, _size(f.size_bytes)) if b]
-        add(ModelChoice(str(f.path), f.name, " · ".join(bits + ([state(str(f.path))] if f.runnable else []))
+        add(ModelChoice(str(f.path), f.name, " · ".join(bits + ([state(str(f.path), f.size_bytes)] if f.runnable else []))
                         + f" · {f.source}", "on disk", f.runnable, f.reason))
     for e in entries:
         if getattr(e, "state", "ready") == "ready" and e.model not in {c.label for c in out.values()}:
@@ -97,7 +128,8 @@ def _size(n: int) -> str:
 class ModelCatalog(QObject):
     """Finds the models in the background (the cache and a bounded scan of the disk); `ready` hands them over."""
 
-    ready = Signal(object, object, object)  # (cache entries, found models, the specs built for the settings)
+    # (cache entries, found models, the specs built for the settings, BuildTimes)
+    ready = Signal(object, object, object, object)
 
     def __init__(self, parent: QObject | None = None) -> None:
         super().__init__(parent)
@@ -132,7 +164,7 @@ class ModelCatalog(QObject):
         built: set[str] = set()
         if settings is not None:
             built = built_specs(["", *specs, *(str(f.path) for f in found if f.runnable)], settings)
-        self.ready.emit(entries, found, built)
+        self.ready.emit(entries, found, built, BuildTimes.of([e.folder for e in entries]))
 
     def _next(self, *_: object) -> None:  # on the GUI thread, after each scan
         self._busy = False

@@ -61,6 +61,7 @@ class ToolOptions:
 class AppSettings:
     model: str = ""  # "" = the default model; else a built-in name, a .gguf file, a Hugging Face folder or a URL
     api_key: str = ""  # a remote model's (an http(s)://.../v1 URL as the model); "" = none, or $EDDY_API_KEY
+    context: int = 0  # a remote model's context, over what its server says (0: the server's, else 4096)
     recent_models: str = ""  # the models used lately, newest first, "|"-separated (the picker lists them first)
     build: BuildSettings = BuildSettings()  # its max_sinks is not the app's: pin_system decides it
     chat: ChatOptions = ChatOptions()
@@ -123,7 +124,8 @@ class AppSettings:
 
     def needs_rebuild(self, other: "AppSettings") -> bool:
         # build_settings() holds pin_system too, as the sink slots it compiles.
-        return (self.model != other.model or self.api_key != other.api_key  # a remote model reconnects
+        return (self.model != other.model or self.api_key != other.api_key or self.context != other.context
+                # (a remote model reconnects)
                 or self.build_settings() != other.build_settings())
 
     def user_set(self) -> dict[str, Any]:
@@ -134,7 +136,7 @@ class AppSettings:
 
 def _where() -> dict[str, tuple[str, ...]]:
     """Each flat name and the attributes that lead to its part of AppSettings."""
-    pairs = [("model", ()), ("api_key", ()), ("recent_models", ())]
+    pairs = [("model", ()), ("api_key", ()), ("context", ()), ("recent_models", ())]
     pairs += [(f.name, ("build",)) for f in fields(BuildSettings) if f.name != "max_sinks"]
     pairs += [(f.name, ("chat",)) for f in fields(ChatOptions) if f.name != "sampling"]
     pairs += [(name, ("chat", "sampling")) for name in SAMPLING_FIELDS]

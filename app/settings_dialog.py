@@ -95,6 +95,10 @@ class SettingsDialog(QDialog):
         self.api_key.setPlaceholderText("for a server URL that needs one")
         self.api_key.setEchoMode(QLineEdit.EchoMode.PasswordEchoOnEdit)
         form.addRow("API key", self.api_key)
+        self.context = _spin(0, 10_000_000, current.context, "Server context", special="ask the server")
+        self.context.setToolTip("A server model's context in tokens, for a server that does not say it (Ollama's "
+                                "OpenAI endpoint) or to use less of it; Eddy fits the chat into it")
+        form.addRow("Server context", self.context)
         if override is not None:
             note = QLabel(f"This run uses --model {override}; a model chosen here replaces it.")
             note.setWordWrap(True)
@@ -209,6 +213,7 @@ class SettingsDialog(QDialog):
         self.pin_system.toggled.connect(self._changed)
         self.model.textChanged.connect(self._changed)
         self.api_key.textChanged.connect(self._changed)
+        self.context.valueChanged.connect(self._changed)
         self._changed()
 
     def _pick_file(self) -> None:
@@ -230,8 +235,8 @@ class SettingsDialog(QDialog):
         chat = replace(c.chat, max_new_tokens=self.max_new_tokens.value(), seed=self.seed.value(),
                        system_prompt=self.system_prompt.toPlainText().strip(), pin_system=self.pin_system.isChecked(),
                        sampling=SamplingOverrides(**self._sampling_values()))
-        return replace(c, model=self.model.text().strip(), api_key=self.api_key.text().strip(), build=build, chat=chat,
-                       server=self.server.value())
+        return replace(c, model=self.model.text().strip(), api_key=self.api_key.text().strip(),
+                       context=self.context.value(), build=build, chat=chat, server=self.server.value())
 
     def _sampling_values(self) -> dict[str, float | int | None]:
         """The user's own values; None where a field shows the model's default (so it keeps following it)."""

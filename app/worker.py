@@ -194,7 +194,7 @@ class EngineWorker(QObject):
     def _load_remote(self, url: str, chat: dict, start: float) -> None:
         """A model on an OpenAI-compatible server (engine/remote.py): nothing to build, its context is the window."""
         try:
-            self._model = open_remote(url, chat.get("api_key") or None)
+            self._model = open_remote(url, chat.get("api_key") or None, chat.get("context") or None)
             self._chat_settings = _chat_settings(chat, self._model.chat_defaults)
             self._chat = dict(chat)
             self._session = self._model.chat(self._chat_settings)

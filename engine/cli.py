@@ -128,7 +128,8 @@ def parser() -> argparse.ArgumentParser:
     chat.add_argument("--api-key", default=None,
                       help="the key of a server given as --model http(s)://HOST:PORT/v1 (default: $EDDY_API_KEY)")
     chat.add_argument("--context", type=positive_int, default=None,
-                      help="a server model's context in tokens, when the server does not say (default 4096)")
+                      help="a server model's context in tokens, over what the server says (which, when it says "
+                           "nothing, is taken as 4096)")
     chat.add_argument("--system", default=None, help="system prompt")
     chat.add_argument("--pin-system", action="store_true",
                       help="keep the system prompt's tokens in the cache forever, as sinks: the assistant never "
