@@ -204,6 +204,7 @@ class RemoteSession:
         self.stop_flag = threading.Event()
         self.chars_per_token = CHARS_PER_TOKEN
         self._sent_tokens = 0  # the last request's prompt, as the server counted it (estimated until it says)
+        self._reply_tokens = 0  # the last reply's (in the server's context too, after its prompt)
         self._total = 0  # the tokens of the whole conversation (estimated): "seen in this chat"
         self.model_tokenizer = None  # the server's own: tools and templates are its business
 
@@ -264,7 +265,7 @@ class RemoteSession:
     def stats(self) -> CacheStats:
         # Nothing is cached here: the server's window is its context, what was sent is "used", what did not fit
         # has "left" it.
-        used = min(self._sent_tokens, self.info.context)
+        used = min(self._sent_tokens + self._reply_tokens, self.info.context)
         return CacheStats(0, self.info.context, self.info.context, used, max(0, self._total - used), self._total, 0)
 
     def context(self) -> Context:
@@ -314,7 +315,7 @@ class RemoteSession:
             fitted = [last]
         else:
             fitted = messages[start:]
-        self.dropped = start
+        self.dropped, self._reply_tokens = start, 0
         self._total = sum(sizes) + sum(self._estimate(m["content"]) for m in opening)
         self._sent_tokens = sum(self._estimate(m.get("content") or "") for m in fitted) + sum(
             self._estimate(m["content"]) for m in opening)
@@ -418,7 +419,8 @@ class RemoteSession:
         decode_ms = (end - first_at) * 1e3
         answer = "".join(content)
         self.messages.append({"role": "assistant", "content": answer})
-        self._total += self._estimate(answer)
+        self._reply_tokens = int(tokens)
+        self._total += int(tokens)
         emit(self.context())
         tok_s = timings.get("predicted_per_second") or (tokens / (decode_ms / 1e3) if decode_ms > 0 else 0.0)
         emit(Done(int(tokens), round(decode_ms, 2), round(float(tok_s), 2), reason, self.stats))
