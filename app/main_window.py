@@ -185,6 +185,7 @@ class MainWindow(QMainWindow):
         # The model (app/model_picker.py) at the top, the chat's system prompt and its preset below it.
         self.model_picker = ModelPicker()
         self.model_picker.picked.connect(self.controller.switch_model)
+        self.model_picker.opened.connect(self.refresh_models)
         self.catalog = ModelCatalog(self)
         self.catalog.ready.connect(self._show_models)
         self.refresh_models()  # in the background: the disk is scanned for a few seconds at most
@@ -301,6 +302,7 @@ class MainWindow(QMainWindow):
     def refresh_models(self) -> None:
         """Looks for models again (in the background); the picker shows them when found."""
         c = self.controller
+        self.catalog.folders = [Path(f).expanduser() for f in c.settings.model_folders.split("|") if f.strip()]
         self.catalog.refresh([c.model_spec, *c.settings.recent_models.split("|")], c.settings.build_settings())
 
     def _show_models(self, entries: list, found: list, built: set, times: object) -> None:

@@ -177,6 +177,7 @@ class ModelPicker(QComboBox):
     """The combo box itself: picking a runnable model emits `picked(spec)`."""
 
     picked = Signal(str)
+    opened = Signal()  # the list is about to show: a fresh scan fills it in as it ends
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -211,6 +212,10 @@ class ModelPicker(QComboBox):
             self.view().setMinimumWidth(min(widest + 40, 900))
         finally:
             self._quiet = False
+
+    def showPopup(self) -> None:  # noqa: N802 (Qt API)
+        self.opened.emit()
+        super().showPopup()
 
     def _activated(self, index: int) -> None:
         if self._quiet or not 0 <= index < len(self.choices):

@@ -62,6 +62,7 @@ class AppSettings:
     model: str = ""  # "" = the default model; else a built-in name, a .gguf file, a Hugging Face folder or a URL
     api_key: str = ""  # a remote model's (an http(s)://.../v1 URL as the model); "" = none, or $EDDY_API_KEY
     context: int = 0  # a remote model's context, over what its server says (0: the server's, else 4096)
+    model_folders: str = ""  # folders of the user's own models, "|"-separated (the picker looks there too)
     recent_models: str = ""  # the models used lately, newest first, "|"-separated (the picker lists them first)
     build: BuildSettings = BuildSettings()  # its max_sinks is not the app's: pin_system decides it
     chat: ChatOptions = ChatOptions()
@@ -136,7 +137,7 @@ class AppSettings:
 
 def _where() -> dict[str, tuple[str, ...]]:
     """Each flat name and the attributes that lead to its part of AppSettings."""
-    pairs = [("model", ()), ("api_key", ()), ("context", ()), ("recent_models", ())]
+    pairs = [("model", ()), ("api_key", ()), ("context", ()), ("model_folders", ()), ("recent_models", ())]
     pairs += [(f.name, ("build",)) for f in fields(BuildSettings) if f.name != "max_sinks"]
     pairs += [(f.name, ("chat",)) for f in fields(ChatOptions) if f.name != "sampling"]
     pairs += [(name, ("chat", "sampling")) for name in SAMPLING_FIELDS]

@@ -99,6 +99,12 @@ class SettingsDialog(QDialog):
         self.context.setToolTip("A server model's context in tokens, for a server that does not say it (Ollama's "
                                 "OpenAI endpoint) or to use less of it; Eddy fits the chat into it")
         form.addRow("Server context", self.context)
+        self.model_folders = QLineEdit(current.model_folders.replace("|", "; "))
+        self.model_folders.setAccessibleName("Model folders")
+        self.model_folders.setPlaceholderText("folders of your own GGUFs, separated by ;")
+        self.model_folders.setToolTip("The model picker lists the models in these folders too, beside those other "
+                                      "apps downloaded (Hugging Face, LM Studio, GPT4All, Jan, Ollama)")
+        form.addRow("Model folders", self.model_folders)
         if override is not None:
             note = QLabel(f"This run uses --model {override}; a model chosen here replaces it.")
             note.setWordWrap(True)
@@ -236,7 +242,8 @@ class SettingsDialog(QDialog):
                        system_prompt=self.system_prompt.toPlainText().strip(), pin_system=self.pin_system.isChecked(),
                        sampling=SamplingOverrides(**self._sampling_values()))
         return replace(c, model=self.model.text().strip(), api_key=self.api_key.text().strip(),
-                       context=self.context.value(), build=build, chat=chat, server=self.server.value())
+                       context=self.context.value(), build=build, chat=chat, server=self.server.value(),
+                       model_folders="|".join(f.strip() for f in self.model_folders.text().split(";") if f.strip()))
 
     def _sampling_values(self) -> dict[str, float | int | None]:
         """The user's own values; None where a field shows the model's default (so it keeps following it)."""

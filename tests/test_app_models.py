@@ -40,11 +40,9 @@ def test_the_picker_lists_built_found_and_refused_models_and_a_switch_keeps_the_
                                                                                       server):  # noqa: F811
     extra = _stores(tmp_path, monkeypatch)
     data = tmp_path / "data"
-    write_settings(data, api_key=KEY, max_new_tokens=6)
+    write_settings(data, api_key=KEY, max_new_tokens=6, model_folders=str(extra))  # a folder of the user's own
     window = open_window(qtbot, data)
     c, picker = window.controller, window.model_picker
-    window.catalog.folders = [extra]
-    window.refresh_models()  # (a scan may be running since the start: this one follows it)
     qtbot.waitUntil(lambda: any(ch.label == "cut" for ch in picker.choices), timeout=30_000)
     by_label = {ch.label: ch for ch in picker.choices}
     assert by_label["tiny-random"].detail == "built" and picker.currentText().startswith("tiny-random")
@@ -77,3 +75,14 @@ def test_the_picker_lists_built_found_and_refused_models_and_a_switch_keeps_the_
     c.switch_model("tiny-random")
     qtbot.waitUntil(lambda: c.model_state == "ready", timeout=LOAD_TIMEOUT_MS)
     assert len(c.chat.messages) == 4
+
+    # A .gguf dropped on the window is the model now too (the cut one again: it says why it cannot run).
+    from PySide6.QtCore import QMimeData, QPointF, QUrl
+    from PySide6.QtGui import QDropEvent
+
+    mime = QMimeData()
+    mime.setUrls([QUrl.fromLocalFile(str(extra / "cut.gguf"))])
+    window.dropEvent(QDropEvent(QPointF(50, 50), Qt.DropAction.CopyAction, mime, Qt.MouseButton.LeftButton,
+                                Qt.KeyboardModifier.NoModifier))
+    qtbot.waitUntil(lambda: c.model_state == "failed", timeout=LOAD_TIMEOUT_MS)
+    assert c.settings.model == str(extra / "cut.gguf")
