@@ -72,6 +72,8 @@ def test_a_killed_parent_takes_its_build_and_compiler_with_it(tmp_path: Path, si
         if parent.poll() is None:
             parent.kill()
             parent.wait()
+    if victim == "build":
+        return  # the parent lived on to see its build fail and cleans up itself: no sweep to test here
 
     from engine.build.cache import list_entries
 

@@ -23,7 +23,7 @@ from app.mcp_host import (
 )
 
 SERVER = str(Path(__file__).with_name("mcp_echo_server.py"))
-ECHO_TOOLS = {"add", "echo", "slow", "freeze", "big", "fail", "grow", "picture"}
+ECHO_TOOLS = {"add", "echo", "slow", "hang", "freeze", "big", "fail", "grow", "picture"}
 
 
 def echo_spec(name: str = "echo", *flags: str) -> ServerSpec:
