@@ -49,7 +49,7 @@ class ThinkSplitter:
                     out.append(("reasoning", self.pending[:at]))
                 self.pending, self.state = self.pending[at + len(THINK_CLOSE):], "after"
                 continue
-            hold = _partial(self.pending, THINK_CLOSE)
+            hold = partial_end(self.pending, THINK_CLOSE)
             if len(self.pending) > hold:
                 out.append(("reasoning", self.pending[: len(self.pending) - hold]))
                 self.pending = self.pending[len(self.pending) - hold:]
@@ -69,8 +69,8 @@ class ThinkSplitter:
         return self._kept([("reasoning" if self.state == "thinking" else "content", text)])
 
 
-def _partial(text: str, tag: str) -> int:
-    """The longest end of `text` that begins `tag` (and is shorter than it)."""
+def partial_end(text: str, tag: str) -> int:
+    """The longest end of `text` that begins `tag` (and is shorter than it): what to hold back while streaming."""
     for k in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:k]):
             return k

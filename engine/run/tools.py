@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 from ..errors import EddyError
 from .constraint import Grammar, styled
+from .reasoning import partial_end
 
 
 class ToolError(EddyError):
@@ -328,7 +329,7 @@ class CallStream:
             self.held, self.holding = pending[at:], True
             self.shown += pending[:at]
             return pending[:at]
-        hold = _partial(pending, self.fmt.opener)
+        hold = partial_end(pending, self.fmt.opener)
         out, self.held = pending[: len(pending) - hold], pending[len(pending) - hold:]
         self.shown += out
         return out
@@ -342,13 +343,6 @@ class CallStream:
         if not calls:
             return held, []
         return (text if text.strip() else ""), calls
-
-
-def _partial(text: str, tag: str) -> int:
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:k]):
-            return k
-    return 0
 
 
 # --- one request's tools ----------------------------------------------------------------------------------

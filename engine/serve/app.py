@@ -31,6 +31,7 @@ from ..errors import PromptTooLongError
 from ..events import Done, Prefill, Reasoning, Token
 from ..run.constraint import Grammar, GrammarError
 from ..run.generation import ChatDefaults, sampling_params
+from ..run.reasoning import partial_end
 from ..run.session import ChatSettings, TurnResult
 from ..run.tokenizer import Tokenizer
 from ..run.tools import Choice, ToolError, ToolPlan, check_tools
@@ -78,16 +79,9 @@ class StopWatcher:
         if found:
             out, self.pending, self.hit = self.pending[: min(found)], "", True
             return out
-        hold = max((self._held(s) for s in self.stops), default=0)
+        hold = max((partial_end(self.pending, s) for s in self.stops), default=0)
         out, self.pending = self.pending[: len(self.pending) - hold], self.pending[len(self.pending) - hold:]
         return out
-
-    def _held(self, stop: str) -> int:
-        """The longest end of the pending text that starts `stop` (and is shorter than it)."""
-        for k in range(min(len(stop) - 1, len(self.pending)), 0, -1):
-            if self.pending.endswith(stop[:k]):
-                return k
-        return 0
 
     def flush(self) -> str:
         out, self.pending = ("" if self.hit else self.pending), ""
