@@ -26,7 +26,6 @@ class ModelChoice:
     spec: str      # what the settings' model field takes ("" = the default model)
     label: str     # the model's name
     detail: str    # family · size · weights · built or not
-    group: str     # "recent", "built", "on disk", "remote"
     runnable: bool = True
     reason: str = ""  # why not, when not
 
@@ -79,19 +78,16 @@ def choices(recent: list[str], entries: list[Any], found: list[Any], current: st
         return "built" if spec in built else times.first_build(size)
 
     for spec in [current, *recent]:
-        if not spec and spec != current:
-            continue
         remote = spec.startswith(("http://", "https://"))
-        add(ModelChoice(spec, _name(spec) or DEFAULT_MODEL, "remote server" if remote else state(spec),
-                        "remote" if remote else "recent"))
-    add(ModelChoice("", DEFAULT_MODEL, "llama · 135M · q4 · " + state(""), "built"))
+        add(ModelChoice(spec, _name(spec) or DEFAULT_MODEL, "remote server" if remote else state(spec)))
+    add(ModelChoice("", DEFAULT_MODEL, "llama · 135M · q4 · " + state("")))
     for f in found:
         bits = [b for b in (f.family, f.params, f.weights, _size(f.size_bytes)) if b]
         add(ModelChoice(str(f.path), f.name, " · ".join(bits + ([state(str(f.path), f.size_bytes)] if f.runnable else []))
-                        + f" · {f.source}", "on disk", f.runnable, f.reason))
+                        + f" · {f.source}", f.runnable, f.reason))
     for e in entries:
         if getattr(e, "state", "ready") == "ready" and e.model not in {c.label for c in out.values()}:
-            add(ModelChoice(e.model, e.model, "built (another build's settings)", "built"))
+            add(ModelChoice(e.model, e.model, "built (another build's settings)"))
     return list(out.values())
 
 

@@ -130,8 +130,6 @@ class RemoteSource:
     """What the status bar and the chat call a remote model."""
     name: str
     url: str
-    kind: str = "remote"
-    path: None = None
 
 
 @dataclass(frozen=True)
@@ -187,7 +185,6 @@ class RemoteModel:
     endpoint: Endpoint
     info: RemoteInfo
     chat_defaults: ChatDefaults = field(default_factory=ChatDefaults)
-    folder: str = ""
 
     def chat(self, settings: ChatSettings | None = None) -> "RemoteSession":
         return RemoteSession(self.endpoint, self.info, settings)
@@ -234,9 +231,6 @@ class RemoteSession:
         return event
 
     follow = resume
-
-    def rewind(self, n: int) -> None:
-        self.messages = self.messages[:n]
 
     def answer(self, message: str | dict, on_event: EventSink | None = None, before: list[dict] | tuple = ()) -> TurnResult:
         last = message_for_template(message if isinstance(message, dict) else {"role": "user", "content": message})
@@ -425,7 +419,7 @@ class RemoteSession:
         tok_s = timings.get("predicted_per_second") or (tokens / (decode_ms / 1e3) if decode_ms > 0 else 0.0)
         emit(Done(int(tokens), round(decode_ms, 2), round(float(tok_s), 2), reason, self.stats))
         return TurnResult(answer, int(tokens), self._sent_tokens, round((first_at - start) * 1e3, 2), decode_ms, reason,
-                          "".join(thinking), answer)
+                          "".join(thinking))
 
 
 class _ContextExceeded(RemoteError):

@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import threading
-import time
 
 import jsonschema
 import pytest
 
 from conftest import TINY_SETTINGS
-from test_serve import KEY, Served, _free_port
+from test_serve import KEY, Served, serve, stop
 
 openai = pytest.importorskip("openai")
 
@@ -40,28 +38,8 @@ THINKING_TEMPLATE = (
     "{%- else %}{{ '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}")
 
 
-def _serve(session, max_tokens: int = 64):
-    import uvicorn
-
-    from engine.serve.app import ServerSettings, create_app
-    from engine.serve.worker import EngineThread
-
-    engine = EngineThread(session, conversations=3)
-    app = create_app(engine, ServerSettings("tiny-random", KEY, max_tokens=max_tokens, queue_timeout=5.0))
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return Served(engine, server, thread, port)
-
-
-def _stop(served: Served) -> None:
-    served.server.should_exit = True
-    served.thread.join(10)
-    served.engine.close()
+def _serve(session):
+    return serve(session, max_tokens=64, queue_timeout=5.0)
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +53,7 @@ def model(tiny):
 def served(model):
     s = _serve(model.chat())
     yield s
-    _stop(s)
+    stop(s)
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +69,7 @@ def thinking(model, tmp_path_factory):
     session._tokenizer = Tokenizer.from_dir(folder)
     s = _serve(session)
     yield s
-    _stop(s)
+    stop(s)
 
 
 def create(served: Served, messages: list[dict], **kw):

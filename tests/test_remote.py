@@ -7,37 +7,22 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
 
 from conftest import ROOT, TINY_SETTINGS
-from test_serve import KEY, _free_port
+from test_serve import KEY, _free_port, serve, stop
 
 
 @pytest.fixture(scope="module")
 def server(tiny):
-    import uvicorn
-
     from engine.loader import open_model
-    from engine.serve.app import ServerSettings, create_app
-    from engine.serve.worker import EngineThread
 
     model = open_model("tiny-random", TINY_SETTINGS)
-    engine = EngineThread(model.chat(), conversations=2)
-    app = create_app(engine, ServerSettings("tiny-random", KEY, model.chat_defaults, max_tokens=8))
-    port = _free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not srv.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}/v1"
-    srv.should_exit = True
-    thread.join(10)
-    engine.close()
+    served = serve(model.chat(), conversations=2, defaults=model.chat_defaults, max_tokens=8)
+    yield f"http://127.0.0.1:{served.port}/v1"
+    stop(served)
 
 
 def test_the_server_says_its_model_and_context_and_a_reply_streams(server):

@@ -47,18 +47,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def served(tiny):
+def serve(session, conversations: int = 3, **settings) -> Served:
+    """A real `eddy serve` app over `session` on a free loopback port, on a thread of its own; stop() ends it."""
     import uvicorn
 
-    from engine.loader import open_model
     from engine.serve.app import ServerSettings, create_app
     from engine.serve.worker import EngineThread
 
-    model = open_model("tiny-random", TINY_SETTINGS)  # its own engine: other tests' turns never touch its cache
-    engine = EngineThread(model.chat(), conversations=3)
-    app = create_app(engine, ServerSettings("tiny-random", KEY, model.chat_defaults, max_tokens=8,
-                                            queue_timeout=2.0, body_limit=1024 * 1024, read_timeout=2.0))
+    engine = EngineThread(session, conversations=conversations)
+    app = create_app(engine, ServerSettings("tiny-random", KEY, **settings))
     port = _free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -66,10 +63,24 @@ def served(tiny):
     deadline = time.monotonic() + 30
     while not server.started and time.monotonic() < deadline:
         time.sleep(0.05)
-    yield Served(engine, server, thread, port)
-    server.should_exit = True
-    thread.join(10)
-    engine.close()
+    return Served(engine, server, thread, port)
+
+
+def stop(served: Served) -> None:
+    served.server.should_exit = True
+    served.thread.join(10)
+    served.engine.close()
+
+
+@pytest.fixture(scope="module")
+def served(tiny):
+    from engine.loader import open_model
+
+    model = open_model("tiny-random", TINY_SETTINGS)  # its own engine: other tests' turns never touch its cache
+    s = serve(model.chat(), defaults=model.chat_defaults, max_tokens=8, queue_timeout=2.0, body_limit=1024 * 1024,
+              read_timeout=2.0)
+    yield s
+    stop(s)
 
 
 def ask(served: Served, messages: list[dict], **kw) -> dict:

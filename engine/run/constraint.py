@@ -134,11 +134,6 @@ class Constraint:
         if not self._matcher.consume_token(token):
             raise GrammarError(f"the reply left its grammar: {self._matcher.get_error()}")
 
-    @property
-    def finished(self) -> bool:
-        """The grammar is complete and allows nothing more (the reply ends at its stop token)."""
-        return bool(self._matcher.is_stopped())
-
 
 def _validate(text: str, tokenizer: Any) -> tuple[bool, str]:
     failed, messages = _llg().LLMatcher.validate_grammar_with_warnings(text, tokenizer)

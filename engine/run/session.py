@@ -64,7 +64,6 @@ class TurnResult:
     decode_ms: float
     stop_reason: str  # "eos" | "length" | "stopped"
     reasoning: str = ""  # the thinking before the answer, when the model wrote any (text is the answer alone)
-    raw: str = ""  # the reply as generated, thinking and tags included (what the cache holds)
 
 
 def _ignore(_event: Event) -> None:
@@ -74,6 +73,7 @@ def _ignore(_event: Event) -> None:
 class ChatSession:
     def __init__(self, engine: StreamingEngine, tokenizer: Tokenizer, settings: ChatSettings | None = None) -> None:
         self.engine, self._tokenizer = engine, tokenizer
+        self._variant: tuple[dict | None, Tokenizer] | None = None  # (the extras, the tokenizer rendering with them)
         self.settings = settings or ChatSettings()
         # What the cache was filled from: the system message (if any), then the conversation from `dropped` on.
         self.messages: list[dict] = []
@@ -88,7 +88,11 @@ class ChatSession:
     @property
     def tokenizer(self) -> Tokenizer:
         """The model's tokenizer, rendering the template with this chat's extras (tools, thinking on or off)."""
-        return self._tokenizer.with_extras(self.settings.template_extras)
+        extras = self.settings.template_extras
+        # A turn asks a few dozen times; the variant's key is the extras' JSON (tools may be kilobytes of it).
+        if self._variant is None or self._variant[0] is not extras:
+            self._variant = (extras, self._tokenizer.with_extras(extras))
+        return self._variant[1]
 
     def count_tokens(self, text: str) -> int:
         """How many tokens `text` is as a message's content (a draft's count)."""
@@ -430,7 +434,7 @@ class ChatSession:
         tok_s = generated / (decode_ms / 1e3) if decode_ms > 0 else 0.0
         emit(self.context())  # before done, which ends the turn for whoever listens
         emit(Done(generated, round(decode_ms, 2), round(tok_s, 2), reason, self.engine.stats))
-        return TurnResult(reply.answer, generated, prefilled, prefill_ms, decode_ms, reason, reply.reasoning, reply.text)
+        return TurnResult(reply.answer, generated, prefilled, prefill_ms, decode_ms, reason, reply.reasoning)
 
     def feed(self, ids: list[int], emit: EventSink) -> np.ndarray | None:
         """Feeds a turn's tokens; the logits after the last, or None if the stop flag ended it part-way. A turn
