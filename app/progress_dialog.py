@@ -1,7 +1,9 @@
-"""First run: the model is compiled (about two minutes) while this shows the stages and offers Cancel.
+"""First run: the model is compiled while this shows the stages and offers Cancel.
 
 Not modal: the build runs on the engine thread, so the window stays usable (chats can be read) meanwhile.
-Under the bar, the stage's own words: the tensors written of all, then how long the compiler has run.
+The weights file is written while the graph is exported and compiled, so more than one stage can be running:
+each stage's line shows its own state and words (the tensors written of all, how long the compiler has run,
+"done in 0:17"), and the bar the whole build, with the time left worked out from it.
 """
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ import time
 from PySide6.QtCore import QTimer, Signal
 from PySide6.QtWidgets import QDialog, QDialogButtonBox, QLabel, QProgressBar, QVBoxLayout, QWidget
 
-from engine.build.progress import STAGES
+from engine.build.progress import FINISHED, STAGES, time_left
+
 STAGE_TEXT = {
     "loading weights": "Checking the model's weights",
     "exporting": "Exporting the StreamingLLM graph",
@@ -30,7 +33,7 @@ class BuildProgressDialog(QDialog):
         self.setAccessibleName("Model build progress")
         layout = QVBoxLayout(self)
         intro = QLabel(f"<b>Preparing {model_name}</b><br>Eddy compiles the model once for this machine and "
-                       "these cache settings (about two minutes). Later starts take about a second.")
+                       "these cache settings. Later starts take about a second.")
         intro.setWordWrap(True)
         layout.addWidget(intro)
         self.stage_labels: dict[str, QLabel] = {}
@@ -55,6 +58,10 @@ class BuildProgressDialog(QDialog):
         layout.addWidget(self.buttons)
         self.stage = ""
         self.fraction = 0.0
+        # Not `done` or `running`: QDialog.accept() calls the virtual done(), which an attribute would shadow.
+        self.started_stages: list[str] = []  # stages that have reported, in the order they started
+        self.finished_stages: set[str] = set()
+        self.details: dict[str, str] = {}
         self._started = time.monotonic()
         self._tick = QTimer(self)
         self._tick.setInterval(500)
@@ -63,27 +70,46 @@ class BuildProgressDialog(QDialog):
         self.set_progress("loading weights", 0.0)
 
     def set_progress(self, stage: str, fraction: float) -> None:
-        if stage != self.stage:
-            self.detail.clear()  # the last stage's words no longer apply
-        self.stage, self.fraction = stage, fraction
-        current = STAGES.index(stage) if stage in STAGES else len(STAGES)
-        for i, name in enumerate(STAGES):
-            mark = "✓" if i < current else ("▶" if i == current else "○")
-            text = f"{mark}  {STAGE_TEXT[name]}"
-            self.stage_labels[name].setText(f"<b>{text}</b>" if i == current else text)
-            self.stage_labels[name].setEnabled(i <= current)
-        self.bar.setValue(int(fraction * 1000))
-        self.bar.setFormat(f"{fraction * 100:.0f}%")
+        self.stage, self.fraction = stage, max(self.fraction, fraction)
+        if stage in STAGES:
+            if stage not in self.started_stages:
+                self.started_stages.append(stage)
+            # A stage that starts after another has begun is past that one's checks: "loading weights" ends so.
+            first = STAGES.index(stage)
+            self.finished_stages.update(s for s in STAGES[:first] if s == "loading weights")
+        self._render()
+        self.bar.setValue(int(self.fraction * 1000))
+        self.bar.setFormat(f"{self.fraction * 100:.0f}%")
         self._show_elapsed()
 
     def set_detail(self, stage: str, detail: str) -> None:
-        """What the stage is at ("tensor 12 of 272, 40 MB of 135 MB"); ignored if the stage has moved on."""
-        if stage == self.stage:
-            self.detail.setText(detail)
+        """What a stage is at ("tensor 12 of 272, 40 MB of 135 MB"; "done in 0:17" when it is over)."""
+        if stage not in STAGES:
+            return
+        self.details[stage] = detail
+        if detail.startswith(FINISHED):
+            self.finished_stages.add(stage)
+        self._render()
+
+    def _render(self) -> None:
+        for name in STAGES:
+            finished, started = name in self.finished_stages, name in self.started_stages
+            mark = "✓" if finished else ("▶" if started else "○")
+            text = f"{mark}  {STAGE_TEXT[name]}"
+            words = self.details.get(name, "")
+            if finished and words.startswith(FINISHED):
+                text += f" ({words[len(FINISHED):]})"
+            self.stage_labels[name].setText(f"<b>{text}</b>" if started and not finished else text)
+            self.stage_labels[name].setEnabled(started or finished)
+        # Under the bar, the words of every stage still running (the weights beside the export or the compiler).
+        self.detail.setText(" · ".join(self.details[n] for n in self.started_stages
+                                       if n not in self.finished_stages and self.details.get(n)))
 
     def _show_elapsed(self) -> None:
-        secs = int(time.monotonic() - self._started)
-        self.elapsed.setText(f"{secs // 60}:{secs % 60:02d} elapsed")
+        spent = time.monotonic() - self._started
+        secs = int(spent)
+        left = time_left(self.fraction, spent)
+        self.elapsed.setText(f"{secs // 60}:{secs % 60:02d} elapsed" + (f" · {left}" if left else ""))
 
     def _cancel(self) -> None:
         self.cancel_button.setEnabled(False)

@@ -97,21 +97,31 @@ def build_arguments(settings: BuildSettings) -> list[str]:
 
 
 def _progress_printer(quiet: bool) -> "Progress":
-    """A build's progress on stderr: one line rewritten in place on a terminal; into a log or a pipe, where a
-    carriage return does not rewind, one line per stage. bench/scale.py reads the "building: STAGE N%" prefix."""
-    last = {"stage": None}
+    """A build's progress on stderr: one line rewritten in place on a terminal, with the words of every stage
+    still running (the weights file is written beside the export and the compiler) and the time left; into a log
+    or a pipe, where a carriage return does not rewind, a line as each stage starts and ends. bench/scale.py reads
+    the "building: STAGE N%" prefix."""
+    import time
+
+    from .build.progress import FINISHED, time_left
+
+    words: dict[str, str] = {}
+    started = time.monotonic()
     live = _live(sys.stderr)
 
     def report(stage: str, fraction: float, detail: str = "") -> None:
         if quiet:
             return
-        line = f"building: {stage} {fraction * 100:3.0f}%" + (f" · {detail}" if detail else "")
+        new = stage not in words
+        words[stage] = detail
         if live:
+            running = " · ".join(w for w in words.values() if w and not w.startswith(FINISHED))
+            left = time_left(fraction, time.monotonic() - started)
+            line = f"building: {stage} {fraction * 100:3.0f}%" + "".join(f" · {w}" for w in (running, left) if w)
             sys.stderr.write(f"\r\033[K{line}" + ("\n" if stage == "done" else ""))
-        elif stage != last["stage"]:
-            sys.stderr.write(line + "\n")
+        elif new or detail.startswith(FINISHED):
+            sys.stderr.write(f"building: {stage} {fraction * 100:3.0f}%" + (f" · {detail}" if detail else "") + "\n")
         sys.stderr.flush()
-        last["stage"] = stage
 
     return report
 

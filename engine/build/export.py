@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 import iree.turbine.aot as aot
+from iree.turbine.aot.compiled_module import ExportTargetDef
 
 from ..config import ATTEND_STEP, QUANTISED, BuildSettings, ModelConfig
 from ..devices import compile_flags, dot_form
@@ -27,6 +29,7 @@ from .process import tied_to_me
 
 if TYPE_CHECKING:
     from .checkpoint import ModelSource
+    from .progress import BuildClock
 
 Progress = Callable[[str, float], None]
 
@@ -53,6 +56,59 @@ def example_args(cfg: ModelConfig, settings: BuildSettings, n: int) -> tuple[tor
     )
 
 
+class _Entry(torch.nn.Module):
+    """One entry point of the module: the model under the name `root`, as turbine's FxProgramsBuilder holds it, so
+    every program reads the same parameters and buffers (one global each in the MLIR)."""
+
+    def __init__(self, root: StreamingLlama) -> None:
+        super().__init__()
+        self.root = root
+
+
+class _Prefill(_Entry):
+    def forward(self, tokens, slots, rope, shift, slot_pos, token_pos):
+        return self.root.prefill(tokens, slots, rope, shift, slot_pos, token_pos)
+
+
+class _Decode(_Entry):
+    def forward(self, tokens, slots, rope, shift, slot_pos, token_pos):
+        return self.root.decode(tokens, slots, rope, shift, slot_pos, token_pos)
+
+
+class _Score(_Entry):
+    def forward(self, targets):
+        return self.root.score(targets)
+
+
+class _Reset(_Entry):
+    def forward(self):
+        return self.root.reset()
+
+
+class _Snapshot(_Entry):
+    def forward(self):
+        return self.root.snapshot()
+
+
+class _Restore(_Entry):
+    def forward(self, *saved):
+        return self.root.restore(*saved)
+
+
+def _trace(fxb: "aot.FxProgramsBuilder", name: str, entry: _Entry, args: tuple, dynamic_shapes: dict | None = None
+           ) -> None:
+    """Traces one entry point straight to functional ATen, in one pass. turbine's export_program runs
+    torch.export.export (pre-dispatch ATen, not yet functional) and then run_decompositions, which traces the
+    whole model a second time: a third of a 1B model's build. The one-pass trace (torch's own former default,
+    kept as `_export(pre_dispatch=False)`; torch is pinned) gives the same program, its ops undecomposed (full
+    for empty + fill, _to_copy for convert_element_type), which the importer lowers alike; the parity tests hold
+    it to the same logits."""
+    from torch.export._trace import _export
+
+    program = _export(entry, args, None, dynamic_shapes or None, strict=False, pre_dispatch=False)
+    fxb.programs[name] = ExportTargetDef(program)
+
+
 def export_module(model: StreamingLlama) -> "aot.ExportOutput":
     cfg, settings = model.cfg, model.settings
     # Bounds are not checked at run time (a longer call silently computes garbage); the runtime chunks.
@@ -68,37 +124,13 @@ def export_module(model: StreamingLlama) -> "aot.ExportOutput":
     dyn = {"tokens": {0: n}, "slots": {0: n}, "rope": {2: n}, "shift": None, "slot_pos": slot_pos, "token_pos": {0: n}}
     fxb = aot.FxProgramsBuilder(model)
     example = example_args(cfg, settings, 2)
-
-    @fxb.export_program(name="prefill", args=example, dynamic_shapes=dyn, strict=False)
-    def prefill(m, tokens, slots, rope, shift, slot_pos, token_pos):
-        return m.prefill(tokens, slots, rope, shift, slot_pos, token_pos)
-
     one = {name: None if name != "slot_pos" else slot_pos for name in dyn}
-
-    @fxb.export_program(name="decode", args=example_args(cfg, settings, 1), dynamic_shapes=one, strict=False)
-    def decode(m, tokens, slots, rope, shift, slot_pos, token_pos):
-        return m.decode(tokens, slots, rope, shift, slot_pos, token_pos)
-
-    @fxb.export_program(
-        name="score",
-        args=(example[0], example[0].clone(), *example[1:]),
-        dynamic_shapes={"targets": {0: n}, **dyn},
-        strict=False,
-    )
-    def score(m, tokens, targets, slots, rope, shift, slot_pos, token_pos):
-        return m.score(tokens, targets, slots, rope, shift, slot_pos, token_pos)
-
-    @fxb.export_program(name="reset", args=(), strict=False)
-    def reset(m):
-        return m.reset()
-
-    @fxb.export_program(name="snapshot", args=(), strict=False)
-    def snapshot(m):
-        return m.snapshot()
-
-    @fxb.export_program(name="restore", args=tuple(torch.zeros_like(b) for b in model.state()), strict=False)
-    def restore(m, *saved):
-        return m.restore(*saved)
+    _trace(fxb, "prefill", _Prefill(model), example, dyn)
+    _trace(fxb, "decode", _Decode(model), example_args(cfg, settings, 1), one)
+    _trace(fxb, "score", _Score(model), (example[0].clone(),), {"targets": {0: n}})
+    _trace(fxb, "reset", _Reset(model), ())
+    _trace(fxb, "snapshot", _Snapshot(model), ())
+    _trace(fxb, "restore", _Restore(model), tuple(torch.zeros_like(b) for b in model.state()))
 
     # The custom ops are expanded as the programs are imported.
     with kernels.lowering_for(settings.device, dot_form(settings.device, settings.target_cpu)):
@@ -184,14 +216,17 @@ def compile_mlir(mlir_path: Path, vmfb_path: Path, device: str, progress: Progre
         # is killed outright cannot run the code that would end its compiler.
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=tied_to_me())
         start = time.perf_counter()
-        while proc.poll() is None:
-            if should_cancel():
-                proc.kill()
-                proc.wait()
-                raise BuildCancelled("compilation cancelled")
-            elapsed = time.perf_counter() - start
-            progress("compiling", 0.6 + 0.39 * min(1.0, elapsed / expected_s))
-            time.sleep(0.1)
+        try:
+            while proc.poll() is None:
+                if should_cancel():
+                    raise BuildCancelled("compilation cancelled")
+                elapsed = time.perf_counter() - start
+                progress("compiling", 0.6 + 0.39 * min(1.0, elapsed / expected_s))  # may raise: the build failed
+                time.sleep(0.1)
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            raise
         if proc.returncode:
             log.seek(0)
             lines = log.read().decode(errors="replace").splitlines()
@@ -199,74 +234,163 @@ def compile_mlir(mlir_path: Path, vmfb_path: Path, device: str, progress: Progre
             raise ArtefactError(f"iree-compile failed (exit {proc.returncode}):\n" + "\n".join(errors or lines[-20:]))
 
 
+def expected_times(cfg: ModelConfig, settings: BuildSettings, weights_bytes: int, reused_export: bool
+                   ) -> dict[str, float]:
+    """What each part of this build should take here, from the builds this machine has made."""
+    from .artefacts import artefacts_root
+    from .progress import Expected
+
+    manifests = []
+    for f in artefacts_root().glob("*/manifest.json"):
+        try:
+            manifests.append(json.loads(f.read_text()))
+        except (OSError, ValueError):
+            continue
+    e = Expected.from_manifests(manifests)
+    return {"export": 0.5 if reused_export else 2.0 + e.export_per_layer_s * cfg.n_layers,
+            "compile": 3.0 + e.compile_per_layer_s * cfg.n_layers,
+            "save": 1.0 + e.save_per_byte_s * weights_bytes, "tokenizer": e.tokenizer_s}
+
+
+class _SideJob:
+    """engine/build/side_job.py seen from the build child: its answers read on a thread into the clock and the
+    stage reports. An error there is raised here as the same class at the next check: after the export at the
+    latest (which nothing interrupts; the weights used to start only after it), while compiling at once."""
+
+    def __init__(self, proc: subprocess.Popen, clock: "BuildClock", say: Callable[[str, str], None]) -> None:
+        self.clock, self._say = clock, say
+        self.result: dict | None = None
+        self.error: Exception | None = None
+        self._proc = proc
+        self._reader = threading.Thread(target=self._read, name="side-job", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        from .. import errors
+        from .progress import finished, weights_detail
+
+        assert self._proc.stdout is not None
+        for raw in self._proc.stdout:
+            try:
+                msg = json.loads(raw)
+            except ValueError:
+                continue
+            if "weights" in msg:
+                done, pieces, written, total = msg["weights"]
+                self.clock.share("save", written / total if total else done / max(1, pieces))
+                self._say("saving weights", weights_detail(done, pieces, written, total))
+                if done == pieces:
+                    self._say("saving weights", finished(self.clock.end("save")))
+                    self.clock.begin("tokenizer")
+            elif "done" in msg:
+                self.clock.end("tokenizer")
+                self.result = msg["done"]
+            elif "error" in msg:
+                err = msg["error"]
+                cls = getattr(errors, str(err.get("type")), None)
+                if not (isinstance(cls, type) and issubclass(cls, errors.EddyError)):
+                    cls = ArtefactError
+                self.error = cls(err.get("message", "writing the weights failed"))
+                return
+        if self._proc.wait() and self.error is None:
+            self.error = ArtefactError(f"writing the weights file failed (exit {self._proc.returncode})")
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def wait(self, should_cancel: Callable[[], bool]) -> dict:
+        while self._reader.is_alive():
+            if should_cancel():
+                raise BuildCancelled("cancelled while saving weights")
+            self._reader.join(0.1)
+        self.check()
+        assert self.result is not None
+        return self.result
+
+    def stop(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.kill()
+        self._proc.wait()
+        self._reader.join(timeout=5)
+
+
 def build(source: "ModelSource", cfg: ModelConfig, settings: BuildSettings, out_dir: Path,
-          progress: Callable[..., None] | None = None, should_cancel: Callable[[], bool] | None = None) -> dict[str, float]:
-    """Writes module.vmfb and weights.irpa into out_dir; returns seconds per stage.
+          progress: Callable[..., None] | None = None, should_cancel: Callable[[], bool] | None = None,
+          side: subprocess.Popen | None = None) -> dict[str, float]:
+    """Writes module.vmfb, weights.irpa and the tokenizer files into out_dir; returns seconds per stage.
+
+    The export and then iree-compile run here while a second process (engine/build/side_job.py) writes the
+    weights file and the tokenizer: the two halves share nothing but the checkpoint's shape, and on two cores
+    the build takes the longer of the two rather than their sum.
 
     Memory follows the largest tensor, not the model: the export traces a skeleton whose weights are never
     written (they are external parameters), and weights.irpa is written straight from the checkpoint one
-    tensor at a time (engine/build/weights_file.py). progress is an engine.build.progress.Progress."""
+    tensor at a time (engine/build/weights_file.py). progress is an engine.build.progress.Progress; `side`, the
+    side job already started for this build (engine/build/process.py starts it before importing torch)."""
+    from . import side_job
     from .checkpoint import open_tensors
-    from .progress import REUSED_EXPORT, compile_detail, ignore, weights_detail
-    from .weights_file import write_weights
+    from .progress import REUSED_EXPORT, BuildClock, compile_detail, finished, ignore
 
     report = progress or ignore
     cancelled = should_cancel or (lambda: False)
     times: dict[str, float] = {}
-
-    def stage(name: str, fraction: float, detail: str = "") -> float:
+    lock = threading.Lock()
+    if side is None:
+        side = side_job.start({"source": {"name": source.name, "kind": source.kind,
+                                          "path": str(source.path) if source.path else None},
+                               "settings": settings.to_dict(), "out": str(out_dir)})
+    try:
+        # "loading weights" checks the checkpoint's tensors against its config (headers only), so a bad
+        # checkpoint fails before anything else is spent on it.
         if cancelled():
-            raise BuildCancelled(f"cancelled before {name}")
-        report(name, fraction, detail)
-        return time.perf_counter()
-
-    # "loading weights" now checks the checkpoint's tensors against its config (headers only), so a bad
-    # checkpoint fails before the export rather than after it.
-    t = stage("loading weights", 0.0)
-    cfg.check_build(settings)
-    tensors = open_tensors(source)
-    model = StreamingLlama.skeleton(cfg, settings)
-    times["load"] = time.perf_counter() - t
+            raise BuildCancelled("cancelled before loading weights")
+        report("loading weights", 0.0, "")
+        t = time.perf_counter()
+        cfg.check_build(settings)
+        open_tensors(source)
+        model = StreamingLlama.skeleton(cfg, settings)
+        times["load"] = time.perf_counter() - t
+    except BaseException:
+        side.kill()
+        side.wait()
+        raise
     kept = kept_export(cfg, settings)
-    t = stage("exporting", 0.1, REUSED_EXPORT if kept.is_file() else f"tracing {cfg.n_layers} layers")
-    mlir_path = out_dir / "module.mlir"
-    write_export(model, mlir_path, kept)
-    times["export"] = time.perf_counter() - t
+    clock = BuildClock(expected_times(cfg, settings, side_job.piece_bytes(model)[1], kept.is_file()))
 
-    # Bytes per piece, from the skeleton's parameters (a piece makes its module's weight and q8 scale, or its
-    # bias): the embedding alone can be a tenth of a model, so counting pieces alone would stall on it.
-    sizes = {name: p.numel() * p.element_size() for name, p in model.named_parameters()}
-    pieces = model.pieces()
-    piece_bytes = [sum(n for name, n in sizes.items() if name.startswith(piece.module + ".")
-                       and name.endswith(".bias") == (piece.kind == "bias")) for piece in pieces]
-    total_bytes = sum(piece_bytes) if sum(piece_bytes) == sum(sizes.values()) else 0  # else count pieces only
-    t = stage("saving weights", 0.5, weights_detail(0, len(pieces), 0, total_bytes))
-    written_bytes = 0
+    def say(stage: str, detail: str) -> None:
+        with lock:
+            report(stage, clock.fraction(), detail)
 
-    def written(done: int, total: int) -> None:
-        nonlocal written_bytes
+    half = _SideJob(side, clock, say)
+    try:
+        clock.begin("export")
+        say("exporting", REUSED_EXPORT if kept.is_file() else f"tracing {cfg.n_layers} layers")
+        mlir_path = out_dir / "module.mlir"
+        write_export(model, mlir_path, kept)
+        del model
+        times["export"] = clock.end("export")
+        say("exporting", finished(times["export"]))
+        half.check()
         if cancelled():
-            raise BuildCancelled("cancelled while saving weights")
-        if total_bytes and total == len(pieces):
-            written_bytes += piece_bytes[done - 1]
-            share = written_bytes / total_bytes
-        else:
-            share = done / total
-        report("saving weights", 0.5 + 0.1 * share, weights_detail(done, total, written_bytes, total_bytes))
+            raise BuildCancelled("cancelled before compiling")
+        clock.begin("compile")
+        t = time.perf_counter()
+        expected = clock.expected("compile")
 
-    write_weights(model, tensors, out_dir / "weights.irpa", written)
-    del model, tensors
-    times["save"] = time.perf_counter() - t
-    # Rough compile time: grows with layers; only drives the progress bar.
-    expected = 5.0 + 1.5 * cfg.n_layers
-    t = stage("compiling", 0.6, compile_detail(0.0, expected))
+        def compiling(name: str, fraction: float) -> None:
+            half.check()
+            say("compiling", compile_detail(time.perf_counter() - t, expected))
 
-    def compiling(name: str, fraction: float) -> None:
-        report(name, fraction, compile_detail(time.perf_counter() - t, expected))
-
-    compile_mlir(mlir_path, out_dir / "module.vmfb", settings.device, compiling, cancelled, expected,
-                 settings.target)
-    mlir_path.unlink()
-    times["compile"] = time.perf_counter() - t
+        compile_mlir(mlir_path, out_dir / "module.vmfb", settings.device, compiling, cancelled, expected,
+                     settings.target)
+        mlir_path.unlink()
+        times["compile"] = clock.end("compile")
+        say("compiling", finished(times["compile"]))
+        times.update(half.wait(cancelled))
+    except BaseException:
+        half.stop()
+        raise
+    half.stop()
     report("done", 1.0, "")
     return times

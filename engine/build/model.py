@@ -197,9 +197,15 @@ class Piece:
     dtype: str = "f32"  # a matrix's stored type (its Linear's)
     tiled: bool = False  # a matrix that is multiplied (its Linear's `tiled`)
 
-    def convert(self, tensors: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    def convert(self, tensors: list[torch.Tensor | dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """The module's parameters by full name, from its source tensors (in `sources` order; float32, or the
-        checkpoint's own floating type, which converts to the same bytes)."""
+        checkpoint's own floating type, which converts to the same bytes; for a q4 matrix, also q4 rows as a
+        GGUF's 4-bit blocks give them, CheckpointTensors.read_q4)."""
+        if any(isinstance(t, dict) for t in tensors):
+            assert self.kind == "matrix" and self.dtype == "q4", f"{self.module}: q4 codes for a {self.dtype} piece"
+            parts = [t if isinstance(t, dict) else stored_matrix(t, "q4") for t in tensors]
+            rows = {k: torch.cat([p[k] for p in parts]) if len(parts) > 1 else parts[0][k] for k in parts[0]}
+            return {f"{self.module}.{name}": t for name, t in (tile_q4(rows) if self.tiled else rows).items()}
         w = tensors[0] if len(tensors) == 1 else torch.cat(tensors)
         if self.kind == "matrix":
             return {f"{self.module}.{name}": t for name, t in stored_matrix(w, self.dtype, self.tiled).items()}
@@ -470,6 +476,10 @@ class StreamingLlama(nn.Module):
         self.register_buffer("sink_keys", sinks, persistent=False)
         self.register_buffer("ring_cache", torch.zeros(len(local), 2, kvh, ring, d, dtype=kv) if ring else None,
                              persistent=False)
+        # The last prefill call's final hidden rows, which `score` turns into log-probabilities: scoring is then a
+        # small program over them, not a third copy of the whole model in the module (tracing and compiling that
+        # copy was a third of a new model's build).
+        self.register_buffer("scored", torch.zeros(cfg.prefill_bound(settings), cfg.dim), persistent=False)
 
     @classmethod
     def skeleton(cls, cfg: ModelConfig, settings: BuildSettings) -> "StreamingLlama":
@@ -546,6 +556,7 @@ class StreamingLlama(nn.Module):
     def prefill(self, tokens, slots, rope, shift, slot_pos, token_pos) -> torch.Tensor:
         """Appends n tokens to the cache; returns the logits after the last one [1, vocab]."""
         x = self.hidden(tokens, slots, rope, shift, slot_pos, token_pos, single=False)
+        self.scored.index_put_((torch.arange(x.shape[0]),), x)
         # A gather by a data-dependent index rather than x[-1:]: IREE would otherwise narrow the last layer to
         # one row and emit a reduction dispatch whose stack frame exceeds the CPU limit.
         last = torch.argmax(token_pos).unsqueeze(0)
@@ -555,9 +566,9 @@ class StreamingLlama(nn.Module):
         """prefill for exactly one token, with single-query attention."""
         return self.head(self.hidden(tokens, slots, rope, shift, slot_pos, token_pos, single=True))
 
-    def score(self, tokens, targets, slots, rope, shift, slot_pos, token_pos) -> torch.Tensor:
-        """Appends n tokens; returns log p(targets[i] | tokens[..i]) for each [n] (for perplexity)."""
-        logp = torch.log_softmax(self.head(self.hidden(tokens, slots, rope, shift, slot_pos, token_pos, False)), -1)
+    def score(self, targets) -> torch.Tensor:
+        """log p(targets[i] | the last prefill call's tokens up to i) for each of its n tokens [n] (perplexity)."""
+        logp = torch.log_softmax(self.head(self.scored.narrow(0, 0, targets.shape[0])), -1)
         return torch.gather(logp, 1, targets.unsqueeze(1)).squeeze(1)
 
     def state(self) -> list[torch.Tensor]:

@@ -187,8 +187,12 @@ def tied_to_me() -> Callable[[], None] | None:
 
 
 def _child(job: dict) -> None:
+    from . import side_job
+
+    # The other half of the build starts before this one imports torch: a second or two sooner.
+    side = side_job.start(job)
     from . import export
-    from .checkpoint import ModelSource, read_config, save_tokenizer
+    from .checkpoint import ModelSource, read_config
     from ..config import ModelConfig
 
     out = sys.stdout
@@ -204,9 +208,8 @@ def _child(job: dict) -> None:
         settings = BuildSettings(**job["settings"])
         out_dir = Path(job["out"])
         cfg = ModelConfig.from_hf(read_config(source))
-        save_tokenizer(source, out_dir)
         seconds = export.build(source, cfg, settings, out_dir,
-                               lambda stage, f, detail="": say({"progress": [stage, f, detail]}))
+                               lambda stage, f, detail="": say({"progress": [stage, f, detail]}), side=side)
         say({"done": {"config": cfg.to_dict(), "seconds": seconds}})
     except errors.EddyError as e:
         say({"error": {"type": type(e).__name__, "message": str(e)}})

@@ -39,7 +39,10 @@ def write_weights(model: StreamingLlama, tensors: "CheckpointTensors", path: Pat
     pieces = model.pieces()
     with ArchiveWriter(path, archive_entries(model)) as archive, torch.no_grad():
         for done, piece in enumerate(pieces, 1):
-            made = piece.convert([tensors.read_stored(name) for name in piece.sources])
+            # A q4 matrix takes a GGUF's 4-bit codes as they are, where the file has them.
+            kept = [tensors.read_q4(name) for name in piece.sources] if piece.dtype == "q4" else []
+            made = piece.convert([k if k is not None else tensors.read_stored(name)
+                                  for k, name in zip(kept or [None] * len(piece.sources), piece.sources)])
             for name, t in made.items():
                 want = params[name]
                 if t.dtype != want.dtype or t.shape != want.shape:

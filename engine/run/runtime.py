@@ -81,9 +81,12 @@ class CompiledModule:
         self._count(args[-1])
         return out
 
-    def score(self, *args: np.ndarray) -> np.ndarray:
-        out = np.array(self._score(*args).to_host())
-        self._count(args[-1])
+    def score(self, tokens: np.ndarray, targets: np.ndarray, *rest: np.ndarray) -> np.ndarray:
+        """prefill's arguments with the targets after the tokens: the log-probabilities of the targets. The module's
+        score reads the hidden rows its prefill keeps (engine/build/model.py), so this is those two calls."""
+        self._prefill(tokens, *rest)
+        out = np.array(self._score(targets).to_host())
+        self._count(rest[-1])
         return out
 
     def reset(self) -> None:

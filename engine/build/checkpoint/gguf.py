@@ -443,10 +443,12 @@ DEQUANT_ROWS = 2048
 
 
 def gguf_tensors(source: "ModelSource", cfg: dict[str, Any]
-                 ) -> tuple[dict[str, tuple[int, ...]], Callable[[str], "torch.Tensor"]]:
-    """The weights' HF names and shapes from the header, and a reader of one tensor by HF name: float32, with
-    what llama.cpp's converter did to each family's tensors undone. Each read opens the file and reads just
-    that tensor's bytes (no mapping of the whole file that would stay resident)."""
+                 ) -> tuple[dict[str, tuple[int, ...]], Callable[[str], "torch.Tensor"],
+                            Callable[[str], "dict[str, torch.Tensor] | None"]]:
+    """The weights' HF names and shapes from the header, a reader of one tensor by HF name (float32, with what
+    llama.cpp's converter did to each family's tensors undone), and a reader of a matrix's 4-bit codes as q4
+    rows where its type keeps them (engine/build/checkpoint/gguf_q4.py; None otherwise). Each read opens the file
+    and reads just that tensor's bytes (no mapping of the whole file that would stay resident)."""
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
     assert source.path is not None
@@ -471,21 +473,32 @@ def gguf_tensors(source: "ModelSource", cfg: dict[str, Any]
         gname, t = where[hf_name]
         return _read_gguf_tensor(source, info.path, gname, t, hf_name, cfg, fam)
 
+    def read_q4(hf_name: str) -> "dict[str, torch.Tensor] | None":
+        import numpy as np
+        import torch
+
+        from .gguf_q4 import Q4_BLOCK_TYPES, q4_rows
+
+        gname, t = where[hf_name]
+        if GGMLQuantizationType(t.ggml_type).name not in Q4_BLOCK_TYPES or len(t.shape) != 2:
+            return None
+        rows = q4_rows(_read_raw(source, info.path, gname, t), GGMLQuantizationType(t.ggml_type).name)
+        if rows is None:
+            return None
+        for k, v in rows.items():
+            rows[k] = torch.from_numpy(np.ascontiguousarray(_undo_permute(v, hf_name, cfg, fam)))
+        return rows
+
     # numpy order is ggml's reversed.
-    return {name: tuple(reversed(t.shape)) for name, (_, t) in where.items()}, read
+    return {name: tuple(reversed(t.shape)) for name, (_, t) in where.items()}, read, read_q4
 
 
-def _read_gguf_tensor(source: "ModelSource", path: Path, gname: str, t: _GGUFTensorInfo, hf_name: str,
-                      cfg: dict[str, Any], fam: arch.Family) -> "torch.Tensor":
+def _read_raw(source: "ModelSource", path: Path, gname: str, t: _GGUFTensorInfo) -> "np.ndarray":
+    """The tensor's bytes as uint8 [rows, bytes a row]: rows of raw blocks, as dequantize and q4_rows take them."""
     import numpy as np
-    import torch
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-    from gguf.quants import dequantize
 
-    qtype = GGMLQuantizationType(t.ggml_type)
-    block, type_size = GGML_QUANT_SIZES[qtype]
-    np_shape = tuple(reversed(t.shape))
-    row_bytes = t.shape[0] // block * type_size
+    block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(t.ggml_type)]
     raw = np.empty(t.nbytes, dtype=np.uint8)
     try:
         with open(path, "rb") as fh:
@@ -495,8 +508,28 @@ def _read_gguf_tensor(source: "ModelSource", path: Path, gname: str, t: _GGUFTen
         raise ModelError(f"{path}: cannot read the file ({exc}).") from None
     if got != t.nbytes:
         raise ModelError(f"{path.name}: the GGUF file is truncated (tensor {gname} is cut short). Download it again.")
-    # Rows of raw bytes are what dequantize expects.
-    raw = raw.reshape(-1, row_bytes)
+    return raw.reshape(-1, t.shape[0] // block * type_size)
+
+
+def _undo_permute(w: "np.ndarray", hf_name: str, cfg: dict[str, Any], fam: arch.Family) -> "np.ndarray":
+    """Rows of a llama-arch q or k matrix (or of anything aligned with its rows) back in HF's order."""
+    if fam.gguf_permute_qk and hf_name.endswith("self_attn.q_proj.weight"):
+        return _unpermute(w, cfg["num_attention_heads"])
+    if fam.gguf_permute_qk and hf_name.endswith("self_attn.k_proj.weight"):
+        return _unpermute(w, cfg["num_key_value_heads"])
+    return w
+
+
+def _read_gguf_tensor(source: "ModelSource", path: Path, gname: str, t: _GGUFTensorInfo, hf_name: str,
+                      cfg: dict[str, Any], fam: arch.Family) -> "torch.Tensor":
+    import numpy as np
+    import torch
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    qtype = GGMLQuantizationType(t.ggml_type)
+    np_shape = tuple(reversed(t.shape))
+    raw = _read_raw(source, path, gname, t)
     w = np.empty((raw.shape[0], t.shape[0]), dtype=np.float32)
     try:
         for start in range(0, raw.shape[0], DEQUANT_ROWS):
@@ -504,11 +537,7 @@ def _read_gguf_tensor(source: "ModelSource", path: Path, gname: str, t: _GGUFTen
     except NotImplementedError:
         raise ModelError(f"{source.name}: tensor {gname} uses {qtype.name}, which Eddy cannot dequantise.") from None
     del raw
-    w = w.reshape(np_shape)
-    if fam.gguf_permute_qk and hf_name.endswith("self_attn.q_proj.weight"):
-        w = _unpermute(w, cfg["num_attention_heads"])
-    elif fam.gguf_permute_qk and hf_name.endswith("self_attn.k_proj.weight"):
-        w = _unpermute(w, cfg["num_key_value_heads"])
+    w = _undo_permute(w.reshape(np_shape), hf_name, cfg, fam)
     if fam.norm_offset and gname.endswith("norm.weight"):
         w = w - fam.norm_offset  # llama.cpp stores Gemma's (1 + w) norms with the 1 added
     return torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))

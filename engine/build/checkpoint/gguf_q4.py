@@ -1,0 +1,66 @@
+"""A GGUF's 4-bit blocks as Eddy's q4 rows, their codes kept (needs numpy).
+
+Q4_0, Q4_1 and Q4_K all store a weight as a 4-bit code times a scale plus an offset, per group of 32 along a row,
+which is exactly q4's layout (engine/build/q4.py: w = code * scale + offset, float16 scale and offset). So a
+build reads their codes and numbers as they are rather than dequantising to float32 and quantising again: no
+float32 copy of the matrix (a fifth of a 1B build's time went to making and filling them), and the codes are the
+file's own, where re-quantising moved them. Q4_0 and Q4_1 come back exactly; Q4_K's scale is its block's d times
+a 6-bit factor, rounded to float16 (a relative 2^-11, far under the codes' own step).
+
+Every other type (Q6_K, Q8_0, F16, ...) takes the float path (engine/build/checkpoint/gguf.py).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+# Block bytes: Q4_0: d, 16 bytes of codes; Q4_1: d, m, 16 bytes; Q4_K: d, dmin, 12 bytes of 6-bit factors, 128
+# bytes of codes, for 256 weights.
+Q4_BLOCK_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+F16_MAX = 65504.0
+
+
+def _codes_32(qs: np.ndarray) -> np.ndarray:
+    """[..., 16] bytes of a 32-weight block (ggml's order: weight l in byte l's low nibble, weight l + 16 in its
+    high one) -> [..., 32] codes."""
+    return np.concatenate([qs & 15, qs >> 4], axis=-1)
+
+
+def _pack(codes: np.ndarray) -> np.ndarray:
+    """[rows, n] codes -> int8 [rows, n/2], two to a byte, low nibble first (q4.pack_q4's layout)."""
+    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).view(np.int8)
+
+
+def q4_rows(raw: np.ndarray, qtype: str) -> dict[str, np.ndarray] | None:
+    """uint8 [rows, row bytes] of one tensor's blocks -> {"weight": int8 [rows, cols/2], "scale", "offset":
+    float16 [rows, cols/32]}, or None for a type whose codes cannot be kept (or numbers float16 cannot hold)."""
+    rows = raw.shape[0]
+    if qtype == "Q4_K":
+        blocks = raw.reshape(rows, -1, 144)
+        d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)  # [rows, n, 1]
+        dmin = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)
+        from gguf.quants import Q4_K
+
+        n = blocks.shape[1]
+        sc, m = Q4_K.get_scale_min(blocks[..., 4:16].reshape(rows * n, 12))
+        sc = sc.reshape(rows, n, 8).astype(np.float32)
+        m = m.reshape(rows, n, 8).astype(np.float32)
+        scale, offset = d * sc, -(dmin * m)
+        # 64 weights a 32-byte chunk: the low nibbles are the first 32 (group 2c), the high the next (2c + 1).
+        qs = blocks[..., 16:].reshape(rows, n, 4, 1, 32)
+        codes = np.concatenate([qs & 15, qs >> 4], axis=3).reshape(rows, -1)
+    elif qtype in ("Q4_0", "Q4_1"):
+        size = 18 if qtype == "Q4_0" else 20
+        blocks = raw.reshape(rows, -1, size)
+        scale = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)[..., 0]
+        if qtype == "Q4_0":
+            offset = -8.0 * scale  # w = d * (code - 8)
+        else:
+            offset = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)[..., 0]
+        codes = _codes_32(blocks[..., size - 16:]).reshape(rows, -1)
+    else:
+        return None
+    scale, offset = scale.reshape(rows, -1), offset.reshape(rows, -1)
+    if not (np.abs(scale).max(initial=0) <= F16_MAX and np.abs(offset).max(initial=0) <= F16_MAX):
+        return None
+    return {"weight": _pack(codes), "scale": scale.astype(np.float16), "offset": offset.astype(np.float16)}
+

@@ -1,0 +1,110 @@
+"""The half of a build that needs the checkpoint but not the export: the tokenizer files and weights.irpa, written
+by a process of its own while the build child exports and compiles (needs torch).
+
+Why another process: the export is pure Python and holds the GIL, and the tokenizer's conversion is pure Python
+too, so threads would take turns on one core; as processes the two halves use both cores of a 2-core machine,
+and a 1B model's first token comes 15-20 s sooner (docs/BENCHMARKS.md). The build child starts it with
+`start()` and reads its answers, one JSON object per line on stdout:
+{"weights": [pieces done, pieces, bytes done, bytes]}, {"tokenizer": seconds}, then {"done": {"save": seconds,
+"tokenizer": seconds}} or {"error": {"type", "message"}}. It dies with the build child (tied_to_me) and is in
+its process group, so Cancel's killpg ends it too.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .. import errors
+from ..config import BuildSettings
+from ..errors import DiskSpaceError
+from .process import tied_to_me
+
+
+def start(job: dict) -> subprocess.Popen:
+    """Starts the side job for a build job ({"source", "settings", "out"}, engine/build/process.py's)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH")]))
+    # numpy asks for transparent huge pages for large arrays; where the kernel then compacts memory on each fault
+    # (defrag=madvise, the common default) a fresh gigabyte took 6.7 s to fill instead of 0.5 s.
+    env["NUMPY_MADVISE_HUGEPAGE"] = "0"
+    return subprocess.Popen([sys.executable, "-m", "engine.build.side_job", json.dumps(job)],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, env=env, preexec_fn=tied_to_me())
+
+
+def piece_bytes(model) -> tuple[list[int], int]:
+    """Bytes each piece of the model writes (its module's weight and q8 scale, or its bias), and their total (0
+    when they do not add up to the parameters', and progress counts pieces instead): the embedding alone can be a
+    tenth of a model, so counting pieces alone would stall on it."""
+    sizes = {name: p.numel() * p.element_size() for name, p in model.named_parameters()}
+    each = [sum(n for name, n in sizes.items() if name.startswith(piece.module + ".")
+                and name.endswith(".bias") == (piece.kind == "bias")) for piece in model.pieces()]
+    return each, (sum(each) if sum(each) == sum(sizes.values()) else 0)
+
+
+def _run(job: dict, say) -> None:
+    import torch
+
+    # One thread: the export holds the other core, and iree-compile wants both after it.
+    torch.set_num_threads(1)
+    from ..config import ModelConfig
+    from .checkpoint import ModelSource, open_tensors, read_config, save_tokenizer
+    from .model import StreamingLlama
+    from .weights_file import write_weights
+
+    s = job["source"]
+    source = ModelSource(s["name"], s["kind"], Path(s["path"]) if s["path"] else None)
+    settings = BuildSettings(**job["settings"])
+    out_dir = Path(job["out"])
+    cfg = ModelConfig.from_hf(read_config(source))
+    model = StreamingLlama.skeleton(cfg, settings)
+    tensors = open_tensors(source)
+    each, total = piece_bytes(model)
+    start_s = time.perf_counter()
+    written = 0
+
+    def progress(done: int, pieces: int) -> None:
+        nonlocal written
+        written += each[done - 1]
+        say({"weights": [done, pieces, written if total else 0, total]})
+
+    write_weights(model, tensors, out_dir / "weights.irpa", progress)
+    save_s = time.perf_counter() - start_s
+    del model, tensors
+    start_s = time.perf_counter()
+    save_tokenizer(source, out_dir)
+    tokenizer_s = time.perf_counter() - start_s
+    say({"done": {"save": save_s, "tokenizer": tokenizer_s}})
+
+
+def main(job: dict) -> None:
+    out = sys.stdout
+    sys.stdout = sys.stderr  # library prints must not mix with the answers
+
+    def say(msg: dict) -> None:
+        out.write(json.dumps(msg) + "\n")
+        out.flush()
+
+    try:
+        _run(job, say)
+    except errors.EddyError as e:
+        say({"error": {"type": type(e).__name__, "message": str(e)}})
+        sys.exit(1)
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        say({"error": {"type": DiskSpaceError.__name__,
+                       "message": f"the disk holding {job['out']} filled up while the model was built: free some "
+                                  f"space (eddy cache list shows what compiled models take) and start again"}})
+        sys.exit(1)
+    except MemoryError:
+        say({"error": {"type": "ArtefactError", "message": "writing the weights file ran out of memory"}})
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))

@@ -1,0 +1,51 @@
+"""A GGUF's 4-bit blocks taken as q4 rows with their codes kept (engine/build/checkpoint/gguf_q4.py), held to the
+gguf package's own dequantisation of the same bytes: Q4_0 and Q4_1 exactly, Q4_K within float16's rounding of
+its scales. A whole build through them, q/k rows permuted back included, is tests/test_real_shapes.py's q4 case
+(a Q4_1 file at each family's real shape)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize
+
+from engine.build.checkpoint.gguf_q4 import q4_rows
+from engine.build.q4 import dequantise_q4
+
+
+def random_blocks(qtype: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """uint8 [rows, row bytes] of valid blocks: random codes and factors, small positive float16 scales."""
+    rng = np.random.default_rng(seed)
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
+    raw = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
+    scales = rng.uniform(1e-4, 2e-3, size=(rows, cols // block, 2)).astype(np.float16)
+    raw[..., :4] = scales.view(np.uint8).reshape(rows, cols // block, 4)
+    if qtype == "Q4_0":
+        raw[..., :2] = scales[..., :1].view(np.uint8).reshape(rows, cols // block, 2)
+    return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K"])
+def test_kept_codes_give_the_weights_the_file_holds(qtype: str) -> None:
+    rows, cols = 48, 512
+    raw = random_blocks(qtype, rows, cols)
+    want = dequantize(raw, GGMLQuantizationType[qtype]).reshape(rows, cols)
+    got = q4_rows(raw, qtype)
+    assert got is not None and got["weight"].shape == (rows, cols // 2) and got["scale"].shape == (rows, cols // 32)
+    w = dequantise_q4(*(torch.from_numpy(got[k]) for k in ("weight", "scale", "offset"))).numpy()
+    if qtype == "Q4_K":
+        # The block's d times a 6-bit factor, rounded to float16: a relative 2^-11 of each group's scale and
+        # offset, far under one code's step.
+        step = np.abs(dequantize(raw, GGMLQuantizationType[qtype])).max() / 15
+        assert np.abs(w - want).max() < 0.02 * step
+        assert np.abs(w - want).max() > 0  # the rounding is real: this is not the float path
+    else:
+        np.testing.assert_array_equal(w, want)
+
+
+def test_other_types_and_unheld_numbers_take_the_float_path() -> None:
+    assert q4_rows(random_blocks("Q4_1", 4, 64), "Q6_K") is None
+    raw = random_blocks("Q4_0", 4, 64).reshape(4, 2, 18)
+    raw[..., 0:2] = np.array([np.float16(65000)]).view(np.uint8)  # -8 d overflows float16
+    assert q4_rows(raw.reshape(4, -1), "Q4_0") is None
