@@ -93,12 +93,15 @@ def main() -> None:
     p.add_argument("--convert", type=Path, default=os.environ.get("LLAMA_CPP_CONVERT"),
                    help="llama.cpp's convert_hf_to_gguf.py (default: $LLAMA_CPP_CONVERT)")
     p.add_argument("--no-reuse", action="store_true", help="skip the second build that reuses the export")
+    p.add_argument("--from-gguf", metavar="QUANT", default="",
+                   help="Eddy builds from llama.cpp's GGUF of the checkpoint in this type (e.g. Q4_K_M), as a user "
+                        "who downloads a GGUF does, rather than from the safetensors (needs --convert)")
     p.add_argument("--runs", type=int, default=3, help="prefill and decode samples per build, medians (default 3)")
     p.add_argument("--label", default="", help="free text stored with the figures")
     p.add_argument("--json", default=str(ROOT / "bench" / "results" / "families.json"))
     a = p.parse_args()
-    if a.llama_cpp and not (a.convert and Path(a.convert).is_file()):
-        p.error("--llama-cpp needs --convert (llama.cpp's convert_hf_to_gguf.py)")
+    if (a.llama_cpp or a.from_gguf) and not (a.convert and Path(a.convert).is_file()):
+        p.error("--llama-cpp and --from-gguf need --convert (llama.cpp's convert_hf_to_gguf.py)")
     out = Path(a.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     kept = json.loads(out.read_text()) if out.exists() else {}
@@ -121,14 +124,23 @@ def main() -> None:
             t = time.perf_counter()
             nbytes = write_checkpoint(work / name, cfg)
             print(f"{name}: random checkpoint {nbytes / 1e9:.2f} GB in {time.perf_counter() - t:.0f} s", flush=True)
+            ggufs: dict[str, tuple[Path, dict]] = {}
+
+            def gguf_of(quant: str) -> tuple[Path, dict]:
+                """llama.cpp's GGUF of the checkpoint in `quant`, made once for both engines' rows."""
+                if quant not in ggufs:
+                    path = work / f"{name}-{quant}.gguf"
+                    ggufs[quant] = (path, build_gguf(work / name, quant, Path(a.convert), path))
+                return ggufs[quant]
+
             for dtype, engine in todo:
                 cache = work / f"cache-{engine}"
                 row = {"model": name, "family": arch.for_hf(name, cfg["model_type"], []).name, "dtype": dtype,
                        "engine": engine, "layers": cfg["num_hidden_layers"], "checkpoint_bytes": nbytes}
                 if engine == "llama.cpp":
-                    gguf = cache / f"{name}-{dtype}.gguf"
                     try:
-                        row["build"] = build_gguf(work / name, dtype, Path(a.convert), gguf)
+                        gguf, row["build"] = gguf_of(dtype)
+                        row["build"] = dict(row["build"])
                     except (subprocess.CalledProcessError, SystemExit) as e:
                         # llama.cpp's converter wants what a random checkpoint lacks for some families (Gemma's
                         # SentencePiece model): no llama.cpp row for it, said so.
@@ -139,12 +151,16 @@ def main() -> None:
                     row.update(measure_llama_run(gguf, cfg, a.runs))
                     step = gguf_decode_bytes(cfg, gguf)
                 else:
-                    folder, row["build"] = new_model(work / name, dtype, cache)
+                    source = work / name
+                    if a.from_gguf:
+                        source = gguf_of(a.from_gguf)[0]
+                        row.update(source=f"llama.cpp {a.from_gguf} GGUF", source_bytes=source.stat().st_size)
+                    folder, row["build"] = new_model(source, dtype, cache)
                     row["bandwidth_gb_per_s"] = round(read_bandwidth()["gb_per_s"], 2)
                     row.update(measure_run(folder, ROOT, cache, a.runs))
                     step = decode_bytes(cfg, row["build"]["artefact_bytes"].get("weights.irpa", 0), dtype,
                                         kv_element_bytes(folder))
-                    if not a.no_reuse:
+                    if not (a.no_reuse or a.from_gguf):
                         # A fine-tune of the same shape: other weights, the export kept from the first build.
                         shutil.rmtree(cache / "artefacts")
                         other = work / f"{name}-other"
@@ -170,8 +186,9 @@ def main() -> None:
         stages = b.get("stages_s", {})
         reuse = r.get("build_reusing_export", {}).get("to_first_token_s", 0)
         print(f"{r['model']:16} {r['engine']:9} {r['layers']:6d} {b['wall_s']:7.1f} "
-              f"{stages.get('exporting', 0):6.1f} {stages.get('saving weights', 0):7.1f} "
-              f"{stages.get('compiling', 0):7.1f} {reuse:7.1f} {b.get('tree_peak_rss_gb', 0):7.2f} "
+              f"{stages.get('export', stages.get('exporting', 0)):6.1f} "
+              f"{stages.get('save', stages.get('saving weights', 0)):7.1f} "
+              f"{stages.get('compile', stages.get('compiling', 0)):7.1f} {reuse:7.1f} {b.get('tree_peak_rss_gb', 0):7.2f} "
               f"{b.get('to_first_token_s', 0):12.1f} {r.get('warm_start_s', 0):7.2f} "
               f"{r.get('prefill_512_tok_s', 0):7.1f} {r.get('decode_1000_tok_s', 0):6.2f} "
               f"{r.get('decode_fraction_of_floor', 0):8.0%}")
