@@ -11,7 +11,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
 from engine.build.checkpoint.gguf_q4 import q4_rows
-from engine.build.q4 import dequantise_q4
+from engine.build.q4 import dequantise_q4, pack_q4, pair_q4, quantise_q4, tile_paired, tile_q4, unpack_q4, unpair_q4
 
 
 def random_blocks(qtype: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -33,7 +33,8 @@ def test_kept_codes_give_the_weights_the_file_holds(qtype: str) -> None:
     want = dequantize(raw, GGMLQuantizationType[qtype]).reshape(rows, cols)
     got = q4_rows(raw, qtype)
     assert got is not None and got["weight"].shape == (rows, cols // 2) and got["scale"].shape == (rows, cols // 32)
-    w = dequantise_q4(*(torch.from_numpy(got[k]) for k in ("weight", "scale", "offset"))).numpy()
+    packed = pack_q4(unpair_q4(torch.from_numpy(got["weight"])))
+    w = dequantise_q4(packed, torch.from_numpy(got["scale"]), torch.from_numpy(got["offset"])).numpy()
     if qtype == "Q4_K":
         # The block's d times a 6-bit factor, rounded to float16: a relative 2^-11 of each group's scale and
         # offset, far under one code's step.
@@ -49,3 +50,13 @@ def test_other_types_and_unheld_numbers_take_the_float_path() -> None:
     raw = random_blocks("Q4_0", 4, 64).reshape(4, 2, 18)
     raw[..., 0:2] = np.array([np.float16(65000)]).view(np.uint8)  # -8 d overflows float16
     assert q4_rows(raw.reshape(4, -1), "Q4_0") is None
+
+
+def test_tiling_paired_bytes_is_tiling_the_codes() -> None:
+    """The tiled layout from ggml-paired bytes (a move of whole bytes) equals tile_q4 of the same codes."""
+    rows = quantise_q4(torch.randn(48, 256))
+    codes = unpack_q4(rows["weight"])
+    assert torch.equal(unpair_q4(pair_q4(codes)), codes)
+    paired = tile_paired({**rows, "weight": pair_q4(codes)})
+    for name, t in tile_q4(rows).items():
+        assert torch.equal(paired[name], t), name

@@ -41,7 +41,8 @@ from .attention_rows import attend_plan
 from .kernels import (attend_rows, first_blocks, first_slots, i8_linear, q4_linear, q4_linear_parts, query_keys,
                       query_keys_rows, softmax_over_slots, tile_q8, tileable, tiled_rows, weighted_values,
                       weighted_values_rows)
-from .q4 import Q4_GROUP, dequantise_q4, packable, quantise_q4, tile_q4
+from .q4 import (Q4_GROUP, dequantise_q4, pack_q4, packable, pair_q4, quantise_q4, tile_paired, tile_q4, unpack_q4,
+                 unpair_q4)
 
 TORCH_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 # The KV cache buffers' element type per --kv-dtype. bfloat16 is kept as its bits in int16: turbine 3.9 cannot make
@@ -186,6 +187,11 @@ def _convert_rows(block: torch.Tensor, dtype: str) -> dict[str, torch.Tensor]:
     return {"weight": torch.round(block / s.unsqueeze(1)).clamp(-127, 127).to(torch.int8), "scale": s}
 
 
+def _paired(rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """q4 rows (quantise_q4's bytes) in pair_q4's bytes."""
+    return {**rows, "weight": pair_q4(unpack_q4(rows["weight"]))}
+
+
 @dataclass(frozen=True)
 class Piece:
     """One module's parameters and the checkpoint tensors (Hugging Face names) they are made from: the unit
@@ -202,10 +208,16 @@ class Piece:
         checkpoint's own floating type, which converts to the same bytes; for a q4 matrix, also q4 rows as a
         GGUF's 4-bit blocks give them, CheckpointTensors.read_q4)."""
         if any(isinstance(t, dict) for t in tensors):
+            # A GGUF's 4-bit blocks in pair_q4's bytes (CheckpointTensors.read_q4), beside any float source of
+            # the same piece: all taken to those bytes, joined by rows, then tiled by moving bytes.
             assert self.kind == "matrix" and self.dtype == "q4", f"{self.module}: q4 codes for a {self.dtype} piece"
-            parts = [t if isinstance(t, dict) else stored_matrix(t, "q4") for t in tensors]
-            rows = {k: torch.cat([p[k] for p in parts]) if len(parts) > 1 else parts[0][k] for k in parts[0]}
-            return {f"{self.module}.{name}": t for name, t in (tile_q4(rows) if self.tiled else rows).items()}
+            parts = [t if isinstance(t, dict) else _paired(stored_matrix(t, "q4")) for t in tensors]
+            joined = {k: torch.cat([p[k] for p in parts]) if len(parts) > 1 else parts[0][k] for k in parts[0]}
+            if self.tiled:
+                made = tile_paired(joined)
+            else:
+                made = {**joined, "weight": pack_q4(unpair_q4(joined["weight"]))}
+            return {f"{self.module}.{name}": t for name, t in made.items()}
         w = tensors[0] if len(tensors) == 1 else torch.cat(tensors)
         if self.kind == "matrix":
             return {f"{self.module}.{name}": t for name, t in stored_matrix(w, self.dtype, self.tiled).items()}

@@ -75,6 +75,30 @@ def tile_q4(rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             "scale": tile_rows(rows["scale"], TILE), "offset": tile_rows(rows["offset"], TILE)}
 
 
+def pair_q4(codes: torch.Tensor) -> torch.Tensor:
+    """Codes 0..15 [..., n] -> int8 [..., n/2] in ggml's pairing: in each group of 32, byte p holds code p (low
+    nibble) and code p + 16 (high). The tiled layout pairs codes so too, so from these bytes tiling is a move of
+    whole bytes (tile_paired); a GGUF's Q4_0 and Q4_1 blocks are these bytes as stored."""
+    g = codes.to(torch.uint8).reshape(*codes.shape[:-1], -1, 2, 16)
+    return (g[..., 0, :] | (g[..., 1, :] << 4)).reshape(*codes.shape[:-1], -1).view(torch.int8)
+
+
+def unpair_q4(paired: torch.Tensor) -> torch.Tensor:
+    """pair_q4's inverse: int8 [..., n/2] -> uint8 codes [..., n]."""
+    b = paired.view(torch.uint8).reshape(*paired.shape[:-1], -1, 16)
+    return torch.stack([b & 15, b >> 4], dim=-2).reshape(*paired.shape[:-1], -1)
+
+
+def tile_paired(paired: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """{"weight": int8 [out, in/2] in pair_q4's bytes, "scale", "offset"} -> the tiled layout (tile_q4's), by
+    moving bytes: tile t, group g, block h's byte 4r + j is row 16t + r's byte 4h + j of group g."""
+    w = paired["weight"]
+    out, groups = w.shape[0], w.shape[1] // 16
+    tiles = w.reshape(out // TILE, TILE, groups, 4, 4).permute(0, 2, 3, 1, 4).reshape(out // TILE, groups, 256)
+    return {"weight": tiles.contiguous(), "scale": tile_rows(paired["scale"], TILE),
+            "offset": tile_rows(paired["offset"], TILE)}
+
+
 def untile_q4(tiled: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The tiled layout -> the rows layout (tile_q4's inverse)."""
     codes = unpack_q4(tiled["weight"])

@@ -1,7 +1,7 @@
 """A GGUF's 4-bit blocks as Eddy's q4 rows, their codes kept (needs numpy).
 
 Q4_0, Q4_1 and Q4_K all store a weight as a 4-bit code times a scale plus an offset, per group of 32 along a row,
-which is exactly q4's layout (engine/build/q4.py: w = code * scale + offset, float16 scale and offset). So a
+which is exactly q4's numbers (engine/build/q4.py: w = code * scale + offset, float16 scale and offset). So a
 build reads their codes and numbers as they are rather than dequantising to float32 and quantising again: no
 float32 copy of the matrix (a fifth of a 1B build's time went to making and filling them), and the codes are the
 file's own, where re-quantising moved them. Q4_0 and Q4_1 come back exactly; Q4_K's scale is its block's d times
@@ -19,20 +19,10 @@ Q4_BLOCK_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 F16_MAX = 65504.0
 
 
-def _codes_32(qs: np.ndarray) -> np.ndarray:
-    """[..., 16] bytes of a 32-weight block (ggml's order: weight l in byte l's low nibble, weight l + 16 in its
-    high one) -> [..., 32] codes."""
-    return np.concatenate([qs & 15, qs >> 4], axis=-1)
-
-
-def _pack(codes: np.ndarray) -> np.ndarray:
-    """[rows, n] codes -> int8 [rows, n/2], two to a byte, low nibble first (q4.pack_q4's layout)."""
-    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).view(np.int8)
-
-
 def q4_rows(raw: np.ndarray, qtype: str) -> dict[str, np.ndarray] | None:
-    """uint8 [rows, row bytes] of one tensor's blocks -> {"weight": int8 [rows, cols/2], "scale", "offset":
-    float16 [rows, cols/32]}, or None for a type whose codes cannot be kept (or numbers float16 cannot hold)."""
+    """uint8 [rows, row bytes] of one tensor's blocks -> {"weight": int8 [rows, cols/2] in q4.pair_q4's bytes
+    (each group of 32: byte p holds code p and code p + 16), "scale", "offset": float16 [rows, cols/32]}, or None
+    for a type whose codes cannot be kept (or numbers float16 cannot hold)."""
     rows = raw.shape[0]
     if qtype == "Q4_K":
         blocks = raw.reshape(rows, -1, 144)
@@ -45,9 +35,13 @@ def q4_rows(raw: np.ndarray, qtype: str) -> dict[str, np.ndarray] | None:
         sc = sc.reshape(rows, n, 8).astype(np.float32)
         m = m.reshape(rows, n, 8).astype(np.float32)
         scale, offset = d * sc, -(dmin * m)
-        # 64 weights a 32-byte chunk: the low nibbles are the first 32 (group 2c), the high the next (2c + 1).
-        qs = blocks[..., 16:].reshape(rows, n, 4, 1, 32)
-        codes = np.concatenate([qs & 15, qs >> 4], axis=3).reshape(rows, -1)
+        # Each 32-byte chunk holds 64 weights: group 2c in its low nibbles, group 2c + 1 in its high ones, byte l
+        # holding position l of both. Paired, a group's byte p holds its positions p and p + 16.
+        chunk = blocks[..., 16:].reshape(rows, n, 4, 2, 16)
+        first, second = chunk[..., 0, :], chunk[..., 1, :]  # positions 0-15 and 16-31
+        low = (first & 15) | ((second & 15) << 4)
+        high = (first >> 4) | (second & 0xF0)
+        paired = np.stack([low, high], axis=3).reshape(rows, -1)
     elif qtype in ("Q4_0", "Q4_1"):
         size = 18 if qtype == "Q4_0" else 20
         blocks = raw.reshape(rows, -1, size)
@@ -56,11 +50,11 @@ def q4_rows(raw: np.ndarray, qtype: str) -> dict[str, np.ndarray] | None:
             offset = -8.0 * scale  # w = d * (code - 8)
         else:
             offset = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)[..., 0]
-        codes = _codes_32(blocks[..., size - 16:]).reshape(rows, -1)
+        paired = blocks[..., size - 16:].reshape(rows, -1)  # ggml's own pairing
     else:
         return None
     scale, offset = scale.reshape(rows, -1), offset.reshape(rows, -1)
     if not (np.abs(scale).max(initial=0) <= F16_MAX and np.abs(offset).max(initial=0) <= F16_MAX):
         return None
-    return {"weight": _pack(codes), "scale": scale.astype(np.float16), "offset": offset.astype(np.float16)}
-
+    return {"weight": np.ascontiguousarray(paired).view(np.int8), "scale": scale.astype(np.float16),
+            "offset": offset.astype(np.float16)}
