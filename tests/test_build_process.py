@@ -129,3 +129,33 @@ def test_the_process_that_asks_for_a_build_never_imports_torch(tmp_path: Path) -
     assert done_mb == all_mb and float(all_mb) > 1
     compiling = [d for s, _, d in reports if s == "compiling"][:-1]
     assert compiling and all(d.startswith("iree-compile running for ") for d in compiling)
+
+
+def test_the_build_clock_counts_the_longer_of_the_two_halves_and_each_part_s_own_rate() -> None:
+    """The export and the compiler run beside the weights file: the time left is the longer path's, a part that
+    reports its share (the weights' bytes) is timed by its own rate, and the fraction never goes back."""
+    from engine.build.progress import BuildClock, Expected, time_left
+
+    now = [0.0]
+    clock = BuildClock({"export": 10, "compile": 8, "save": 30, "tokenizer": 2}, now=lambda: now[0])
+    assert clock.left() == 32  # the weights path (30 + 2) is longer than export + compile (18)
+    clock.begin("export")
+    clock.begin("save")
+    now[0] = 5
+    clock.share("save", 0.5)  # half the bytes in 5 s: 5 s more, not the 25 expected
+    assert clock.left() == 5 + 8  # now the export (5 s of its 10 left) and the compiler lead
+    f = clock.fraction()
+    assert abs(f - 5 / (5 + 13)) < 1e-9
+    now[0] = 30  # the export runs long: past its estimate a tenth of its time stands in for what is left
+    clock.share("save", 0.95)
+    assert abs(clock.left() - (0.1 * 30 + 8)) < 1e-9
+    clock.end("export")
+    clock.share("save", 0.1)  # a late, smaller share does not move the bar back
+    assert clock.fraction() >= f
+    assert time_left(0.6, 30) == "about 0:20 left" and time_left(0.0, 5) == ""
+    manifests = [{"build_seconds": {"export": 16.0, "compile": 8.0, "save": 10.0, "tokenizer": 1.5},
+                  "config": {"n_layers": 16}, "files": {"weights.irpa": {"size": 10 ** 9}}},
+                 {"build_seconds": {"export": 0.01, "compile": 8.0, "save": 10.0},  # an export reused
+                  "config": {"n_layers": 16}, "files": {"weights.irpa": {"size": 10 ** 9}}}, {"broken": True}]
+    e = Expected.from_manifests(manifests)
+    assert (e.export_per_layer_s, e.compile_per_layer_s, e.save_per_byte_s, e.tokenizer_s) == (1.0, 0.5, 1e-8, 1.5)

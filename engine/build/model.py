@@ -568,7 +568,7 @@ class StreamingLlama(nn.Module):
     def prefill(self, tokens, slots, rope, shift, slot_pos, token_pos) -> torch.Tensor:
         """Appends n tokens to the cache; returns the logits after the last one [1, vocab]."""
         x = self.hidden(tokens, slots, rope, shift, slot_pos, token_pos, single=False)
-        self.scored.index_put_((torch.arange(x.shape[0]),), x)
+        self.scored.narrow(0, 0, x.shape[0]).copy_(x)
         # A gather by a data-dependent index rather than x[-1:]: IREE would otherwise narrow the last layer to
         # one row and emit a reduction dispatch whose stack frame exceeds the CPU limit.
         last = torch.argmax(token_pos).unsqueeze(0)
