@@ -158,4 +158,6 @@ def test_the_build_clock_counts_the_longer_of_the_two_halves_and_each_part_s_own
                  {"build_seconds": {"export": 0.01, "compile": 8.0, "save": 10.0},  # an export reused
                   "config": {"n_layers": 16}, "files": {"weights.irpa": {"size": 10 ** 9}}}, {"broken": True}]
     e = Expected.from_manifests(manifests)
-    assert (e.export_per_layer_s, e.compile_per_layer_s, e.save_per_byte_s, e.tokenizer_s) == (1.0, 0.5, 1e-8, 1.5)
+    assert (e.export_per_layer_s, e.compile_per_layer_s, e.save_per_byte_s, e.tokenizer_s) == (0.875, 0.25, 1e-8, 1.5)
+    assert e.seconds(16, 10 ** 9, False) == {"export": 16.0, "compile": 8.0, "save": 11.0, "tokenizer": 1.5}
+    assert e.seconds(16, 10 ** 9, True)["export"] == 0.5

@@ -234,8 +234,7 @@ def compile_mlir(mlir_path: Path, vmfb_path: Path, device: str, progress: Progre
             raise ArtefactError(f"iree-compile failed (exit {proc.returncode}):\n" + "\n".join(errors or lines[-20:]))
 
 
-def expected_times(cfg: ModelConfig, settings: BuildSettings, weights_bytes: int, reused_export: bool
-                   ) -> dict[str, float]:
+def expected_times(cfg: ModelConfig, weights_bytes: int, reused_export: bool) -> dict[str, float]:
     """What each part of this build should take here, from the builds this machine has made."""
     from .artefacts import artefacts_root
     from .progress import Expected
@@ -246,10 +245,7 @@ def expected_times(cfg: ModelConfig, settings: BuildSettings, weights_bytes: int
             manifests.append(json.loads(f.read_text()))
         except (OSError, ValueError):
             continue
-    e = Expected.from_manifests(manifests)
-    return {"export": 0.5 if reused_export else 2.0 + e.export_per_layer_s * cfg.n_layers,
-            "compile": 3.0 + e.compile_per_layer_s * cfg.n_layers,
-            "save": 1.0 + e.save_per_byte_s * weights_bytes, "tokenizer": e.tokenizer_s}
+    return Expected.from_manifests(manifests).seconds(cfg.n_layers, weights_bytes, reused_export)
 
 
 class _SideJob:
@@ -356,7 +352,7 @@ def build(source: "ModelSource", cfg: ModelConfig, settings: BuildSettings, out_
         side.wait()
         raise
     kept = kept_export(cfg, settings)
-    clock = BuildClock(expected_times(cfg, settings, side_job.piece_bytes(model)[1], kept.is_file()))
+    clock = BuildClock(expected_times(cfg, side_job.piece_bytes(model)[1], kept.is_file()))
 
     def say(stage: str, detail: str) -> None:
         with lock:

@@ -69,13 +69,16 @@ def time_left(fraction: float, elapsed_s: float) -> str:
 
 @dataclass(frozen=True)
 class Expected:
-    """Seconds this machine is expected to take: the export and iree-compile per layer (both follow the model's
-    depth), the weights file per byte and the tokenizer. Fitted to the builds this machine has made
-    (`from_manifests`); the defaults are a 2-core Zen 5's."""
-    export_per_layer_s: float = 0.9
-    compile_per_layer_s: float = 0.6
+    """Seconds this machine is expected to take: the export and iree-compile, a fixed part and a part per layer;
+    the weights file per byte; the tokenizer. Fitted to the builds this machine has made (`from_manifests`); the
+    defaults are a 2-core Zen 5's (the default model's 30 layers: export 21 s, compile 11 s)."""
+    export_per_layer_s: float = 0.65
+    compile_per_layer_s: float = 0.3
     save_per_byte_s: float = 1.5e-8
-    tokenizer_s: float = 4.0
+    tokenizer_s: float = 2.0
+
+    EXPORT_FIXED_S = 2.0
+    COMPILE_FIXED_S = 4.0
 
     @staticmethod
     def from_manifests(manifests: Iterable[dict]) -> "Expected":
@@ -85,8 +88,8 @@ class Expected:
                 t, layers = m["build_seconds"], int(m["config"]["n_layers"])
                 size = int(m["files"]["weights.irpa"]["size"])
                 if float(t.get("export", 0)) > 1.0:  # a reused export says nothing of the trace's speed
-                    export.append(float(t["export"]) / layers)
-                compile_.append(float(t["compile"]) / layers)
+                    export.append(max(0.0, float(t["export"]) - Expected.EXPORT_FIXED_S) / layers)
+                compile_.append(max(0.0, float(t["compile"]) - Expected.COMPILE_FIXED_S) / layers)
                 if size > 1 << 24:  # a tiny model's file is all fixed cost
                     save.append(float(t["save"]) / size)
                 if "tokenizer" in t:
@@ -97,6 +100,12 @@ class Expected:
         pick = lambda xs, default: statistics.median(xs) if xs else default  # noqa: E731
         return Expected(pick(export, d.export_per_layer_s), pick(compile_, d.compile_per_layer_s),
                         pick(save, d.save_per_byte_s), pick(tokenizer, d.tokenizer_s))
+
+    def seconds(self, layers: int, weights_bytes: int, reused_export: bool) -> dict[str, float]:
+        """BuildClock's expected seconds for a build of `layers` layers writing `weights_bytes`."""
+        return {"export": 0.5 if reused_export else self.EXPORT_FIXED_S + self.export_per_layer_s * layers,
+                "compile": self.COMPILE_FIXED_S + self.compile_per_layer_s * layers,
+                "save": 1.0 + self.save_per_byte_s * weights_bytes, "tokenizer": self.tokenizer_s}
 
 
 class BuildClock:
