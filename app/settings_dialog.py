@@ -199,7 +199,7 @@ class SettingsDialog(QDialog):
         layout.addWidget(self.pin_system)
 
         self.rebuild_note = QLabel("⚠ These changes rebuild the model: the first time for these settings takes "
-                                   "about two minutes, with progress shown.")
+                                   "a minute or so (more for a large model), with progress shown.")
         self.rebuild_note.setWordWrap(True)
         self.rebuild_note.setAccessibleName("Rebuild warning")
         layout.addWidget(self.rebuild_note)
