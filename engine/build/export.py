@@ -95,17 +95,24 @@ class _Restore(_Entry):
         return self.root.restore(*saved)
 
 
-def _trace(fxb: "aot.FxProgramsBuilder", name: str, entry: _Entry, args: tuple, dynamic_shapes: dict | None = None
-           ) -> None:
-    """Traces one entry point straight to functional ATen, in one pass. turbine's export_program runs
-    torch.export.export (pre-dispatch ATen, not yet functional) and then run_decompositions, which traces the
-    whole model a second time: a third of a 1B model's build. The one-pass trace (torch's own former default,
-    kept as `_export(pre_dispatch=False)`; torch is pinned) gives the same program, its ops undecomposed (full
-    for empty + fill, _to_copy for convert_element_type), which the importer lowers alike; the parity tests hold
-    it to the same logits."""
-    from torch.export._trace import _export
+def _trace(fxb: "aot.FxProgramsBuilder", name: str, entry: _Entry, args: tuple, dynamic_shapes: dict | None = None,
+           one_pass: bool = True) -> None:
+    """Traces one entry point to functional ATen. turbine's export_program runs torch.export.export (pre-dispatch
+    ATen, not yet functional) and then run_decompositions, which traces the whole model a second time: a third
+    of a 1B model's build. `one_pass` goes straight there (torch's own former default, kept as
+    `_export(pre_dispatch=False)`; torch is pinned): the same program with some ops left whole (full for empty +
+    fill, _to_copy for convert_element_type), which the CPU lowers alike and the parity tests hold to the same
+    logits. IREE's GPU pipeline failed on the one-pass decode's attention (a reduction over dynamic slots with
+    a negative read range), so GPU builds keep the two passes."""
+    if one_pass:
+        from torch.export._trace import _export
 
-    program = _export(entry, args, None, dynamic_shapes or None, strict=False, pre_dispatch=False)
+        program = _export(entry, args, None, dynamic_shapes or None, strict=False, pre_dispatch=False)
+    else:
+        from iree.turbine.aot.decompositions import current_aot_decompositions
+
+        program = torch.export.export(entry, args, dynamic_shapes=dynamic_shapes or None, strict=False)
+        program = program.run_decompositions(current_aot_decompositions())
     fxb.programs[name] = ExportTargetDef(program)
 
 
@@ -125,12 +132,13 @@ def export_module(model: StreamingLlama) -> "aot.ExportOutput":
     fxb = aot.FxProgramsBuilder(model)
     example = example_args(cfg, settings, 2)
     one = {name: None if name != "slot_pos" else slot_pos for name in dyn}
-    _trace(fxb, "prefill", _Prefill(model), example, dyn)
-    _trace(fxb, "decode", _Decode(model), example_args(cfg, settings, 1), one)
-    _trace(fxb, "score", _Score(model), (example[0].clone(),), {"targets": {0: n}})
-    _trace(fxb, "reset", _Reset(model), ())
-    _trace(fxb, "snapshot", _Snapshot(model), ())
-    _trace(fxb, "restore", _Restore(model), tuple(torch.zeros_like(b) for b in model.state()))
+    cpu = settings.device == "cpu"
+    _trace(fxb, "prefill", _Prefill(model), example, dyn, one_pass=cpu)
+    _trace(fxb, "decode", _Decode(model), example_args(cfg, settings, 1), one, one_pass=cpu)
+    _trace(fxb, "score", _Score(model), (example[0].clone(),), {"targets": {0: n}}, one_pass=cpu)
+    _trace(fxb, "reset", _Reset(model), (), one_pass=cpu)
+    _trace(fxb, "snapshot", _Snapshot(model), (), one_pass=cpu)
+    _trace(fxb, "restore", _Restore(model), tuple(torch.zeros_like(b) for b in model.state()), one_pass=cpu)
 
     # The custom ops are expanded as the programs are imported.
     with kernels.lowering_for(settings.device, dot_form(settings.device, settings.target_cpu)):
@@ -358,10 +366,11 @@ def build(source: "ModelSource", cfg: ModelConfig, settings: BuildSettings, out_
         with lock:
             report(stage, clock.fraction(), detail)
 
+    # Said before the side job's answers are read: the stages start in STAGES' order, whichever runs faster.
+    clock.begin("export")
+    say("exporting", REUSED_EXPORT if kept.is_file() else f"tracing {cfg.n_layers} layers")
     half = _SideJob(side, clock, say)
     try:
-        clock.begin("export")
-        say("exporting", REUSED_EXPORT if kept.is_file() else f"tracing {cfg.n_layers} layers")
         mlir_path = out_dir / "module.mlir"
         write_export(model, mlir_path, kept)
         del model
