@@ -74,9 +74,8 @@ class BuildProgressDialog(QDialog):
         if stage in STAGES:
             if stage not in self.started_stages:
                 self.started_stages.append(stage)
-            # A stage that starts after another has begun is past that one's checks: "loading weights" ends so.
-            first = STAGES.index(stage)
-            self.finished_stages.update(s for s in STAGES[:first] if s == "loading weights")
+            if stage != "loading weights":  # its checks end as anything after it starts
+                self.finished_stages.add("loading weights")
         self._render()
         self.bar.setValue(int(self.fraction * 1000))
         self.bar.setFormat(f"{self.fraction * 100:.0f}%")

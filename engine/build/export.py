@@ -270,7 +270,7 @@ class _SideJob:
         self._reader.start()
 
     def _read(self) -> None:
-        from .. import errors
+        from .process import error_from
         from .progress import finished, weights_detail
 
         assert self._proc.stdout is not None
@@ -290,11 +290,7 @@ class _SideJob:
                 self.clock.end("tokenizer")
                 self.result = msg["done"]
             elif "error" in msg:
-                err = msg["error"]
-                cls = getattr(errors, str(err.get("type")), None)
-                if not (isinstance(cls, type) and issubclass(cls, errors.EddyError)):
-                    cls = ArtefactError
-                self.error = cls(err.get("message", "writing the weights failed"))
+                self.error = error_from(msg["error"], "writing the weights failed")
                 return
         if self._proc.wait() and self.error is None:
             self.error = ArtefactError(f"writing the weights file failed (exit {self._proc.returncode})")

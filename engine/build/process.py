@@ -52,9 +52,7 @@ def build_in_child(source: "ModelSource", settings: BuildSettings, out_dir: Path
     cancelled = should_cancel or (lambda: False)
     job = {"source": {"name": source.name, "kind": source.kind, "path": str(source.path) if source.path else None},
            "settings": settings.to_dict(), "out": str(out_dir)}
-    env = dict(os.environ)
-    # The child imports `engine` from where this one came from, installed or not.
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH")]))
+    env = child_env()
     with tempfile.TemporaryFile() as log:
         # A session of its own, so Cancel can end the child and the iree-compile it started in one go.
         # stdin is the lifeline (see _watch_parent): nothing is ever written to it, it only closes.
@@ -82,11 +80,7 @@ def build_in_child(source: "ModelSource", settings: BuildSettings, out_dir: Path
                 elif "done" in msg:
                     result = msg["done"]
                 elif "error" in msg:
-                    err = msg["error"]
-                    cls = getattr(errors, str(err.get("type")), None)
-                    if not (isinstance(cls, type) and issubclass(cls, errors.EddyError)):
-                        cls = ArtefactError
-                    raise cls(err.get("message", "the build failed"))
+                    raise error_from(msg["error"], "the build failed")
             child.wait()
         finally:
             if child.poll() is None:
@@ -100,6 +94,50 @@ def build_in_child(source: "ModelSource", settings: BuildSettings, out_dir: Path
             raise ArtefactError(f"building the model failed (the build process ended with code {child.returncode})"
                                 + (":\n" + "\n".join(tail) if tail else ""))
     return result
+
+
+def child_env() -> dict[str, str]:
+    """The environment of a build process: it imports `engine` from where this one came from, installed or not."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH")]))
+    return env
+
+
+def error_from(err: dict, default: str) -> errors.EddyError:
+    """A build process's {"error": {"type", "message"}} answer as the same EddyError class (else ArtefactError)."""
+    cls = getattr(errors, str(err.get("type")), None)
+    if not (isinstance(cls, type) and issubclass(cls, errors.EddyError)):
+        cls = ArtefactError
+    return cls(err.get("message", default))
+
+
+def answer(job: dict, work: Callable[[Callable[[dict], None]], None], what: str) -> None:
+    """Runs a build process's `work(say)`, which answers one JSON object per line on stdout, and answers its
+    failure as {"error": ...} and exit code 1: an EddyError as itself, a full disk (the room was checked before the
+    build; something else filled it meanwhile, or the estimate was short) as DiskSpaceError, and running out of
+    memory, rather than a traceback. `what` names the work in the last ("building the model")."""
+    out = sys.stdout
+    sys.stdout = sys.stderr  # library prints must not mix with the answers
+
+    def say(msg: dict) -> None:
+        out.write(json.dumps(msg) + "\n")
+        out.flush()
+
+    try:
+        work(say)
+    except errors.EddyError as e:
+        say({"error": {"type": type(e).__name__, "message": str(e)}})
+        sys.exit(1)
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        say({"error": {"type": DiskSpaceError.__name__,
+                       "message": f"the disk holding {job['out']} filled up while the model was built: free some "
+                                  f"space (eddy cache list shows what compiled models take) and start again"}})
+        sys.exit(1)
+    except MemoryError:
+        say({"error": {"type": "ArtefactError", "message": f"{what} ran out of memory"}})
+        sys.exit(1)
 
 
 def _pump(stream, lines: "queue.Queue[str | None]") -> None:
@@ -195,38 +233,15 @@ def _child(job: dict) -> None:
     from .checkpoint import ModelSource, read_config
     from ..config import ModelConfig
 
-    out = sys.stdout
-    sys.stdout = sys.stderr  # library prints must not mix with the answers
-
-    def say(msg: dict) -> None:
-        out.write(json.dumps(msg) + "\n")
-        out.flush()
-
-    try:
+    def work(say: Callable[[dict], None]) -> None:
         s = job["source"]
         source = ModelSource(s["name"], s["kind"], Path(s["path"]) if s["path"] else None)
-        settings = BuildSettings(**job["settings"])
-        out_dir = Path(job["out"])
         cfg = ModelConfig.from_hf(read_config(source))
-        seconds = export.build(source, cfg, settings, out_dir,
+        seconds = export.build(source, cfg, BuildSettings(**job["settings"]), Path(job["out"]),
                                lambda stage, f, detail="": say({"progress": [stage, f, detail]}), side=side)
         say({"done": {"config": cfg.to_dict(), "seconds": seconds}})
-    except errors.EddyError as e:
-        say({"error": {"type": type(e).__name__, "message": str(e)}})
-        sys.exit(1)
-    except OSError as e:
-        if e.errno != errno.ENOSPC:
-            raise
-        # The room was checked before the build; something else filled the disk meanwhile (or the estimate
-        # was short): say so rather than print a traceback.
-        say({"error": {"type": DiskSpaceError.__name__,
-                       "message": f"the disk holding {out_dir} filled up while the model was built: free some "
-                                  f"space (eddy cache list shows what compiled models take) and start again"}})
-        sys.exit(1)
-    except MemoryError:
-        say({"error": {"type": "ArtefactError", "message": "building the model ran out of memory"}})
-        sys.exit(1)
 
+    answer(job, work, "building the model")
 
 if __name__ == "__main__":
     _watch_parent()

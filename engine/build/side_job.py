@@ -11,24 +11,19 @@ its process group, so Cancel's killpg ends it too.
 """
 from __future__ import annotations
 
-import errno
 import json
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from .. import errors
 from ..config import BuildSettings
-from ..errors import DiskSpaceError
-from .process import tied_to_me
+from .process import answer, child_env, tied_to_me
 
 
 def start(job: dict) -> subprocess.Popen:
     """Starts the side job for a build job ({"source", "settings", "out"}, engine/build/process.py's)."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH")]))
+    env = child_env()
     # numpy asks for transparent huge pages for large arrays; where the kernel then compacts memory on each fault
     # (defrag=madvise, the common default) a fresh gigabyte took 6.7 s to fill instead of 0.5 s.
     env["NUMPY_MADVISE_HUGEPAGE"] = "0"
@@ -82,29 +77,7 @@ def _run(job: dict, say) -> None:
 
 
 def main(job: dict) -> None:
-    out = sys.stdout
-    sys.stdout = sys.stderr  # library prints must not mix with the answers
-
-    def say(msg: dict) -> None:
-        out.write(json.dumps(msg) + "\n")
-        out.flush()
-
-    try:
-        _run(job, say)
-    except errors.EddyError as e:
-        say({"error": {"type": type(e).__name__, "message": str(e)}})
-        sys.exit(1)
-    except OSError as e:
-        if e.errno != errno.ENOSPC:
-            raise
-        say({"error": {"type": DiskSpaceError.__name__,
-                       "message": f"the disk holding {job['out']} filled up while the model was built: free some "
-                                  f"space (eddy cache list shows what compiled models take) and start again"}})
-        sys.exit(1)
-    except MemoryError:
-        say({"error": {"type": "ArtefactError", "message": "writing the weights file ran out of memory"}})
-        sys.exit(1)
-
+    answer(job, lambda say: _run(job, say), "writing the weights file")
 
 if __name__ == "__main__":
     main(json.loads(sys.argv[1]))

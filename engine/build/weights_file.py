@@ -30,6 +30,12 @@ def archive_entries(model: StreamingLlama) -> list[Entry]:
             for name, p in model.named_parameters()]
 
 
+def _source(tensors: "CheckpointTensors", name: str, dtype: str):
+    """A piece's source tensor: for a q4 matrix a GGUF's 4-bit codes as they are, where the file has them."""
+    kept = tensors.read_q4(name) if dtype == "q4" else None
+    return kept if kept is not None else tensors.read_stored(name)
+
+
 def write_weights(model: StreamingLlama, tensors: "CheckpointTensors", path: Path,
                   progress: Callable[[int, int], None] | None = None) -> None:
     """Writes the model's parameters, made from `tensors`, to path; progress(pieces done, pieces) after each.
@@ -39,10 +45,7 @@ def write_weights(model: StreamingLlama, tensors: "CheckpointTensors", path: Pat
     pieces = model.pieces()
     with ArchiveWriter(path, archive_entries(model)) as archive, torch.no_grad():
         for done, piece in enumerate(pieces, 1):
-            # A q4 matrix takes a GGUF's 4-bit codes as they are, where the file has them.
-            kept = [tensors.read_q4(name) for name in piece.sources] if piece.dtype == "q4" else []
-            made = piece.convert([k if k is not None else tensors.read_stored(name)
-                                  for k, name in zip(kept or [None] * len(piece.sources), piece.sources)])
+            made = piece.convert([_source(tensors, name, piece.dtype) for name in piece.sources])
             for name, t in made.items():
                 want = params[name]
                 if t.dtype != want.dtype or t.shape != want.shape:
