@@ -2,6 +2,7 @@
 """Eddy side by side with llama.cpp (llama-cpp-python) and HF transformers on the same machine, in one run.
 
     python bench/peers.py [--quick] [--samples 5] [--peers eddy,llama.cpp,hf-bf16,hf-f32] [--json FILE]
+    python bench/peers.py --size 1b|3b|8b [--gguf FILE] [--convert convert_hf_to_gguf.py] [--samples 3]
 
 The workload (issue 13), the same token ids for every peer (tokenised once, here):
   - a 30-token turn after 1000 tokens of history, each peer keeping its cache (Eddy: its StreamingLLM cache;
@@ -15,6 +16,13 @@ The workload (issue 13), the same token ids for every peer (tokenised once, here
   - "cost follows the used slots": a 120-token turn at 130 tokens of history, Eddy built with window 1020 and
     8188 (llama.cpp: n_ctx 1024 and 8192), and the 8188-window turn at 4000 tokens of history against
     llama.cpp with n_ctx 8192.
+`--size` runs the same workload at a real model's shape (Llama 3.2 1B / 3B, Llama 3.1 8B: random weights, which
+serve for speed) from one llama.cpp Q4_K_M GGUF that both peers open: Eddy builds its q4 from it, llama.cpp runs it.
+The GGUF is written once (bench/scale.py's random checkpoint, llama.cpp's own converter and quantiser; `--convert`)
+and kept under `--models` for later runs, or given with `--gguf`. It adds the time from choosing the model to its
+first token: Eddy's build in an empty artefact cache then a new process answering a 16-token prompt with one
+token, and the same on the cached build; llama.cpp's new process opening the GGUF and answering the same. It skips
+the one-shot and the window figures (both are the default model's).
 Each peer runs in its own child process (clean memory figures), one after another; each figure is the median of
 `--samples` samples taken through a quiet-machine gate (bench/quiet.py): a sample during which other processes
 used the CPU is taken again, up to --max-retries times, and the retries are reported.
@@ -39,6 +47,8 @@ sys.path.insert(0, str(ROOT))
 from bench.machine import cpu_info  # noqa: E402
 from bench.quiet import Gate  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "bench"))  # scale.py and families.py import their neighbours by bare name
+
 QUESTION = "What is the capital of France?"
 ONESHOT_TOKENS = 16
 # Natural text for the token ids (the docs this branch does not edit): what the history and the turns are made of.
@@ -46,6 +56,12 @@ TEXT_FILES = ("README.md", "docs/ARCHITECTURE.md", "docs/RELIABILITY.md", "docs/
 THREADS = 2
 N_BATCH = 512
 LLAMA_N_CTX = 2048  # room for 1000 + 30 and 1000 + decode; llama.cpp attends only the cells in use
+
+# --size: a real model's shape by its short name (bench/scale.py's SIZES), and the issue's bar for a new GGUF of it to
+# its first token (issue 45; none set for 3B).
+SIZE_NAMES = {"1b": "llama-3.2-1b", "3b": "llama-3.2-3b", "8b": "llama-3.1-8b"}
+NEW_MODEL_TARGET_S = {"llama-3.2-1b": 30.0, "llama-3.1-8b": 90.0}
+WARM_START_TARGET_S = 1.0
 
 FULL = {"history": 1000, "turn": 30, "prefill": [128, 512, 1024], "decode_ctx": [128, 1000], "decode_tokens": 64,
         "slots_history": 130, "slots_turn": 120, "slots_far_history": 4000, "windows": [1020, 8188]}
@@ -84,12 +100,12 @@ def cpu_slug(info: dict) -> str:
 class EddyPeer:
     name = "eddy"
 
-    def __init__(self, dtype: str = "auto", window: int | None = None) -> None:
+    def __init__(self, dtype: str = "auto", window: int | None = None, model: str | None = None) -> None:
         from engine.config import BuildSettings
         from engine.loader import open_model
 
         settings = BuildSettings(dtype=dtype) if window is None else BuildSettings(dtype=dtype, window=window)
-        self.loaded = open_model(None, settings, progress=lambda *_: None)
+        self.loaded = open_model(model, settings, progress=lambda *_: None)
         self.eng = self.loaded.engine
         self.saved: dict[int, tuple[Any, Any]] = {}
 
@@ -370,13 +386,15 @@ def worker(kind: str, spec_file: str, out_file: str) -> int:
 
     start = time.perf_counter()
     if kind == "eddy":
-        peer = EddyPeer(spec["dtype"])
+        peer = EddyPeer(spec["dtype"], model=spec.get("model"))
         result["info"] = peer.info()
         result["open_s"] = time.perf_counter() - start
         result["figures"] = figures(run_workload(peer, gate, ids, sizes, sampling))
         slots = {}
         h = sizes["slots_history"]
-        slots[f"window_1020_turn_{sizes['slots_turn']}_at_{h}_ms"] = slots_turn(peer, gate, ids, sizes, h, "eddy w1020")
+        if not spec.get("skip_slots"):
+            slots[f"window_1020_turn_{sizes['slots_turn']}_at_{h}_ms"] = slots_turn(peer, gate, ids, sizes, h,
+                                                                                     "eddy w1020")
         result["rss_peak_mb"] = peak_rss_mb()
         peer.close()
         if not spec.get("skip_slots"):
@@ -420,6 +438,84 @@ def worker(kind: str, spec_file: str, out_file: str) -> int:
         raise SystemExit(f"unknown peer {kind}")
     Path(out_file).write_text(json.dumps(result))
     return 0
+
+
+# ---------------------------------------------------------------------------------------------- a new model
+
+# A new llama.cpp process that opens a GGUF and answers a 16-token prompt with one token: what families.py's
+# FIRST_TOKEN does for an Eddy build.
+LLAMA_FIRST_TOKEN = r"""
+import json, sys, time
+t0 = time.perf_counter()
+import numpy as np
+import llama_cpp
+llm = llama_cpp.Llama(sys.argv[1], n_ctx=2048, n_threads=2, n_threads_batch=2, n_batch=512, n_ubatch=512,
+                      verbose=False)
+opened = time.perf_counter()
+ids = np.random.RandomState(1).randint(0, llm.n_vocab(), 16).tolist()
+llm.eval(ids)
+llm.eval([llm.sample(temp=0.0)])
+llama_cpp.llama_synchronize(llm._ctx.ctx)
+done = time.perf_counter()
+print(json.dumps({"open_s": round(opened - t0, 2), "first_token_s": round(done - opened, 2)}))
+"""
+
+
+def size_gguf(size: str, models: Path, convert: Path | None) -> Path:
+    """The Q4_K_M GGUF of a random checkpoint at `size`'s shape, written once under `models` and kept."""
+    out = models / size / "q4_k_m.gguf"
+    if out.is_file():
+        return out
+    if convert is None or not convert.is_file():
+        raise SystemExit(f"{out} is not there yet: writing it needs llama.cpp's convert_hf_to_gguf.py (--convert, "
+                         "or LLAMA_CPP_CONVERT; the vendor/llama.cpp folder of the llama-cpp-python sdist)")
+    import shutil
+
+    from engine.build.checkpoint.shapes import config
+    from scale import build_gguf, write_checkpoint
+
+    hf = models / size / "hf"
+    shutil.rmtree(hf, ignore_errors=True)
+    log(f"== writing a random {size} checkpoint and its Q4_K_M GGUF under {out.parent}")
+    write_checkpoint(hf, config(size))
+    try:
+        build_gguf(hf, "Q4_K_M", convert, out)
+    finally:
+        shutil.rmtree(hf, ignore_errors=True)
+    return out
+
+
+def new_model(gguf: Path, dtype: str, cache: Path) -> dict:
+    """From choosing the model to its first token, for each peer: Eddy's build into the empty artefact cache
+    `cache` and a new process's first token, then a new process on the cached build; llama.cpp's new process, twice
+    (the first may read the file from disk, as Eddy's build does)."""
+    from families import first_token
+    from scale import measure_build
+
+    log("== new model: eddy's build")
+    build = measure_build(gguf, dtype, ROOT, cache)
+    folder = Path(build.pop("folder"))
+    first, cached = first_token(folder, cache), first_token(folder, cache)
+    eddy = {"build": build, "first": first, "cached": cached,
+            "to_first_token_s": round(build["wall_s"] + first["process_s"], 2)}
+    runs = []
+    if importable("llama_cpp"):
+        log("== new model: llama.cpp")
+        for _ in range(2):
+            start = time.perf_counter()
+            out = subprocess.run([sys.executable, "-c", LLAMA_FIRST_TOKEN, str(gguf)], capture_output=True, text=True,
+                                 timeout=1800)
+            if out.returncode:
+                raise SystemExit(f"llama.cpp could not open {gguf}:\n{out.stderr[-2000:]}")
+            runs.append({**json.loads(out.stdout.strip().splitlines()[-1]),
+                         "process_s": round(time.perf_counter() - start, 2)})
+    return {"eddy": eddy, "llama.cpp": {"first": runs[0], "cached": runs[1]} if runs else None}
+
+
+def importable(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
 
 
 # ---------------------------------------------------------------------------------------------- one-shot
@@ -534,14 +630,14 @@ def app_sampling() -> dict:
     return d
 
 
-def run_worker(kind: str, spec_file: str, timeout: float) -> dict | str:
+def run_worker(kind: str, spec_file: str, timeout: float, env: dict[str, str] | None = None) -> dict | str:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as fh:
         out = fh.name
     log(f"== {kind}")
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", kind, "--spec", spec_file,
                            "--out", out], cwd=ROOT, timeout=timeout,
-                          env=dict(os.environ, PEERS_ROOT_PID=str(os.getpid()), PYTHONPATH=str(ROOT)))
+                          env=dict(os.environ, **(env or {}), PEERS_ROOT_PID=str(os.getpid()), PYTHONPATH=str(ROOT)))
     log(f"== {kind} done in {time.perf_counter() - start:.0f} s (rc {proc.returncode})")
     if proc.returncode != 0:
         return f"worker failed with exit code {proc.returncode}"
@@ -581,6 +677,11 @@ def summarise(results: dict) -> dict:
     for peer, d in results.get("oneshot", {}).items():
         table.setdefault("oneshot_wall_ms", {})[peer] = d["median_s"] * 1e3
         table.setdefault("oneshot_rss_peak_mb", {})[peer] = d["rss_peak_mb_median"]
+    for peer, d in (results.get("new_model") or {}).items():
+        if d:
+            table.setdefault("new_model_to_first_token_s", {})[peer] = d.get("to_first_token_s", d["first"]["process_s"])
+            table.setdefault("cached_to_first_token_s", {})[peer] = d["cached"]["process_s"]
+            table.setdefault("cached_open_s", {})[peer] = d["cached"]["open_s"]
 
     ratios: dict[str, dict[str, float | None]] = {}
     for key, row in table.items():
@@ -590,9 +691,11 @@ def summarise(results: dict) -> dict:
     def get(key: str, peer: str) -> float | None:
         return table.get(key, {}).get(peer)
 
+    turn = get(f"turn_{t}_after_{h}_ms", "eddy")
+    if results.get("size"):
+        return {"table": table, "ratios_eddy_over_peer": ratios, "targets": size_targets(results, get)}
     big = max(sizes["windows"])
     st, sh, far = sizes["slots_turn"], sizes["slots_history"], sizes["slots_far_history"]
-    turn = get(f"turn_{t}_after_{h}_ms", "eddy")
     p1024 = get("prefill_1024_tok_s", "eddy")
     within = t / p1024 * 1e3 if p1024 else None
     targets = [
@@ -621,6 +724,30 @@ def summarise(results: dict) -> dict:
         out_targets.append({"target": name, "ratio": got, "want": f"{op} {want}", "met": met})
     return {"table": table, "ratios_eddy_over_peer": ratios, "targets": out_targets,
             "fixed_cost": {"turn_ms": turn, "30_tokens_within_prefill_1024_ms": within}}
+
+
+def size_targets(results: dict, get: Callable[[str, str], float | None]) -> list[dict]:
+    """Issue 45's targets at a real model's shape: ratios against llama.cpp on the same GGUF, and seconds."""
+    sizes, size = results["sizes"], results["size"]
+    h, t = sizes["history"], sizes["turn"]
+
+    def vs_llama(key: str) -> float | None:
+        return ratio(get(key, "eddy"), get(key, "llama.cpp"))
+
+    targets = [("prefill 512 tok/s vs llama.cpp", vs_llama("prefill_512_tok_s"), ">=", 2.0),
+               (f"{t}-token turn after {h}, time vs llama.cpp", vs_llama(f"turn_{t}_after_{h}_ms"), "<=", 0.5),
+               ("decode at 1000 tok/s vs llama.cpp (greedy)", vs_llama("decode_1000_greedy_tok_s"), ">=", 1.3),
+               ("decode at 1000 tok/s vs llama.cpp (app's sampler chain)", vs_llama("decode_1000_sampled_tok_s"), ">=",
+                1.3),
+               ("cached build: opening it (s)", get("cached_open_s", "eddy"), "<=", WARM_START_TARGET_S)]
+    if size in NEW_MODEL_TARGET_S:
+        targets.append(("a new GGUF to its first token (s)", get("new_model_to_first_token_s", "eddy"), "<=",
+                        NEW_MODEL_TARGET_S[size]))
+    out = []
+    for name, got, op, want in targets:
+        met = None if got is None else (got <= want if op == "<=" else got >= want)
+        out.append({"target": name, "ratio": got, "want": f"{op} {want}", "met": met})
+    return out
 
 
 def llama_slots_rows(table: dict) -> None:
@@ -670,6 +797,9 @@ LABELS = {
     "window_{w}_turn_{st}_at_{sh}_ms": "{st}-token turn at {sh} history, window {w} / n_ctx {n} (ms)",
     "oneshot_wall_ms": "one-shot answer, process start to exit (ms)",
     "oneshot_rss_peak_mb": "one-shot answer, peak RSS (MB)",
+    "new_model_to_first_token_s": "a new model to its first token (Eddy: build + new process) (s)",
+    "cached_to_first_token_s": "cached: a new process to its first token (s)",
+    "cached_open_s": "cached: opening the model (s)",
 }
 
 
@@ -720,8 +850,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="smoke run: 1 sample, small sizes")
     p.add_argument("--samples", type=int, default=None, help="samples per figure (default 5; 1 with --quick)")
-    p.add_argument("--peers", default="eddy,llama.cpp,hf-f32",
-                   help="any of eddy, llama.cpp, hf-f32, hf-bf16 (bf16 matmuls are very slow on a CPU without bf16 "
+    p.add_argument("--peers", default=None,
+                   help="any of eddy, llama.cpp, hf-f32, hf-bf16 (default eddy,llama.cpp,hf-f32; eddy,llama.cpp with "
+                        "--size) (bf16 matmuls are very slow on a CPU without bf16 "
                         "instructions)")
     p.add_argument("--no-oneshot", action="store_true")
     p.add_argument("--oneshot-peers", default="eddy,llama.cpp",
@@ -739,6 +870,14 @@ def main() -> int:
     p.add_argument("--worker-timeout", type=float, default=3600)
     p.add_argument("--dtype", default="auto", help="Eddy's weight type (default auto: q4 for the default model's "
                    "Q4_1 GGUF, which is also what llama.cpp runs)")
+    p.add_argument("--size", choices=[*SIZE_NAMES, *SIZE_NAMES.values()],
+                   help="a real model's shape from a Q4_K_M GGUF both peers open (see above); implies --no-oneshot "
+                        "--no-slots and Eddy's q4")
+    p.add_argument("--gguf", type=Path, help="with --size: this Q4_K_M GGUF of that shape instead of the kept one")
+    p.add_argument("--models", type=Path, default=Path.home() / ".cache" / "eddy-bench",
+                   help="with --size: where the generated GGUFs are kept (default ~/.cache/eddy-bench)")
+    p.add_argument("--convert", type=Path, default=os.environ.get("LLAMA_CPP_CONVERT"),
+                   help="llama.cpp's convert_hf_to_gguf.py, to write a --size GGUF the first time")
     p.add_argument("--json", default=None)
     p.add_argument("--markdown", metavar="JSON", help="print a run's table as Markdown and exit")
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -753,7 +892,12 @@ def main() -> int:
 
     sizes = dict(QUICK if a.quick else FULL)
     samples = a.samples or (1 if a.quick else 5)
+    size = SIZE_NAMES.get(a.size, a.size)
+    a.peers = a.peers or ("eddy,llama.cpp" if size else "eddy,llama.cpp,hf-f32")
     peers = [x.strip() for x in a.peers.split(",") if x.strip()]
+    if size:
+        a.no_oneshot = a.no_slots = True
+        a.dtype = "q4" if a.dtype == "auto" else a.dtype  # the build new_model() times is the one the worker opens
     if "llama.cpp" in peers:
         try:
             import llama_cpp  # noqa: F401
@@ -766,23 +910,34 @@ def main() -> int:
                 "floor_s": a.quiet_floor_ms / 1e3, "enabled": not a.no_gate,
                 "retry_budget_s": a.retry_budget_s}
     need = max(sizes["history"] + sizes["turn"], max(sizes["prefill"]), max(sizes["decode_ctx"]),
-               sizes["slots_far_history"] + sizes["slots_turn"])
+               0 if a.no_slots else sizes["slots_far_history"] + sizes["slots_turn"])
+    # The default model's tokenizer gives the ids for every size too: its vocabulary is within each of theirs.
     ids, ids_info = token_ids(need)
-    gguf = default_gguf()
+    gguf = (a.gguf or size_gguf(size, a.models, a.convert)) if size else default_gguf()
     results: dict[str, Any] = {
         "machine": machine, "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"), "quick": a.quick,
         "commit": subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True,
                                  text=True).stdout.strip(), "sizes": sizes, "gguf": str(gguf),
         "ids": ids_info, "gate": Gate(**gate_cfg).config(), "loadavg_start": os.getloadavg(), "peers": {},
+        "size": size,
     }
     results["sampling"] = app_sampling()
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as fh:
         json.dump({"ids": ids, "sizes": sizes, "sampling": results["sampling"], "gate": gate_cfg, "gguf": str(gguf),
-                   "skip_slots": a.no_slots, "flash_attn": a.flash_attn, "dtype": a.dtype}, fh)
+                   "skip_slots": a.no_slots, "flash_attn": a.flash_attn, "dtype": a.dtype,
+                   "model": str(gguf) if size else None}, fh)
         spec = fh.name
-    out = a.json or str(ROOT / "bench" / "results" / f"peers-{cpu_slug(machine)}-{a.dtype}{'-quick' if a.quick else ''}.json")
+    tag = size or a.dtype
+    out = a.json or str(ROOT / "bench" / "results" / f"peers-{cpu_slug(machine)}-{tag}{'-quick' if a.quick else ''}.json")
+    # A size's build goes to a private artefact cache: new_model() times it there, the eddy worker opens it there.
+    cache = Path(tempfile.mkdtemp(prefix="eddy-peers-")) if size else None
+    env = {"EDDY_CACHE_DIR": str(cache)} if cache else None
     try:
+        if size:
+            results["new_model"] = new_model(gguf, a.dtype, cache)
+            if "llama.cpp" not in peers:
+                results["new_model"].pop("llama.cpp")
         # The compiled and native peers first, then the one-shots, then transformers (the slowest): each stage
         # writes what is done so far, so a run cut short keeps its figures.
         order = [k for k in peers if not k.startswith("hf-")] + ["oneshot"] + [k for k in peers if k.startswith("hf-")]
@@ -796,10 +951,14 @@ def main() -> int:
                     log(f"== one-shot {k}")
                     results["oneshot"][k] = oneshot(k, gate, a.dtype)
             else:
-                results["peers"][kind] = run_worker(kind, spec, a.worker_timeout)
+                results["peers"][kind] = run_worker(kind, spec, a.worker_timeout, env)
             finish(results, peers, out, partial=kind != order[-1])
     finally:
         os.unlink(spec)
+        if cache:
+            import shutil
+
+            shutil.rmtree(cache, ignore_errors=True)
     return 0
 
 
