@@ -145,25 +145,25 @@ def _host_forms() -> list[str | None]:
     return [None, *host_dot_forms()]
 
 
-# Rows of prefill's product in the test: a second workgroup of rows, ending in a block not full
-# (engine/build/prefill_products.py).
-ROWS = ROWS_PER_WORKGROUP + ROW_BLOCK // 2 + 1
-# And a short turn's: few enough groups of rows to be split evenly and to take the tiles a few at a time, ending in
-# a block not full.
-FEW_ROWS = FEW_ROW_GROUPS * ROWS_PER_WORKGROUP // STEPS - ROW_BLOCK // STEPS - 1
+def _forms_and_steps() -> list[tuple[str, str | None, int]]:
+    """(dtype, form, steps): every form for q4 and q8 with prefill's two steps, and q4's hand-written prefill
+    products with one (a model from ONE_STEP_FROM_WIDTH wide)."""
+    both = [(dtype, form, STEPS) for dtype in ("q4", "q8") for form in _host_forms()]
+    return both + [("q4", form, 1) for form in _host_forms() if form is not None]
 
 
-@pytest.mark.parametrize("form", _host_forms())
-@pytest.mark.parametrize("dtype", ["q4", "q8"])
-def test_each_product_form_is_the_codes_times_x_quantised_per_group(dtype, form, tmp_path):
+@pytest.mark.parametrize(("dtype", "form", "steps"), _forms_and_steps())
+def test_each_product_form_is_the_codes_times_x_quantised_per_group(dtype, form, steps, tmp_path):
     """Each product form this CPU runs, compiled, for q4 and q8, in one row (decode) and many (prefill): the generic
     ones compute the dequantised weights times x (float32 parity); a hand-written one (engine/build/dot_products.py,
     prefill_products.py) x quantised to int8 per group of 32 (dx = max|x| / 127), exactly as llama.cpp's Q8_1
     activations, to float32 rounding: its only error against float32 is that rounding of x, about 0.5 % of the
-    output here (prefill's also multiplies x's rounding error rounded in its turn, which leaves ~2e-5). The tiles' order and a workgroup's share of them are covered by rows of 9 tiles (WORKGROUPS = 16
-    workgroups of at least one tile), the blocks of rows and their workgroups by ROWS rows, a short turn's layout
-    (rows split evenly, tiles a few at a time) by FEW_ROWS, and the product's columns as three outputs (q, k and v)
-    by `prefill_parts`."""
+    output here (prefill's in two steps also multiplies x's rounding error rounded in its turn, which leaves ~2e-5).
+    The tiles' order and a workgroup's share of them are covered by rows of 9 tiles (WORKGROUPS = 16 workgroups of
+    at least one tile), the blocks of rows and their workgroups by `n_rows` rows (a second workgroup of rows, ending
+    in a block not full), a short turn's layout (few enough groups of rows to be split evenly and to take the
+    tiles a few at a time, ending in a block not full) by `n_few`, and the product's columns as three outputs
+    (q, k and v) by `prefill_parts`."""
     import subprocess
     import sys
 
@@ -175,12 +175,14 @@ def test_each_product_form_is_the_codes_times_x_quantised_per_group(dtype, form,
     from engine.devices import compile_flags
 
     out_f, in_f = 9 * (16 if dtype == "q4" else 32), 6 * Q4_GROUP
+    n_rows = ROWS_PER_WORKGROUP // steps + ROW_BLOCK // (2 * steps) + 1
+    n_few = FEW_ROW_GROUPS * ROWS_PER_WORKGROUP // steps - ROW_BLOCK // steps - 1
     rng = np.random.RandomState(4)
     w = torch.from_numpy(rng.standard_normal((out_f, in_f)).astype(np.float32))
     lin = Linear(out_f, in_f, dtype)
     for name, t in stored_matrix(w, dtype, tiled=True).items():
         getattr(lin, name).data = t
-    x1, xn, xf = (torch.from_numpy(rng.standard_normal((n, in_f)).astype(np.float32)) for n in (1, ROWS, FEW_ROWS))
+    x1, xn, xf = (torch.from_numpy(rng.standard_normal((n, in_f)).astype(np.float32)) for n in (1, n_rows, n_few))
 
     fxb = aot.FxProgramsBuilder(lin)
 
@@ -203,7 +205,7 @@ def test_each_product_form_is_the_codes_times_x_quantised_per_group(dtype, form,
     def prefill_parts(m, x):
         return m.parts(x, first, second, many=True)
 
-    with lowering_for("cpu", form):
+    with lowering_for("cpu", form, steps):
         mlir = str(aot.export(fxb).mlir_module)
     marks = {None: "compilation_info", "vnni": "llvm.x86.avx512.vpdpbusd.512",
              "avx2": "llvm.x86.avx2.pmadd.ub.sw" if dtype == "q4" else "llvm.x86.avx2.psign.b"}
@@ -256,10 +258,21 @@ def test_each_product_form_is_the_codes_times_x_quantised_per_group(dtype, form,
         exact = (x @ dense.T).numpy()
         # Only q4's many-row product has a hand-written form (engine/build/prefill_products.py) so far.
         by_hand = form is not None and (program == "decode" or dtype == "q4")
-        many = program != "decode"
-        want = quantised_x(x, many) if by_hand else exact
+        twice = program != "decode" and steps == 2
+        want = quantised_x(x, twice) if by_hand else exact
         if by_hand:
             rel = np.abs(got - exact).max() / np.abs(exact).max()
             # x's rounding shows, and is small; in two steps (prefill) float32's own rounding is what is left.
-            assert (rel < 1e-4) if many else (1e-4 < rel < 2e-2), rel
+            assert (rel < 1e-4) if twice else (1e-4 < rel < 2e-2), rel
         assert np.abs(got - want).max() < 1e-5 * np.abs(want).max(), program
+
+
+def test_prefill_rounds_x_once_from_1b_widths_and_twice_below():
+    """The default model (576 wide) keeps x's rounding error as a second step; Llama 3.2 1B's width (2048) and
+    wider round x once, as decode and llama.cpp do (engine/build/prefill_products.py: x_steps)."""
+    from engine.build.checkpoint.shapes import config
+    from engine.build.prefill_products import x_steps
+
+    assert x_steps(576) == STEPS == 2
+    assert [x_steps(config(name)["hidden_size"]) for name in ("llama-3.2-1b", "llama-3.1-8b")] == [1, 1]
+    assert x_steps(config("qwen2.5-0.5b")["hidden_size"]) == 2

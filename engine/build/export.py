@@ -23,7 +23,7 @@ from ..config import ATTEND_STEP, QUANTISED, BuildSettings, ModelConfig
 from ..devices import compile_flags, dot_form
 from ..errors import ArtefactError, BuildCancelled
 from ..paths import cache_dir
-from . import kernels
+from . import kernels, prefill_products
 from .model import StreamingLlama
 from .process import tied_to_me
 
@@ -141,7 +141,8 @@ def export_module(model: StreamingLlama) -> "aot.ExportOutput":
     _trace(fxb, "restore", _Restore(model), tuple(torch.zeros_like(b) for b in model.state()), one_pass=cpu)
 
     # The custom ops are expanded as the programs are imported.
-    with kernels.lowering_for(settings.device, dot_form(settings.device, settings.target_cpu)):
+    with kernels.lowering_for(settings.device, dot_form(settings.device, settings.target_cpu),
+                              prefill_products.x_steps(cfg.dim)):
         return aot.export(fxb)
 
 

@@ -166,23 +166,25 @@ def first_slots(kv: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 _cpu_tuned = False
 _dot_form: str | None = None
+_x_steps = prefill_products.STEPS
 
 
 @contextlib.contextmanager
-def lowering_for(device: str, dot_form: str | None = None) -> Iterator[None]:
+def lowering_for(device: str, dot_form: str | None = None, x_steps: int = prefill_products.STEPS) -> Iterator[None]:
     """Within it, the ops' decode forms are those for `device`: on a cpu, the hand-written products in `dot_form`
     (devices.dot_form: the instructions the build's target CPU has; None off the cpu), else the generic forms with
     the llvm-cpu lowering that keeps a vector accumulator per lane of output rows (IREE's default for these
     reductions tiles the reduction into the vector and sums it horizontally, or, with unit reduction tiles, lowers
     the multiply-add as one scalar per lane). Other devices get IREE's own choice: the attribute names llvm-cpu's
-    pipeline."""
-    global _cpu_tuned, _dot_form
-    before = _cpu_tuned, _dot_form
-    _cpu_tuned, _dot_form = device == "cpu", dot_form
+    pipeline. `x_steps`: the rounded rows a row of x becomes in the hand-written prefill products
+    (prefill_products.x_steps: the model's width decides)."""
+    global _cpu_tuned, _dot_form, _x_steps
+    before = _cpu_tuned, _dot_form, _x_steps
+    _cpu_tuned, _dot_form, _x_steps = device == "cpu", dot_form, x_steps
     try:
         yield
     finally:
-        _cpu_tuned, _dot_form = before
+        _cpu_tuned, _dot_form, _x_steps = before
 
 
 # Prefill's q4 form reads the codes through a 6-d view of the tiled layout (engine/build/q4.py): [tile, group,
@@ -302,7 +304,7 @@ util.func private @{name}(%a: tensor<1x{k}xf32>, {args}) -> tensor<1x{n}xf32> {{
 }}
 """
 
-# q4, any number of rows, on an x86 CPU: x and its rounding error quantised per group (STEPS rows of xq each), then
+# q4, any number of rows, on an x86 CPU: x (and in two steps its rounding error) quantised per group, then
 # the hand-written integer product of those rows, summed per row of x (engine/build/prefill_products.py).
 _MM_X86 = r"""
 module {{
@@ -773,14 +775,14 @@ def _register() -> dict:
 
     def emit_q4_rows(kb: KernelBuilder, sizes: dict, nb: int, k: int, parts: tuple[int, ...]) -> None:
         """The hand-written product of many rows (prefill_products.py), one output or one per part (tiles each)."""
-        tag = f"{nb * Q4_TILE}x{k}" + "".join(f"_{p * Q4_TILE}" for p in parts)
+        tag = f"{nb * Q4_TILE}x{k}" + "".join(f"_{p * Q4_TILE}" for p in parts) + f"_x{_x_steps}"
         name = f"eddy_mm_q4_{tag}_{_dot_form}"
         qx, exe = f"eddy_qx_{tag}_{_dot_form}", f"eddy_q4_rows_{tag}_{_dot_form}"
         outs = parts or (nb,)
         emit(kb, name, _MM_X86.format(
-            name=name, args=_Q4_ARGS.format(**sizes), steps=prefill_products.STEPS,
-            executables=prefill_products.quantise_rows_executable(qx, k)
-            + prefill_products.q4_rows_executable(_dot_form, exe, nb, k, parts),
+            name=name, args=_Q4_ARGS.format(**sizes), steps=_x_steps,
+            executables=prefill_products.quantise_rows_executable(qx, k, _x_steps)
+            + prefill_products.q4_rows_executable(_dot_form, exe, nb, k, parts, _x_steps),
             quantise=prefill_products.quantise_rows_call(qx, k, "%a", "%rows", "%rows2", "%xq", "%xs"),
             call=prefill_products.q4_rows_call(exe, nb, k, "%xq", "%xs", "%rows", "%rows2", "%qs", "%d", "%m",
                                                f"%r:{len(outs)}" if parts else "%r", parts),

@@ -16,12 +16,18 @@ x's error again and multiplying it too leaves ~2e-5 of the product (float32's ow
 and that work runs at `vpdpbusd`'s one-a-cycle throughput: gate|up at 30 rows 0.12 -> 0.28 ms, still under the
 widening form (1.24 ms). Decode's products keep one step, as before.
 
+Where the two steps are taken (x_steps): in models narrower than ONE_STEP_FROM_WIDTH. From 1B up the products are
+most of prefill's time (Llama 3.2 1B's shape, q4: 82 % of a 512-token chunk, 71 % of a 30-token turn, dispatch
+profiles), and the second step is half of them; there x is rounded once, as llama.cpp rounds it for every model
+(its Q8_K / Q8_1 activations), and as Eddy's decode does for every model. The one model seen to answer worse with
+one rounding is the 135M default, whose first token's margin was 0.03 of a logit.
+
 Two dispatches a product:
-  * `quantise_rows_executable`: x [rows, k] f32 -> xq [2 rows, groups, 8] i32 (each group's 32 int8) and
-    xs [2 rows, groups, 2] f32 (dx, dx * sum q): row 2i is x's row i, rounded as decode rounds it
-    (dot_products.quantise_group), row 2i + 1 that rounding's error, rounded the same way;
+  * `quantise_rows_executable`: x [rows, k] f32 -> xq [steps x rows, groups, 8] i32 (each group's 32 int8) and
+    xs [steps x rows, groups, 2] f32 (dx, dx * sum q): in two steps row 2i is x's row i, rounded as decode rounds it
+    (dot_products.quantise_group), row 2i + 1 that rounding's error, rounded the same way; in one, row i is x's;
   * `q4_rows_executable`: out [rows, n] f32 from those and the tiled codes, scales and offsets, each row of x's
-    STEPS rows of xq summed into one accumulator. A workgroup takes up to ROWS_PER_WORKGROUP rows of xq (the rows
+    steps rows of xq summed into one accumulator. A workgroup takes up to ROWS_PER_WORKGROUP rows of xq (the rows
     split evenly between the groups) against a few tiles of weights (small enough to stay in L2 while it goes over
     its rows; fewer in a short call: FEW_ROW_GROUPS) and, within that, ROW_BLOCK at a time: each 64-byte load of
     codes, split into its two nibble sets, feeds `vpdpbusd` for every row of the block, so the unpacking is shared
@@ -40,11 +46,13 @@ from ..config import Q4_TILE_ROWS as Q4_TILE
 from .dot_products import (Q4_GROUP_BYTES, index_constants, q4_prefetch, q4_prefetch_constants, quantise_group,
                            quantise_vector)
 
-# Rows of xq a block of registers multiplies, each with an int32 accumulator per group: ROW_BLOCK / STEPS rows of x,
+# Rows of xq a block of registers multiplies, each with an int32 accumulator per group: ROW_BLOCK / steps rows of x,
 # each with its float32 accumulator. At most 9: dot_products.index_constants names rows %i0..%i8.
 ROW_BLOCK = 6
-# Rows of xq a row of x becomes: x rounded, then that rounding's error rounded.
+# Rows of xq a row of x becomes: x rounded, then that rounding's error rounded (a model narrower than
+# ONE_STEP_FROM_WIDTH); or x rounded once.
 STEPS = 2
+ONE_STEP_FROM_WIDTH = 2048
 # Rows of xq a workgroup takes, in blocks of ROW_BLOCK, against its tiles of weights.
 ROWS_PER_WORKGROUP = 6 * ROW_BLOCK
 # Bytes of a workgroup's weights (codes, scales, offsets): kept in L2 while it goes over its rows.
@@ -58,6 +66,11 @@ FEW_ROW_GROUPS = 2
 FEW_ROWS_TILE_GROUPS = 32
 # Rows a workgroup of the quantising dispatch takes.
 QUANTISE_ROWS = 8
+
+
+def x_steps(hidden_size: int) -> int:
+    """How many rounded rows (steps) a row of x becomes in the prefill products of a model `hidden_size` wide."""
+    return 1 if hidden_size >= ONE_STEP_FROM_WIDTH else STEPS
 
 
 def tiles_per_workgroup(tiles: int, k: int) -> int:
@@ -86,8 +99,8 @@ stream.executable private @{name} {{
       %f127 = arith.constant 127.0 : f32
       %r127 = arith.constant 0.007874015748031496 : f32
       %xa = stream.binding.subspan %xb[%c0] : !stream.binding -> memref<?x{k}xf32>{{%rows}}
-      %c2 = arith.constant 2 : index
-      %rows2 = arith.muli %rows, %c2 : index
+      %csteps = arith.constant {steps} : index
+      %rows2 = arith.muli %rows, %csteps : index
       %xqa = stream.binding.subspan %qb[%c0] : !stream.binding -> memref<?x{groups}x8xi32>{{%rows2}}
       %xsa = stream.binding.subspan %sb[%c0] : !stream.binding -> memref<?x{groups}x2xf32>{{%rows2}}
       %wg = stream.dispatch.workgroup.id[0] : index
@@ -96,15 +109,11 @@ stream.executable private @{name} {{
       %r1 = arith.minui %r1a, %rows : index
       scf.for %row = %r0 to %r1 step %c1 {{
         %x = memref.subview %xa[%row, 0] [1, {k}] [1, 1] : memref<?x{k}xf32> to memref<{k}xf32, strided<[1], offset: ?>>
-        %at = arith.muli %row, %c2 : index
-        %at2 = arith.addi %at, %c1 : index
+        %at = arith.muli %row, %csteps : index
         scf.for %c = %c0 to %cg step %c1 {{{group}
           vector.store %q32, %xqa[%at, %c, %c0] : memref<?x{groups}x8xi32>, vector<8xi32>
           memref.store %dx, %xsa[%at, %c, %c0] : memref<?x{groups}x2xf32>
-          memref.store %dxs, %xsa[%at, %c, %c1] : memref<?x{groups}x2xf32>
-          vector.store %q322, %xqa[%at2, %c, %c0] : memref<?x{groups}x8xi32>, vector<8xi32>
-          memref.store %dx2, %xsa[%at2, %c, %c0] : memref<?x{groups}x2xf32>
-          memref.store %dxs2, %xsa[%at2, %c, %c1] : memref<?x{groups}x2xf32>
+          memref.store %dxs, %xsa[%at, %c, %c1] : memref<?x{groups}x2xf32>{second}
         }}
       }}
       return
@@ -114,24 +123,32 @@ stream.executable private @{name} {{
 """
 
 
-def quantise_rows_executable(name: str, k: int) -> str:
-    """The `stream.executable` @name quantising x [rows, k] f32 per group of 32 into xq [2 rows, k/32, 8] i32 and
-    xs [2 rows, k/32, 2] f32 (dx, dx * sum q): row 2i is row i of x rounded to int8, row 2i + 1 the error of that
-    rounding rounded to int8 in its turn, so that the product of the two (summed) is x's to ~15 bits."""
+def quantise_rows_executable(name: str, k: int, steps: int = STEPS) -> str:
+    """The `stream.executable` @name quantising x [rows, k] f32 per group of 32 into xq [steps x rows, k/32, 8] i32
+    and xs [steps x rows, k/32, 2] f32 (dx, dx * sum q): in one step row i is row i of x rounded to int8; in two
+    row 2i is that and row 2i + 1 the error of that rounding rounded to int8 in its turn, so that the product of
+    the two (summed) is x's to ~15 bits."""
     groups = k // Q4_GROUP
-    # The rounding's error, x - q dx, rounded again: its own 8 bits.
-    residual = """
+    group, second = quantise_group(f"memref<{k}xf32, strided<[1], offset: ?>>"), ""
+    if steps == 2:
+        # The rounding's error, x - q dx, rounded again: its own 8 bits.
+        group += """
         %dxv = vector.broadcast %dx : f32 to vector<32xf32>
         %back = arith.mulf %rn, %dxv : vector<32xf32>
-        %e = arith.subf %v, %back : vector<32xf32>"""
-    return _QUANTISE.format(name=name, k=k, groups=groups, per=QUANTISE_ROWS,
-                            group=quantise_group(f"memref<{k}xf32, strided<[1], offset: ?>>") + residual
-                            + quantise_vector("e", "2"))
+        %e = arith.subf %v, %back : vector<32xf32>""" + quantise_vector("e", "2")
+        second = """
+          %at2 = arith.addi %at, %c1 : index
+          vector.store %q322, %xqa[%at2, %c, %c0] : memref<?x{groups}x8xi32>, vector<8xi32>
+          memref.store %dx2, %xsa[%at2, %c, %c0] : memref<?x{groups}x2xf32>
+          memref.store %dxs2, %xsa[%at2, %c, %c1] : memref<?x{groups}x2xf32>""".format(groups=groups)
+    assert steps in (1, 2), steps
+    return _QUANTISE.format(name=name, k=k, groups=groups, per=QUANTISE_ROWS, steps=steps, group=group,
+                            second=second)
 
 
 def quantise_rows_call(name: str, k: int, x: str, rows: str, rows2: str, xq: str, xs: str) -> str:
-    """The `flow.dispatch` of quantise_rows_executable @name: `xq`, `xs` (`rows2` = 2 x `rows` rows: each row of x
-    then its rounding error) from x (tensor<?x k x f32>, rows `rows`)."""
+    """The `flow.dispatch` of quantise_rows_executable @name: `xq`, `xs` (`rows2` = steps x `rows` rows: each row
+    of x, then in two steps its rounding error) from x (tensor<?x k x f32>, rows `rows`)."""
     groups = k // Q4_GROUP
     return (f"{xq}, {xs} = flow.dispatch @{name}::@{name}[{rows}]({x}, {rows}) : (tensor<?x{k}xf32>{{{rows}}}, index) "
             f"-> (tensor<?x{groups}x8xi32>{{{rows2}}}, tensor<?x{groups}x2xf32>{{{rows2}}})")
@@ -201,18 +218,18 @@ stream.executable private @{name} {{
 """
 
 
-def _rows_of_block(block: int) -> str:
+def _rows_of_block(block: int, steps: int) -> str:
     """%out{j}: the block's rows of x, the last row standing in for those past it; %in{j}: whether it is real;
-    %row{i}: the rows of xq (STEPS a row of x) the block multiplies."""
+    %row{i}: the rows of xq (`steps` a row of x) the block multiplies."""
     lines = []
-    for j in range(block // STEPS):
+    for j in range(block // steps):
         lines.append(f"""
         %rr{j} = arith.addi %rb, %i{j} : index
         %out{j} = arith.minui %rr{j}, %last : index
         %in{j} = arith.cmpi ult, %rr{j}, %rows : index
-        %row{STEPS * j} = arith.muli %out{j}, %csteps : index""")
+        %row{steps * j} = arith.muli %out{j}, %csteps : index""")
         lines += [f"""
-        %row{STEPS * j + s} = arith.addi %row{STEPS * j}, %i{s} : index""" for s in range(1, STEPS)]
+        %row{steps * j + s} = arith.addi %row{steps * j}, %i{s} : index""" for s in range(1, steps)]
     return "".join(lines)
 
 
@@ -281,10 +298,10 @@ def _q4_avx2(block: int) -> tuple[str, list[str]]:
 _Q4_FORMS = {"vnni": _q4_vnni, "avx2": _q4_avx2}
 
 
-def _by_row_groups(out: str, many: int, few: int, indent: str) -> str:
+def _by_row_groups(out: str, many: int, few: int, indent: str, steps: int) -> str:
     """MLIR lines setting %n to the groups of rows a call of %rows rows takes and `out` to `many`, or to `few` in a
     short call (at most FEW_ROW_GROUPS groups): the dispatch's workgroup count and its workgroups' share agree."""
-    lines = [f"%per = arith.constant {ROWS_PER_WORKGROUP // STEPS} : index", "%n = arith.ceildivui %rows, %per : index",
+    lines = [f"%per = arith.constant {ROWS_PER_WORKGROUP // steps} : index", "%n = arith.ceildivui %rows, %per : index",
              f"%few_rows = arith.constant {FEW_ROW_GROUPS} : index", "%few = arith.cmpi ule, %n, %few_rows : index",
              f"{out}_many = arith.constant {many} : index", f"{out}_few = arith.constant {few} : index",
              f"{out} = arith.select %few, {out}_few, {out}_many : index"]
@@ -314,9 +331,10 @@ def _part_constants(parts: tuple[int, ...]) -> str:
       %cpart{i} = arith.constant {t * Q4_TILE} : index""" for i, t in enumerate(starts))
 
 
-def q4_rows_executable(form: str, name: str, tiles: int, k: int, parts: tuple[int, ...] = ()) -> str:
+def q4_rows_executable(form: str, name: str, tiles: int, k: int, parts: tuple[int, ...] = (),
+                       steps: int = STEPS) -> str:
     """The `stream.executable` @name computing out [rows, tiles x 16] f32 from x quantised
-    (quantise_rows_executable's xq, xs: STEPS rows each), the codes [tiles x groups x Q4_GROUP_BYTES] i8 and
+    (quantise_rows_executable's xq, xs: `steps` rows each), the codes [tiles x groups x Q4_GROUP_BYTES] i8 and
     scales, offsets [tiles x groups x 16] f16; with `parts` (tiles each, summing to `tiles`), as that many outputs
     [rows, part x 16] (q, k and v from one product, each stored where its consumers read it whole)."""
     parts = parts or (tiles,)
@@ -327,8 +345,8 @@ def q4_rows_executable(form: str, name: str, tiles: int, k: int, parts: tuple[in
     body, sums = _Q4_FORMS[form](block)
     scale = []
     for i in range(block):
-        j = i // STEPS
-        acc = f"%af{j}" if i % STEPS == 0 else f"%n{i - 1}"
+        j = i // steps
+        acc = f"%af{j}" if i % steps == 0 else f"%n{i - 1}"
         scale.append(f"""
             %fs{i} = arith.sitofp {sums[i]} : vector<16xi32> to vector<16xf32>
             %dx{i} = memref.load %xs[%row{i}, %c, %c0] : memref<?x{groups}x2xf32>
@@ -338,7 +356,7 @@ def q4_rows_executable(form: str, name: str, tiles: int, k: int, parts: tuple[in
             %sc{i} = arith.mulf %dv, %dxv{i} : vector<16xf32>
             %a{i} = math.fma %fs{i}, %sc{i}, {acc} : vector<16xf32>
             %n{i} = math.fma %mv, %dmv{i}, %a{i} : vector<16xf32>""")
-    real = block // STEPS
+    real = block // steps
     stores = "".join(f"""
           scf.if %in{j} {{{_store_in_part(f"%acc#{j}", f"%out{j}", parts)}
           }}""" for j in range(real))
@@ -346,22 +364,22 @@ def q4_rows_executable(form: str, name: str, tiles: int, k: int, parts: tuple[in
     return _Q4_ROWS.format(
         name=name, groups=groups, nb=tiles, n=tiles * Q4_TILE, gb=Q4_GROUP_BYTES, block=block,
         prefetch_constants=q4_prefetch_constants(tiles, groups), prefetch=q4_prefetch(tiles, groups),
-        real=real, steps=STEPS,
-        tile_groups=_by_row_groups("%tw", -(-tiles // per_tiles), -(-tiles // few_tiles), "    "),
-        tiles_per_workgroup=_by_row_groups("%ctpw", per_tiles, few_tiles, "      "),
-        offsets=index_constants() + _part_constants(parts), rows_of_block=_rows_of_block(block),
+        real=real, steps=steps,
+        tile_groups=_by_row_groups("%tw", -(-tiles // per_tiles), -(-tiles // few_tiles), "    ", steps),
+        tiles_per_workgroup=_by_row_groups("%ctpw", per_tiles, few_tiles, "      ", steps),
+        offsets=index_constants() + _part_constants(parts), rows_of_block=_rows_of_block(block, steps),
         out_bindings=", ".join(f"%ob{i}: !stream.binding" for i in range(len(parts))),
         out_subspans="\n".join(f"      %res{i} = stream.binding.subspan %ob{i}[%c0] : !stream.binding -> "
                                f"memref<?x{p * Q4_TILE}xf32>{{%rows}}" for i, p in enumerate(parts)),
         iter_args=", ".join(f"%af{j} = %zv" for j in range(real)), acc_types=acc_types,
         group=body.format(nb=tiles, groups=groups), scale="".join(scale),
-        yields=", ".join(f"%n{STEPS * j + STEPS - 1}" for j in range(real)), stores=stores)
+        yields=", ".join(f"%n{steps * j + steps - 1}" for j in range(real)), stores=stores)
 
 
 def q4_rows_call(name: str, tiles: int, k: int, xq: str, xs: str, rows: str, rows2: str, q: str, d: str, m: str,
                  out: str, parts: tuple[int, ...] = ()) -> str:
     """The `flow.dispatch` of q4_rows_executable @name, binding `out` (tensor<?x tiles*16 x f32>, `rows` rows; xq
-    and xs have `rows2` = STEPS x `rows`); with `parts`, `out` names their results (`%r:3`, one per part)."""
+    and xs have `rows2` = steps x `rows`); with `parts`, `out` names their results (`%r:3`, one per part)."""
     groups = k // Q4_GROUP
     results = ", ".join(f"tensor<?x{p * Q4_TILE}xf32>{{{rows}}}" for p in parts or (tiles,))
     return (f"{out} = flow.dispatch @{name}::@{name}[{rows}]({xq}, {xs}, {q}, {d}, {m}, {rows}) : "
