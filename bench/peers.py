@@ -918,7 +918,11 @@ def main() -> int:
         "machine": machine, "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"), "quick": a.quick,
         "commit": subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True,
-                                 text=True).stdout.strip(), "sizes": sizes, "gguf": str(gguf),
+                                 text=True).stdout.strip(),
+        # Files changed since that commit: the figures are not the commit's alone.
+        "uncommitted": subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+                                      capture_output=True, text=True).stdout.split("\n")[:-1],
+        "sizes": sizes, "gguf": str(gguf),
         "ids": ids_info, "gate": Gate(**gate_cfg).config(), "loadavg_start": os.getloadavg(), "peers": {},
         "size": size,
     }
