@@ -10,7 +10,7 @@ import sys
 import threading
 from typing import TYPE_CHECKING, Sequence
 
-from .devices import CUDA_TARGETS
+from .devices import GPU_TARGETS
 from .config import DEVICES, DTYPE_CHOICES, KV_CHOICES, PIN_SLOTS, TARGET_CPUS, BuildSettings
 from .errors import EddyError
 from .events import Done, Error, Event, Prefill, PrefillProgress, Reasoning, Token
@@ -74,9 +74,10 @@ def _build_options(p: argparse.ArgumentParser) -> None:
                    help="KV cache type; 16 bits halve what attention reads over a long window; auto (the default) = "
                         "f32 for f32 weights, bf16 for bf16, f16 otherwise; f32 on a cuda GPU")
     p.add_argument("--device", choices=DEVICES, default=d.device)
-    p.add_argument("--gpu-target", choices=CUDA_TARGETS, default=None,
-                   help="cuda device: the CUDA target to build for (default: this machine's GPU; name one to build "
-                        "for a GPU elsewhere: sm_89 for Ada and Hopper, sm_80 for Ampere)")
+    p.add_argument("--gpu-target", choices=[t for targets in GPU_TARGETS.values() for t in targets], default=None,
+                   help="cuda or vulkan device: the target to build for (default: this machine's GPU; name one to "
+                        "build for a GPU elsewhere: cuda sm_89 for Ada and Hopper, sm_80 for Ampere; vulkan rdna3, "
+                        "ampere, ada, ..., or vp_android_baseline_2022 for any Vulkan 1.1 device)")
     p.add_argument("--target-cpu", choices=TARGET_CPUS, default=d.target_cpu,
                    help="cpu device: the CPU to compile for; host (default) is fastest but runs only on CPUs like "
                         "this one, x86-64-v3 (AVX2) is the portable choice for packages")

@@ -5,7 +5,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from .arch import family
-from .devices import CUDA_TARGETS, DEVICES, TABLE
+from .devices import DEVICES, GPU_TARGETS, TABLE
 from .errors import ModelError
 
 DTYPES = ("f32", "f16", "bf16", "q8", "q4")
@@ -174,7 +174,8 @@ class BuildSettings:
     # system prompt's tokens all become sinks; slots not used as sinks stay empty.
     max_sinks: int = 0
     kv_dtype: str = AUTO_DTYPE  # see KV_CHOICES; "auto" follows the weight type (AUTO_KV_DTYPE)
-    # cuda only: the CUDA target (devices.CUDA_TARGETS); "" until engine.gpu.resolve_target takes it from the GPU.
+    # GPU devices only: the CUDA or Vulkan target (devices.GPU_TARGETS); "" until engine.gpu.resolve_target takes it
+    # from this machine's GPU.
     gpu_target: str = ""
 
     def __post_init__(self) -> None:
@@ -190,11 +191,13 @@ class BuildSettings:
             raise ValueError(f"device must be one of {', '.join(DEVICES)} (got {self.device!r})")
         if self.target_cpu not in TARGET_CPUS:
             raise ValueError(f"target CPU must be one of {', '.join(TARGET_CPUS)} (got {self.target_cpu!r})")
-        if self.gpu_target and self.gpu_target not in CUDA_TARGETS:
-            raise ValueError(f"GPU target must be one of {', '.join(CUDA_TARGETS)} (got {self.gpu_target!r}); "
-                             f"Hopper GPUs (sm_90) run sm_89 code")
-        if self.gpu_target and self.device != "cuda":
-            raise ValueError(f"a GPU target is for the cuda device (got device {self.device!r})")
+        if self.gpu_target and self.device not in GPU_TARGETS:
+            raise ValueError(f"a GPU target is for a GPU device, {' or '.join(GPU_TARGETS)} (got device "
+                             f"{self.device!r})")
+        if self.gpu_target and self.gpu_target not in GPU_TARGETS[self.device]:
+            known = GPU_TARGETS[self.device]
+            raise ValueError(f"a {self.device} GPU target must be one of {', '.join(known)} (got {self.gpu_target!r})"
+                             + ("; Hopper GPUs (sm_90) run sm_89 code" if self.device == "cuda" else ""))
 
     def for_source(self, source: Any) -> "BuildSettings":
         """These settings with "auto" replaced by the weight type `source` (a ModelSource) takes by default, and
@@ -204,8 +207,8 @@ class BuildSettings:
 
     @property
     def target(self) -> str:
-        """What the device's compiler is told to build for: the CPU, or the CUDA target."""
-        return self.gpu_target if self.device == "cuda" else self.target_cpu
+        """What the device's compiler is told to build for: the CPU, or the GPU's CUDA or Vulkan target."""
+        return self.gpu_target if self.device in GPU_TARGETS else self.target_cpu
 
     @property
     def capacity(self) -> int:

@@ -1,7 +1,8 @@
-"""Which NVIDIA GPUs this machine has, asked of the CUDA driver library itself. Torch-free, Qt-free.
+"""Which GPUs this machine has: NVIDIA ones asked of the CUDA driver library itself, Vulkan devices of IREE's
+Vulkan driver. Torch-free, Qt-free.
 
-The build takes its CUDA target from here when none is given (`--gpu-target`), and the runtime checks that a
-module built for a GPU has one to run on before IREE is asked, so a missing GPU gets a sentence, not IREE's
+The build takes its CUDA or Vulkan target from here when none is given (`--gpu-target`), and the runtime checks
+that a module built for a GPU has one to run on before IREE is asked, so a missing GPU gets a sentence, not IREE's
 status code. libcuda ships with the driver: where it cannot be loaded there is no usable GPU either.
 """
 from __future__ import annotations
@@ -12,7 +13,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from .config import BuildSettings
-from .devices import DEVICES, cuda_target_for
+from .devices import DEVICES, VULKAN_PORTABLE, cuda_target_for, vulkan_target_for
 from .errors import DeviceError
 
 _CC_MAJOR, _CC_MINOR = 75, 76  # CUdevice_attribute: CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR/_MINOR
@@ -71,21 +72,67 @@ def cuda_gpus() -> tuple[Gpu, ...]:
     return probe()[0]
 
 
+@dataclass(frozen=True)
+class VulkanGpu:
+    name: str  # as the Vulkan driver reports it, e.g. "llvmpipe (LLVM 15.0.6, 256 bits) (llvmpipe Mesa 22.3.6 ...)"
+
+    @property
+    def target(self) -> str:
+        """The iree-compile Vulkan target its code is built for."""
+        return vulkan_target_for(self.name)
+
+
+@lru_cache(maxsize=1)
+def vulkan_probe() -> tuple[tuple[VulkanGpu, ...], str]:
+    """The Vulkan devices IREE's driver sees, and why there are none when there are none. Asked once per process."""
+    try:
+        import iree.runtime as rt
+
+        found = rt.get_driver("vulkan").query_available_devices()
+    except (RuntimeError, ValueError, OSError) as e:  # no Vulkan loader, or no driver (ICD) it can start
+        return (), f"no Vulkan driver could start ({e})"
+    gpus = tuple(VulkanGpu(str(d.get("name", "?"))) for d in found)
+    return gpus, "" if gpus else "the Vulkan driver reports no device (Mesa's lavapipe is one on the CPU)"
+
+
+def gpus_of(device: str) -> tuple[tuple[Gpu, ...] | tuple[VulkanGpu, ...], str]:
+    """This machine's GPUs for a GPU device, and why there are none when there are none."""
+    return probe() if device == "cuda" else vulkan_probe()
+
+
+# How to build for a GPU on another machine, by device: a target to name.
+_NAME_A_TARGET = {"cuda": "e.g. --gpu-target sm_89 (Ada and Hopper GPUs) or sm_80 (Ampere)",
+                  "vulkan": f"e.g. --gpu-target rdna3 (AMD RX 7000), ada (NVIDIA RTX 40) or {VULKAN_PORTABLE} "
+                            "(any Vulkan 1.1 device)"}
+
+
 def resolve_target(settings: BuildSettings) -> BuildSettings:
-    """The settings with the CUDA target filled in from this machine's first GPU when the user gave none.
+    """The settings with the GPU target filled in from this machine's first GPU when the user gave none.
 
     The artefact key covers the target, so it must be known before a build is looked up."""
-    if settings.device != "cuda" or settings.gpu_target:
+    if settings.device not in _NAME_A_TARGET or settings.gpu_target:
         return settings
-    gpus, why = probe()
+    gpus, why = gpus_of(settings.device)
     if not gpus:
-        raise DeviceError(f"Cannot build for the cuda device: {why}. To build for a GPU on another machine, "
-                          f"name its target, e.g. --gpu-target sm_89 (Ada and Hopper GPUs) or sm_80 (Ampere).")
+        raise DeviceError(f"Cannot build for the {settings.device} device: {why}. To build for a GPU on another "
+                          f"machine, name its target, {_NAME_A_TARGET[settings.device]}.")
     return replace(settings, gpu_target=gpus[0].target)
 
 
-def check_runnable(settings: BuildSettings) -> Gpu:
-    """The GPU a cuda build will run on; DeviceError saying what is missing when it cannot run here."""
+def check_runnable(settings: BuildSettings) -> Gpu | VulkanGpu:
+    """The GPU a cuda or vulkan build will run on; DeviceError saying what is missing when it cannot run here."""
+    if settings.device == "vulkan":
+        gpus, why = vulkan_probe()
+        if not gpus:
+            raise DeviceError(f"This model was built for a Vulkan GPU ({settings.gpu_target or 'no target'}), and "
+                              f"this machine cannot run it: {why}. Choose the cpu device in Settings (or --device "
+                              f"cpu) to run it on the processor.")
+        gpu = gpus[0]
+        # Code for another Vulkan target may use what this device lacks; the portable profile runs anywhere.
+        if settings.gpu_target not in (gpu.target, VULKAN_PORTABLE):
+            raise DeviceError(f"This model was built for {settings.gpu_target} Vulkan GPUs, and this one is "
+                              f"{gpu.name}. Rebuild it with --gpu-target {gpu.target}.")
+        return gpu
     gpus, why = probe()
     if not gpus:
         raise DeviceError(f"This model was built for an NVIDIA GPU (cuda, {settings.gpu_target or 'no target'}), "
@@ -100,31 +147,37 @@ def check_runnable(settings: BuildSettings) -> Gpu:
 
 
 def device_name(settings: BuildSettings) -> str:
-    """What the status bar calls the device a model runs on: "cpu", or "cuda · NVIDIA H200"."""
-    if settings.device != "cuda":
+    """What the status bar calls the device a model runs on: "cpu", "cuda · NVIDIA H200" or "vulkan · llvmpipe"."""
+    if settings.device not in _NAME_A_TARGET:
         return settings.device
-    gpus = cuda_gpus()
-    return f"cuda · {gpus[0].name}" if gpus else "cuda"
+    gpus, _ = gpus_of(settings.device)
+    return f"{settings.device} · {short_name(gpus[0].name)}" if gpus else settings.device
+
+
+def short_name(name: str) -> str:
+    """A device's name without the driver's details in brackets: "llvmpipe", "AMD Radeon RX 7900 XTX"."""
+    return name.split(" (")[0].strip() or name
 
 
 def runnable(settings: BuildSettings) -> tuple[BuildSettings, str]:
-    """The settings a chat app runs with here: a cuda choice falls back to the CPU on a machine without a GPU
+    """The settings a chat app runs with here: a GPU choice falls back to the CPU on a machine without that GPU
     (the choice stays in Settings for when one is there), with the reason to show; other choices are kept."""
-    if settings.device != "cuda":
+    if settings.device not in _NAME_A_TARGET:
         return settings, ""
-    gpus, why = probe()
+    gpus, why = gpus_of(settings.device)
     if gpus:
         return settings, ""
-    return replace(settings, device="cpu", gpu_target=""), f"cuda chosen, but {why}"
+    return replace(settings, device="cpu", gpu_target=""), f"{settings.device} chosen, but {why}"
 
 
 def device_choices() -> list[tuple[str, str, bool]]:
     """(device, label, available) for a Settings list: the GPU named where there is one."""
-    gpus, _ = probe()
     out = []
     for name in DEVICES:
-        if name == "cuda":
-            out.append((name, f"cuda · {gpus[0].name}" if gpus else "cuda (no NVIDIA GPU here)", bool(gpus)))
-        else:
+        if name not in _NAME_A_TARGET:
             out.append((name, name, True))
+            continue
+        gpus, _ = gpus_of(name)
+        missing = "no NVIDIA GPU here" if name == "cuda" else "no Vulkan device here"
+        out.append((name, f"{name} · {short_name(gpus[0].name)}" if gpus else f"{name} ({missing})", bool(gpus)))
     return out

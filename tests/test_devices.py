@@ -20,7 +20,7 @@ def test_one_device_table_feeds_config_cli_and_runtime():
     assert devices.driver("cpu") == "local-task"
     for name in DEVICES:
         BuildSettings(device=name)  # every row is a valid build setting
-        flags = devices.compile_flags(name, "sm_89" if name == "cuda" else "")
+        flags = devices.compile_flags(name, {"cuda": "sm_89", "vulkan": "llvmpipe"}.get(name, ""))
         assert any(f.startswith("--iree-hal-target-device=") for f in flags)
 
 

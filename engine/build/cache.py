@@ -72,8 +72,8 @@ def settings_summary(settings: dict) -> str:
     own = auto_kv_dtype(s["dtype"], AUTO_DTYPE, s["device"]) if s["dtype"] in AUTO_KV_DTYPE else None
     if s["kv_dtype"] not in (AUTO_DTYPE, own):  # named only when not what "auto" gives
         parts.append(f"KV cache {s['kv_dtype']}")
-    if s["device"] == "cuda":
-        parts.append(f"cuda {s['gpu_target']}".strip())
+    if s["device"] in ("cuda", "vulkan"):
+        parts.append(f"{s['device']} {s['gpu_target']}".strip())
     else:
         parts.append(str(s["device"]) if s["target_cpu"] == "host" or s["device"] != "cpu" else f"cpu {s['target_cpu']}")
     return ", ".join(parts)

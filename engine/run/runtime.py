@@ -31,8 +31,8 @@ class CompiledModule:
             if not f.is_file():
                 raise ArtefactError(f"compiled artefact missing: {f}")
         settings = settings or BuildSettings()
-        device = settings.device
-        if device == "cuda":
+        device = self.device_kind = settings.device
+        if device != "cpu":
             check_runnable(settings)  # a sentence naming what is missing, before IREE's status code
         try:
             self.device = rt.get_device(driver(device))
@@ -72,20 +72,40 @@ class CompiledModule:
     # object is collected, so a kept view would silently change under a later call.
     # Every entry point takes the new tokens' positions (token_pos) as its last argument.
     def prefill(self, *args: np.ndarray) -> np.ndarray:
-        out = np.array(self._prefill(*args).to_host())
+        out = self._host(self._prefill(*args))
         self._count(args[-1])
         return out
 
     def decode(self, *args: np.ndarray) -> np.ndarray:
-        out = np.array(self._decode(*args).to_host())
+        out = self._host(self._decode(*args))
         self._count(args[-1])
         return out
+
+    def _host(self, result: rt.DeviceArray) -> np.ndarray:
+        """A call's result as an array of its own. On vulkan through a staging buffer: iree.runtime's to_host()
+        imports a fresh numpy array as device-visible memory where the driver offers imports, and Vulkan drivers
+        may want the pointer page-aligned (lavapipe: "minImportedHostPointerAlignment 4096"), which numpy's is
+        not."""
+        if self.device_kind != "vulkan":
+            return np.array(result.to_host())
+        view = result._buffer_view  # iree.runtime 3.13 (pinned): the result's HAL buffer view
+        source = view.get_buffer()
+        staging = self.device.allocator.allocate_buffer(
+            memory_type=int(rt.MemoryType.HOST_LOCAL | rt.MemoryType.DEVICE_VISIBLE),
+            allowed_usage=int(rt.BufferUsage.TRANSFER_TARGET | rt.BufferUsage.MAPPING_SCOPED),
+            allocation_size=source.byte_length())
+        done = self.device.create_semaphore(0)
+        self.device.queue_copy(source, staging, wait_semaphores=rt.HalFence.create_at(done, 0),
+                               signal_semaphores=rt.HalFence.create_at(done, 1))
+        rt.HalFence.create_at(done, 1).wait()
+        dtype = rt.HalElementType.map_to_dtype(view.element_type)
+        return np.array(staging.map().asarray(tuple(view.shape), dtype))
 
     def score(self, tokens: np.ndarray, targets: np.ndarray, *rest: np.ndarray) -> np.ndarray:
         """prefill's arguments with the targets after the tokens: the log-probabilities of the targets. The module's
         score reads the hidden rows its prefill keeps (engine/build/model.py), so this is those two calls."""
         self._prefill(tokens, *rest)
-        out = np.array(self._score(targets).to_host())
+        out = self._host(self._score(targets))
         self._count(rest[-1])
         return out
 

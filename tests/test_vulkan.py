@@ -1,0 +1,114 @@
+"""The vulkan device, run where there is one: Mesa's lavapipe (a Vulkan device on the CPU) in CI and here, a GPU
+elsewhere. A vulkan build of tiny-random gives the CPU build's logits (f32, 1e-4) through prefill, decode and a
+window that slides; `eddy chat --device vulkan` answers; a build's Vulkan target comes from the device's name.
+
+Without a Vulkan device (no loader, or no driver) the build-and-run tests say how to get lavapipe: `.ci/run`
+installs it where it can.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, TINY_SETTINGS
+
+from engine.config import BuildSettings
+from engine.devices import VULKAN_PORTABLE, VULKAN_TARGETS, compile_flags, vulkan_target_for
+from engine.gpu import device_choices, resolve_target, vulkan_probe
+
+LAVAPIPE = "apt-get install mesa-vulkan-drivers libvulkan1"
+
+
+def _need_a_vulkan_device() -> None:
+    if not vulkan_probe()[0]:
+        pytest.skip(f"no Vulkan device here ({vulkan_probe()[1]}); Mesa's lavapipe is one: {LAVAPIPE}")
+
+
+def test_a_vulkan_target_comes_from_the_devices_name():
+    assert vulkan_target_for("llvmpipe (LLVM 15.0.6, 256 bits) (llvmpipe Mesa 22.3.6 (LLVM 15.0.6))") == "llvmpipe"
+    assert vulkan_target_for("NVIDIA GeForce RTX 4090") == "ada"
+    assert vulkan_target_for("NVIDIA GeForce RTX 3060") == "ampere"
+    assert vulkan_target_for("Tesla T4") == "turing" and vulkan_target_for("NVIDIA H200") == "ada"
+    assert vulkan_target_for("AMD Radeon RX 7900 XTX (RADV NAVI31)") == "rdna3"
+    assert vulkan_target_for("Intel(R) Arc(tm) A770 Graphics (DG2)") == VULKAN_PORTABLE
+    assert compile_flags("vulkan", "rdna3")[-1] == "--iree-vulkan-target=rdna3"
+    with pytest.raises(ValueError, match="--gpu-target"):
+        compile_flags("vulkan")
+    with pytest.raises(ValueError, match="vulkan GPU target must be one of"):
+        BuildSettings(device="vulkan", gpu_target="sm_89")
+    with pytest.raises(ValueError, match="is for a GPU device"):
+        BuildSettings(gpu_target="rdna3")
+
+
+def test_every_listed_vulkan_target_is_one_iree_compile_knows(tmp_path):
+    from iree.compiler.tools.binaries import find_tool
+
+    src = tmp_path / "add.mlir"
+    src.write_text("func.func @f(%a: tensor<4xf32>) -> tensor<4xf32> {\n"
+                   "  %0 = arith.addf %a, %a : tensor<4xf32>\n  return %0 : tensor<4xf32>\n}\n")
+    for target in VULKAN_TARGETS:
+        proc = subprocess.run([find_tool("iree-compile"), str(src), "-o", str(tmp_path / f"{target}.vmfb"),
+                               *compile_flags("vulkan", target)], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, (target, proc.stderr[-500:])
+
+
+def test_settings_offer_vulkan_where_there_is_a_device():
+    gpus, why = vulkan_probe()
+    vulkan = next(c for c in device_choices() if c[0] == "vulkan")
+    assert vulkan[2] == bool(gpus)
+    assert (gpus[0].name.split(" (")[0] in vulkan[1]) if gpus else ("no Vulkan device" in vulkan[1] and why)
+
+
+@pytest.fixture(scope="module")
+def vulkan_tiny():
+    _need_a_vulkan_device()
+    from engine.loader import open_model
+
+    settings = resolve_target(replace(TINY_SETTINGS, device="vulkan"))
+    return open_model("tiny-random", settings)
+
+
+def test_the_vulkan_build_gives_the_cpu_builds_logits(vulkan_tiny, tiny):
+    """Prefill in chunks, decode, a second turn, and past the window (capacity 64): every logit within 1e-4."""
+    assert vulkan_tiny.engine.settings.gpu_target == vulkan_target_for(vulkan_probe()[0][0].name)
+    ids = [int(i) for i in np.random.RandomState(7).randint(0, 49152, 90)]
+    got, want = [], []
+    for eng, out in ((vulkan_tiny.engine, got), (tiny.engine, want)):
+        eng.reset()
+        out.append(eng.prefill(ids[:40]))
+        out += [eng.decode(t) for t in ids[40:50]]
+        out.append(eng.prefill(ids[50:90]))  # past capacity: the window has slid
+        out.append(eng.decode(ids[0]))
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert np.abs(g - w).max() < 1e-4, (i, float(np.abs(g - w).max()))
+
+
+def test_the_vulkan_q8_build_gives_the_cpus_generic_products(vulkan_tiny):
+    """q8 (a folder's default): the GPU's products are the generic ones, which a CPU build for x86-64-v2 also takes
+    (no hand-written integer form there): the same arithmetic, within 1e-4."""
+    from engine.loader import open_model
+
+    q8 = replace(TINY_SETTINGS, dtype="q8")
+    gpu = open_model("tiny-random", resolve_target(replace(q8, device="vulkan"))).engine
+    cpu = open_model("tiny-random", replace(q8, target_cpu="x86-64-v2")).engine
+    ids = [int(i) for i in np.random.RandomState(8).randint(0, 49152, 30)]
+    for eng in (gpu, cpu):
+        eng.reset()
+    assert np.abs(gpu.prefill(ids[:20]) - cpu.prefill(ids[:20])).max() < 1e-4
+    for t in ids[20:]:
+        assert np.abs(gpu.decode(t) - cpu.decode(t)).max() < 1e-4
+
+
+def test_eddy_chat_answers_on_vulkan():
+    _need_a_vulkan_device()
+    proc = subprocess.run([sys.executable, "-m", "engine.cli", "chat", "--model", "tiny-random", "--device", "vulkan",
+                           "--dtype", "f32", "--prompt", "hello", "--max-new-tokens", "4", "--json"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    events = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert next(e for e in events if e.get("event") == "done")["tokens"] == 4
