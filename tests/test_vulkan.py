@@ -112,3 +112,31 @@ def test_eddy_chat_answers_on_vulkan():
     assert proc.returncode == 0, proc.stderr[-2000:]
     events = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert next(e for e in events if e.get("event") == "done")["tokens"] == 4
+
+
+def test_without_a_vulkan_device_a_build_names_a_target_and_a_built_one_says_what_is_missing(tmp_path):
+    """A machine whose Vulkan loader finds no driver (VK_ICD_FILENAMES pointing at nothing: a real loader, no
+    device): `--device vulkan` alone is refused in a sentence that says how to name a target; with a target named
+    the build is made (for a GPU elsewhere), and opening it here says what is missing. The app falls back to the CPU."""
+    import os
+
+    env = {**os.environ, "VK_ICD_FILENAMES": str(tmp_path / "none.json")}
+    # f32: the portable profile promises no 64-bit integers and 16 kB of workgroup memory, which q8's decode passes.
+    base = [sys.executable, "-m", "engine.cli", "compile", "--model", "tiny-random", "--device", "vulkan",
+            "--dtype", "f32"]
+    refused = subprocess.run(base, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 1 and "--gpu-target" in refused.stderr and "Traceback" not in refused.stderr
+    built = subprocess.run([*base, "--gpu-target", VULKAN_PORTABLE], cwd=ROOT, env=env, capture_output=True,
+                           text=True, timeout=600)
+    assert built.returncode == 0, built.stderr[-2000:]
+    opened = subprocess.run([sys.executable, "-c", "import sys; from pathlib import Path\n"
+                             "from engine.loader import open_folder\nopen_folder(Path(sys.argv[1]))",
+                             built.stdout.strip().splitlines()[-1]], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert opened.returncode != 0 and "DeviceError" in opened.stderr and "--device cpu" in opened.stderr
+    fallback = subprocess.run([sys.executable, "-c", "from engine.gpu import runnable\n"
+                               "from engine.config import BuildSettings\n"
+                               "s, why = runnable(BuildSettings(device='vulkan')); print(s.device, '|', why)"],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    device, why = fallback.stdout.strip().split(" | ", 1)
+    assert device == "cpu" and why.startswith("vulkan chosen, but")
