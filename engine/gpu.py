@@ -121,24 +121,19 @@ def resolve_target(settings: BuildSettings) -> BuildSettings:
 
 def check_runnable(settings: BuildSettings) -> Gpu | VulkanGpu:
     """The GPU a cuda or vulkan build will run on; DeviceError saying what is missing when it cannot run here."""
-    if settings.device == "vulkan":
-        gpus, why = vulkan_probe()
-        if not gpus:
-            raise DeviceError(f"This model was built for a Vulkan GPU ({settings.gpu_target or 'no target'}), and "
-                              f"this machine cannot run it: {why}. Choose the cpu device in Settings (or --device "
-                              f"cpu) to run it on the processor.")
-        gpu = gpus[0]
+    gpus, why = gpus_of(settings.device)
+    if not gpus:
+        kind = "a Vulkan GPU (vulkan" if settings.device == "vulkan" else "an NVIDIA GPU (cuda"
+        raise DeviceError(f"This model was built for {kind}, {settings.gpu_target or 'no target'}), and this machine "
+                          f"cannot run it: {why}. Choose the cpu device in Settings (or --device cpu) to run it on "
+                          f"the processor.")
+    gpu = gpus[0]
+    if isinstance(gpu, VulkanGpu):
         # Code for another Vulkan target may use what this device lacks; the portable profile runs anywhere.
         if settings.gpu_target not in (gpu.target, VULKAN_PORTABLE):
             raise DeviceError(f"This model was built for {settings.gpu_target} Vulkan GPUs, and this one is "
                               f"{gpu.name}. Rebuild it with --gpu-target {gpu.target}.")
         return gpu
-    gpus, why = probe()
-    if not gpus:
-        raise DeviceError(f"This model was built for an NVIDIA GPU (cuda, {settings.gpu_target or 'no target'}), "
-                          f"and this machine cannot run it: {why}. Choose the cpu device in Settings "
-                          f"(or --device cpu) to run it on the processor.")
-    gpu = gpus[0]
     built_for = int(settings.gpu_target[3:]) if settings.gpu_target.startswith("sm_") else 0
     if built_for > gpu.major * 10 + gpu.minor:
         raise DeviceError(f"This model was built for {settings.gpu_target} GPUs, newer than this {gpu.name} "
