@@ -39,14 +39,7 @@ def main() -> int:
 
     import numpy as np
 
-    if a.folder:
-        from engine.loader import open_folder
-
-        eddy = EddyPeer.__new__(EddyPeer)
-        eddy.loaded = open_folder(a.folder)
-        eddy.eng, eddy.saved = eddy.loaded.engine, {}
-    else:
-        eddy = EddyPeer("q4", model=str(a.gguf))
+    eddy = EddyPeer("q4", model=str(a.gguf), folder=a.folder)
     llama = LlamaPeer(a.gguf)
     ids = [int(i) for i in np.random.RandomState(0).randint(100, 40000, a.context)]
     eddy.keep(ids)

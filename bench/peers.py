@@ -100,12 +100,14 @@ def cpu_slug(info: dict) -> str:
 class EddyPeer:
     name = "eddy"
 
-    def __init__(self, dtype: str = "auto", window: int | None = None, model: str | None = None) -> None:
+    def __init__(self, dtype: str = "auto", window: int | None = None, model: str | None = None,
+                 folder: Path | None = None) -> None:
         from engine.config import BuildSettings
-        from engine.loader import open_model
+        from engine.loader import open_folder, open_model
 
         settings = BuildSettings(dtype=dtype) if window is None else BuildSettings(dtype=dtype, window=window)
-        self.loaded = open_model(model, settings, progress=lambda *_: None)
+        # `folder`: a build already made, opened as it is.
+        self.loaded = open_folder(folder) if folder else open_model(model, settings, progress=lambda *_: None)
         self.eng = self.loaded.engine
         self.saved: dict[int, tuple[Any, Any]] = {}
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from .config import BuildSettings
-from .devices import DEVICES, VULKAN_PORTABLE, cuda_target_for, vulkan_target_for
+from .devices import DEVICES, GPU_TARGETS, VULKAN_PORTABLE, cuda_target_for, vulkan_target_for
 from .errors import DeviceError
 
 _CC_MAJOR, _CC_MINOR = 75, 76  # CUdevice_attribute: CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR/_MINOR
@@ -110,7 +110,7 @@ def resolve_target(settings: BuildSettings) -> BuildSettings:
     """The settings with the GPU target filled in from this machine's first GPU when the user gave none.
 
     The artefact key covers the target, so it must be known before a build is looked up."""
-    if settings.device not in _NAME_A_TARGET or settings.gpu_target:
+    if settings.device not in GPU_TARGETS or settings.gpu_target:
         return settings
     gpus, why = gpus_of(settings.device)
     if not gpus:
@@ -143,7 +143,7 @@ def check_runnable(settings: BuildSettings) -> Gpu | VulkanGpu:
 
 def device_name(settings: BuildSettings) -> str:
     """What the status bar calls the device a model runs on: "cpu", "cuda · NVIDIA H200" or "vulkan · llvmpipe"."""
-    if settings.device not in _NAME_A_TARGET:
+    if settings.device not in GPU_TARGETS:
         return settings.device
     gpus, _ = gpus_of(settings.device)
     return f"{settings.device} · {short_name(gpus[0].name)}" if gpus else settings.device
@@ -157,7 +157,7 @@ def short_name(name: str) -> str:
 def runnable(settings: BuildSettings) -> tuple[BuildSettings, str]:
     """The settings a chat app runs with here: a GPU choice falls back to the CPU on a machine without that GPU
     (the choice stays in Settings for when one is there), with the reason to show; other choices are kept."""
-    if settings.device not in _NAME_A_TARGET:
+    if settings.device not in GPU_TARGETS:
         return settings, ""
     gpus, why = gpus_of(settings.device)
     if gpus:
@@ -169,7 +169,7 @@ def device_choices() -> list[tuple[str, str, bool]]:
     """(device, label, available) for a Settings list: the GPU named where there is one."""
     out = []
     for name in DEVICES:
-        if name not in _NAME_A_TARGET:
+        if name not in GPU_TARGETS:
             out.append((name, name, True))
             continue
         gpus, _ = gpus_of(name)
