@@ -40,7 +40,7 @@ def weights(dtype: str, rows: int, cols: int) -> list:
     from engine.build.model import Linear
 
     lin = Linear(rows, cols, dtype)
-    return [lin.weight, lin.scale, lin.offset] if dtype == "q4" else [lin.weight]
+    return list(lin.q4_tensors()) if dtype == "q4" else [lin.weight]
 
 
 def compiled(dtype: str, form: str | None, rows: int, cols: int, folder: Path, tokens: int = 1) -> Path:
@@ -94,7 +94,7 @@ def main() -> int:
     a = p.parse_args()
 
     forms = [None, *host_dot_forms()]
-    megabytes = a.rows * a.cols * (0.5 + 4 / 32 if a.dtype == "q4" else 1) / 1e6
+    megabytes = sum(t.numel() * t.element_size() for t in weights(a.dtype, a.rows, a.cols)) / 1e6
     times: dict[str, list[float]] = {str(f): [] for f in forms}
     bandwidths = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -122,7 +122,17 @@ def weight_plan(entries: list[dict[str, Any]], seed: int = 17) -> dict[str, Any]
     for i, e in enumerate(entries):
         spec = dict(e, seed=seed * 100_000 + i)
         name, dtype, shape = e["name"], e["dtype"], e["shape"]
-        if dtype == "int8":
+        # A tiled q4 matrix's numbers are 8-bit factors of float16 units (engine/build/q4.py, split_numbers): the
+        # same scales and offsets as the rows layout's, to within the factors' spread.
+        if name.endswith(".scale") and dtype == "int8":  # unsigned factors 150..250 (bytes)
+            spec.update(dist="uniform", center=200.0, half=50.0)
+        elif name.endswith(".offset") and dtype == "int8":
+            spec.update(dist="uniform", center=-120.0, half=5.0)
+        elif name.endswith(".scale_unit"):
+            spec.update(dist="uniform", center=q4_scale / 200, half=0.0)
+        elif name.endswith(".offset_unit"):
+            spec.update(dist="uniform", center=7.5 * q4_scale / 120, half=0.0)
+        elif dtype == "int8":
             spec.update(dist="int8")
         elif name.endswith(".scale") and dtype == "float16":  # q4 group scales: codes 0..15, std 4.6
             spec.update(dist="uniform", center=q4_scale, half=0.1 * q4_scale)
@@ -138,7 +148,7 @@ def weight_plan(entries: list[dict[str, Any]], seed: int = 17) -> dict[str, Any]
         else:
             spec.update(dist="uniform", center=0.0, half=0.02 * 3 ** 0.5)
         plan.append(spec)
-    return {"version": 1, "generator": "numpy default_rng(seed).bit_generator.random_raw: 24-bit uniforms "
+    return {"version": 2, "generator": "numpy default_rng(seed).bit_generator.random_raw: 24-bit uniforms "
                                         "(float32 math), int8 codes from the top byte", "entries": plan}
 
 
@@ -156,7 +166,10 @@ def generate(spec: dict[str, Any]) -> np.ndarray:
     else:
         u = (raw >> np.uint64(40)).astype(np.float32) * np.float32(2.0 ** -23) - np.float32(1.0)  # [-1, 1)
         out = np.float32(spec["center"]) + np.float32(spec["half"]) * u
-        out = out.astype(NP_DTYPES[spec["dtype"]])
+        if spec["dtype"] == "int8":  # 8-bit factors; an unsigned one (over 127) is kept as its byte
+            out = np.round(out).astype(np.int16).astype(np.uint8).view(np.int8)
+        else:
+            out = out.astype(NP_DTYPES[spec["dtype"]])
     out = out.reshape(spec["shape"])
     if out.nbytes != spec["length"]:
         raise ValueError(f"{spec['name']}: {out.nbytes} bytes generated, the entry holds {spec['length']}")

@@ -32,6 +32,15 @@ TILE_ROWS = 32
 # q4's tiles are of 16 rows: one AVX-512 register of int32 sums in its hand-written decode product
 # (engine/build/dot_products.py), whose layout groups a tile's codes in blocks of 16 rows x 4 positions.
 Q4_TILE_ROWS = 16
+# A multiplied q4 matrix's group numbers are 8-bit factors of a float16 pair per super-block of at most this many
+# groups along a row (Q4_K's 256 weights): 4.625 bits a weight instead of float16 numbers' 5 (engine/build/q4.py).
+Q4_SUPER_GROUPS = 8
+
+
+def super_groups(groups: int) -> int:
+    """q4 groups per super-block in a row of `groups` groups: the most, up to Q4_SUPER_GROUPS, that divide it."""
+    return max(g for g in range(1, Q4_SUPER_GROUPS + 1) if groups % g == 0)
+
 # llvm-cpu targets: "host" (this machine's CPU, fastest, for local builds) or a portable one for packages
 # that run on other machines (a module built for "host" can die of illegal instructions elsewhere).
 # x86-64-v3 = AVX2 + FMA (Intel Haswell 2013+, AMD Zen 1+); x86-64 = any 64-bit x86 (slow: no AVX).

@@ -194,15 +194,17 @@ def test_quantised_module_computes_exactly_its_dequantised_weights(tiny_referenc
     from dataclasses import replace
 
     from engine.build.model import matrix_dtype, stored_matrix
-    from engine.build.q4 import dequantise_q4
+    from engine.build.q4 import dequantise_q4, untile_q4
     from engine.devices import dot_form
     from engine.loader import open_model
 
     def as_stored(name: str, w: torch.Tensor) -> torch.Tensor:
         # q4 keeps the (tied) LM head in q8, as llama.cpp's 4-bit types do.
         stored = "q8" if name == "model.embed_tokens.weight" else matrix_dtype(dtype, w.shape[1], w.shape[0])
+        if stored == "q4":  # multiplied: its numbers split into factors and units, as untile_q4 joins them
+            return dequantise_q4(*untile_q4(stored_matrix(w, stored, tiled=True)).values())
         s = stored_matrix(w, stored)
-        return dequantise_q4(*s.values()) if stored == "q4" else s["weight"].float() * s["scale"].unsqueeze(1)
+        return s["weight"].float() * s["scale"].unsqueeze(1)
 
     cfg, state = tiny_reference
     stored = {name: as_stored(name, w) if w.ndim == 2 else w for name, w in state.items()}

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine.build.prefill_products import FEW_ROW_GROUPS, ROW_BLOCK, ROWS_PER_WORKGROUP, STEPS
-from engine.build.q4 import Q4_GROUP, dequantise_q4, quantise_q4, unpack_q4
+from engine.build.q4 import Q4_GROUP, dequantise_q4, quantise_q4, unpack_q4, untile_q4
 
 
 def q4_1_blocks(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -57,27 +57,62 @@ def test_every_weight_lands_within_half_a_step_and_the_extremes_exactly():
     assert torch.equal(codes.gather(-1, groups.argmax(-1, keepdim=True)), torch.full_like(codes[..., :1], 15))
 
 
-def test_a_multiplied_matrix_is_tiled_with_the_same_codes_and_numbers():
+def test_a_multiplied_matrix_is_tiled_with_the_same_codes_and_its_numbers_split():
     """tile_q4 puts each group of a 16-row tile in four 64-byte blocks, block h's byte 4r + j holding row r's codes at
     positions 4h + j (low nibble) and 4h + 16 + j (high nibble): the operands of the x86 integer dot products that
-    decode's product takes (engine/build/dot_products.py). untile_q4 gives back the rows layout exactly."""
-    from engine.build.q4 import TILE, tile_q4, untile_q4
+    decode's product takes (engine/build/dot_products.py). Its numbers are split_numbers' 8-bit factors and float16
+    units, tiled the same way; untile_q4 gives back the codes exactly and the numbers as the products use them."""
+    from engine.build.q4 import TILE, join_numbers, split_numbers, tile_q4, untile_q4
 
-    rows_n, cols = 2 * TILE, 4 * Q4_GROUP
+    rows_n, cols = 2 * TILE, 12 * Q4_GROUP  # 12 groups: super-blocks of 6
     w = torch.from_numpy(np.random.RandomState(2).standard_normal((rows_n, cols)).astype(np.float32))
     rows = quantise_q4(w)
     tiled = tile_q4(rows)
     assert tiled["weight"].shape == (2, cols // Q4_GROUP, TILE * Q4_GROUP // 2)
-    assert tiled["scale"].shape == (2, cols // Q4_GROUP, TILE)
+    assert tiled["scale"].shape == (2, cols // Q4_GROUP, TILE) and tiled["scale"].dtype == torch.int8
+    assert tiled["scale_unit"].shape == (2, 2, TILE) and tiled["scale_unit"].dtype == torch.float16
+    split = split_numbers(rows["scale"], rows["offset"])
     codes, tiled_codes = unpack_q4(rows["weight"]), unpack_q4(tiled["weight"])  # [tile, group, nibble in group]
-    for r, k in ((0, 0), (1, 5), (TILE + 3, cols - 1), (rows_n - 1, 77), (7, 16 + 6), (9, 32 + 15)):
+    for r, k in ((0, 0), (1, 5), (TILE + 3, cols - 1), (rows_n - 1, 77), (7, 16 + 6), (9, 32 + 15), (4, 200)):
         p, lane = k % Q4_GROUP, r % TILE
         byte = 64 * (p % 16 // 4) + 4 * lane + p % 4
         assert tiled_codes[r // TILE, k // Q4_GROUP, 2 * byte + p // 16] == codes[r, k]
-        assert tiled["scale"][r // TILE, k // Q4_GROUP, lane] == rows["scale"][r, k // Q4_GROUP]
-        assert tiled["offset"][r // TILE, k // Q4_GROUP, lane] == rows["offset"][r, k // Q4_GROUP]
+        for name in ("scale", "offset"):
+            assert tiled[name][r // TILE, k // Q4_GROUP, lane] == split[name][r, k // Q4_GROUP]
+            assert tiled[f"{name}_unit"][r // TILE, k // Q4_GROUP // 6, lane] == split[f"{name}_unit"][r, k // 192]
     back = untile_q4(tiled)
-    assert all(torch.equal(back[name], rows[name]) for name in rows)
+    assert torch.equal(back["weight"], rows["weight"])
+    scale, offset = join_numbers(split)
+    assert torch.equal(back["scale"], scale) and torch.equal(back["offset"], offset)
+
+
+def test_split_numbers_round_each_group_number_to_a_factor_of_its_super_blocks_unit():
+    """Each scale is a factor 0..255 of its super-block's unit (its largest scale / 255), each offset one of
+    -127..127 (its largest magnitude / 127): a number lands within half a unit (and float16's rounding of the
+    unit), the largest exactly on 255 or 127; a negative scale (Q4_0's d may be) is flipped before tiling with
+    the same weights."""
+    from engine.build.q4 import join_numbers, split_numbers, tile_q4, untile_q4
+
+    rng = np.random.RandomState(4)
+    scale = torch.from_numpy(rng.uniform(0.001, 0.05, (32, 16)).astype(np.float32)).to(torch.float16)
+    offset = torch.from_numpy(rng.uniform(-0.4, 0.3, (32, 16)).astype(np.float32)).to(torch.float16)
+    split = split_numbers(scale, offset)
+    assert split["scale_unit"].shape == (32, 2)  # 16 groups: two super-blocks of 8
+    s, o = join_numbers(split)
+    s_unit = split["scale_unit"].float().repeat_interleave(8, dim=1)
+    o_unit = split["offset_unit"].float().repeat_interleave(8, dim=1)
+    assert ((s - scale.float()).abs() <= s_unit * 0.5 + scale.float() * 2e-3).all()
+    assert ((o - offset.float()).abs() <= o_unit * 0.5 + offset.float().abs() * 2e-3).all()
+    assert (split["scale"].view(torch.uint8).reshape(32, 2, 8).amax(-1) == 255).all()
+    assert (split["offset"].abs().reshape(32, 2, 8).amax(-1) == 127).all()
+    # A negative scale: the group's codes become 15 - code, and its weights stay.
+    w = torch.from_numpy(rng.standard_normal((16, 8 * Q4_GROUP)).astype(np.float32))
+    rows = quantise_q4(w)
+    flipped = {**rows, "scale": rows["scale"].clone(), "offset": rows["offset"].clone()}
+    flipped["scale"][3, 2] = -flipped["scale"][3, 2]
+    want = dequantise_q4(*flipped.values())
+    got = dequantise_q4(*untile_q4(tile_q4(flipped)).values())
+    assert (got - want).abs().max() < 0.02 * w.abs().max()
 
 
 def test_a_matrix_without_whole_tiles_or_groups_is_stored_in_q8():
@@ -174,7 +209,8 @@ def test_each_product_form_is_the_codes_times_x_quantised_per_group(dtype, form,
     from engine.build.model import Linear, stored_matrix
     from engine.devices import compile_flags
 
-    out_f, in_f = 9 * (16 if dtype == "q4" else 32), 6 * Q4_GROUP
+    # 12 groups: q4's numbers in two super-blocks of 6 (engine/build/q4.py).
+    out_f, in_f = 9 * (16 if dtype == "q4" else 32), 12 * Q4_GROUP
     n_rows = ROWS_PER_WORKGROUP // steps + ROW_BLOCK // (2 * steps) + 1
     n_few = FEW_ROW_GROUPS * ROWS_PER_WORKGROUP // steps - ROW_BLOCK // steps - 1
     rng = np.random.RandomState(4)
@@ -218,7 +254,8 @@ def test_each_product_form_is_the_codes_times_x_quantised_per_group(dtype, form,
                    check=True, capture_output=True)
     module = rt.load_vm_flatbuffer_file(str(tmp_path / "m.vmfb"), driver="local-task")
 
-    rows = stored_matrix(w, dtype)
+    # q4's products multiply by the tiled numbers (split into factors and units), which untile_q4 joins.
+    rows = untile_q4(stored_matrix(w, dtype, tiled=True)) if dtype == "q4" else stored_matrix(w, dtype)
     dense = dequantise_q4(*rows.values()) if dtype == "q4" else rows["weight"].float() * rows["scale"].unsqueeze(1)
 
     def rounded(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -233,7 +270,8 @@ def test_each_product_form_is_the_codes_times_x_quantised_per_group(dtype, form,
         q, dx = q.double(), dx.double()
         if dtype == "q4":
             codes = unpack_q4(rows["weight"]).double().reshape(out_f, -1, Q4_GROUP)
-            per_group = torch.einsum("rgp,ngp->nrg", codes, q) * rows["scale"] + rows["offset"] * q.sum(-1).unsqueeze(1)
+            scale, offset = rows["scale"].double(), rows["offset"].double()
+            per_group = torch.einsum("rgp,ngp->nrg", codes, q) * scale + offset * q.sum(-1).unsqueeze(1)
             return (per_group * dx.unsqueeze(1)).sum(-1)
         codes = rows["weight"].double().reshape(out_f, -1, Q4_GROUP)
         return (torch.einsum("rgp,ngp->nrg", codes, q) * dx.unsqueeze(1)).sum(-1).mul(rows["scale"].double())

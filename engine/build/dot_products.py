@@ -37,7 +37,7 @@ saturates), so it takes |w| and q with w's sign (`vpsignb`), llama.cpp's trick, 
 """
 from __future__ import annotations
 
-from ..config import Q4_GROUP
+from ..config import Q4_GROUP, super_groups
 from ..config import Q4_TILE_ROWS as Q4_TILE
 from ..config import TILE_ROWS as Q8_TILE
 
@@ -248,11 +248,7 @@ stream.executable private @{name} {{
 _Q4_TILE = """
         %pft = arith.muli %b, %cg : index
         %acc = scf.for %c = %c0 to %cg step %c1 iter_args(%af = %zv) -> vector<16xf32> {{{prefetch}{group}
-          %fs = arith.sitofp {isum} : vector<16xi32> to vector<16xf32>
-          %dh = vector.load %d[%b, %c, %c0] : memref<{nb}x{groups}x16xf16>, vector<16xf16>
-          %mh = vector.load %m[%b, %c, %c0] : memref<{nb}x{groups}x16xf16>, vector<16xf16>
-          %dv = arith.extf %dh : vector<16xf16> to vector<16xf32>
-          %mv = arith.extf %mh : vector<16xf16> to vector<16xf32>
+          %fs = arith.sitofp {isum} : vector<16xi32> to vector<16xf32>{numbers}
           %dxs = memref.load %xd[%c] : memref<{groups}xf32>
           %dms = memref.load %xm[%c] : memref<{groups}xf32>
           %dxv = vector.broadcast %dxs : f32 to vector<16xf32>
@@ -307,6 +303,48 @@ def index_constants() -> str:
     return "\n".join(lines)
 
 
+# The bindings of a q4 product's group numbers (engine/build/q4.py, split_numbers): scale and offset factors, and
+# their super-blocks' units.
+Q4_NUMBER_BINDINGS = "%db: !stream.binding, %mb: !stream.binding, %dsb: !stream.binding, %msb: !stream.binding"
+
+
+def q4_number_types(tiles: int, groups: int) -> str:
+    """The tensor types of a q4 product's group numbers, in Q4_NUMBER_BINDINGS' order."""
+    factors, units = f"tensor<{tiles}x{groups}x16xi8>", f"tensor<{tiles}x{groups // super_groups(groups)}x16xf16>"
+    return f"{factors}, {factors}, {units}, {units}"
+
+
+def q4_number_subspans(tiles: int, groups: int) -> str:
+    """The group numbers' memrefs: %d, %m (factors), %ds, %ms (units), and %cper (groups a super-block)."""
+    per = super_groups(groups)
+    factors, units = f"memref<{tiles}x{groups}x16xi8>", f"memref<{tiles}x{groups // per}x16xf16>"
+    return f"""
+      %cper = arith.constant {per} : index
+      %d = stream.binding.subspan %db[%c0] : !stream.binding -> {factors}
+      %m = stream.binding.subspan %mb[%c0] : !stream.binding -> {factors}
+      %ds = stream.binding.subspan %dsb[%c0] : !stream.binding -> {units}
+      %ms = stream.binding.subspan %msb[%c0] : !stream.binding -> {units}"""
+
+
+def q4_group_numbers(tiles: int, groups: int, indent: str) -> str:
+    """Group %c of tile %b's 16 scales %dv and offsets %mv (vector<16xf32>): its factors times its super-block's
+    units, in float32 (the numbers q4.join_numbers gives)."""
+    per = super_groups(groups)
+    factors, units = f"memref<{tiles}x{groups}x16xi8>", f"memref<{tiles}x{groups // per}x16xf16>"
+    lines = ["%sup = arith.divui %c, %cper : index",
+             f"%dq = vector.load %d[%b, %c, %c0] : {factors}, vector<16xi8>",
+             f"%mq = vector.load %m[%b, %c, %c0] : {factors}, vector<16xi8>",
+             f"%dh = vector.load %ds[%b, %sup, %c0] : {units}, vector<16xf16>",
+             f"%mh = vector.load %ms[%b, %sup, %c0] : {units}, vector<16xf16>",
+             "%dqf = arith.uitofp %dq : vector<16xi8> to vector<16xf32>",
+             "%mqf = arith.sitofp %mq : vector<16xi8> to vector<16xf32>",
+             "%dhf = arith.extf %dh : vector<16xf16> to vector<16xf32>",
+             "%mhf = arith.extf %mh : vector<16xf16> to vector<16xf32>",
+             "%dv = arith.mulf %dqf, %dhf : vector<16xf32>",
+             "%mv = arith.mulf %mqf, %mhf : vector<16xf32>"]
+    return "".join(f"\n{indent}{line}" for line in lines)
+
+
 def q4_prefetch_constants(tiles: int, groups: int) -> str:
     """What q4_prefetch needs: the codes (binding %qb) as one flat array %qf, and its constants."""
     return f"""
@@ -337,27 +375,25 @@ def _executable(name: str, tiles: int, k: int, bindings: str, subspans: str, til
 
 def q4_executable(form: str, name: str, tiles: int, k: int) -> str:
     """The `stream.executable` @name (export and function both named so) computing out [tiles x 16] f32 from
-    x [k] f32, the codes [tiles x groups x Q4_GROUP_BYTES] i8 and scales, offsets [tiles x groups x 16] f16."""
+    x [k] f32, the codes [tiles x groups x Q4_GROUP_BYTES] i8 and the group numbers (q4_number_types)."""
     groups = k // Q4_GROUP
     body, isum = _Q4_GROUPS[form]()
     subspans = f"""
       %q = stream.binding.subspan %qb[%c0] : !stream.binding -> memref<{tiles}x{groups}x{Q4_GROUP_BYTES}xi8>
-{q4_prefetch_constants(tiles, groups)}
-      %d = stream.binding.subspan %db[%c0] : !stream.binding -> memref<{tiles}x{groups}x16xf16>
-      %m = stream.binding.subspan %mb[%c0] : !stream.binding -> memref<{tiles}x{groups}x16xf16>
+{q4_prefetch_constants(tiles, groups)}{q4_number_subspans(tiles, groups)}
       %o = stream.binding.subspan %ob[%c0] : !stream.binding -> memref<{tiles}x16xf32>"""
     tile = _Q4_TILE.format(nb=tiles, groups=groups, group=body.format(nb=tiles, groups=groups), isum=isum,
-                           prefetch=q4_prefetch(tiles, groups))
-    return _executable(name, tiles, k, "%qb: !stream.binding, %db: !stream.binding, %mb: !stream.binding",
-                       subspans, tile)
+                           prefetch=q4_prefetch(tiles, groups), numbers=q4_group_numbers(tiles, groups, "          "))
+    return _executable(name, tiles, k, f"%qb: !stream.binding, {Q4_NUMBER_BINDINGS}", subspans, tile)
 
 
-def q4_call(name: str, tiles: int, k: int, x: str, q: str, d: str, m: str, out: str) -> str:
-    """The `flow.dispatch` of q4_executable @name, binding `out` (tensor<tiles x 16 x f32>)."""
+def q4_call(name: str, tiles: int, k: int, x: str, q: str, numbers: tuple[str, ...], out: str) -> str:
+    """The `flow.dispatch` of q4_executable @name, binding `out` (tensor<tiles x 16 x f32>); `numbers`: the
+    values of the matrix's group numbers (q4.Q4_NUMBERS' order)."""
     groups = k // Q4_GROUP
-    return (f"{out} = flow.dispatch @{name}::@{name}({x}, {q}, {d}, {m}) : (tensor<{k}xf32>, "
-            f"tensor<{tiles}x{groups}x{Q4_GROUP_BYTES}xi8>, tensor<{tiles}x{groups}x16xf16>, "
-            f"tensor<{tiles}x{groups}x16xf16>) -> tensor<{tiles}x16xf32>")
+    return (f"{out} = flow.dispatch @{name}::@{name}({x}, {q}, {', '.join(numbers)}) : (tensor<{k}xf32>, "
+            f"tensor<{tiles}x{groups}x{Q4_GROUP_BYTES}xi8>, {q4_number_types(tiles, groups)}) "
+            f"-> tensor<{tiles}x16xf32>")
 
 
 def q8_executable(form: str, name: str, tiles: int, k: int) -> str:

@@ -79,19 +79,21 @@ def tiled_rows(tiled: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return torch.gather(tile.reshape(-1, quads, TILE, 4), 2, row).reshape(-1, quads * 4)
 
 
-def q4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
-    """x [..., in] @ W.T for a tiled q4 matrix W [out, in]: the fused custom op in an export, plain torch otherwise."""
+def q4_linear(x: torch.Tensor, packed: torch.Tensor, *numbers: torch.Tensor) -> torch.Tensor:
+    """x [..., in] @ W.T for a tiled q4 matrix W [out, in] (its codes, then its numbers: q4.Q4_NUMBERS): the fused
+    custom op in an export, plain torch otherwise."""
     lead = x.shape[:-1]
-    return _ops()["q4"](x.reshape(-1, x.shape[-1]), packed, scale, offset).reshape(*lead, packed.shape[0] * Q4_TILE)
+    return _ops()["q4"](x.reshape(-1, x.shape[-1]), packed, *numbers).reshape(*lead, packed.shape[0] * Q4_TILE)
 
 
 def q4_linear_parts(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
-                    first: int, second: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    scale_unit: torch.Tensor, offset_unit: torch.Tensor, first: int,
+                    second: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q4_linear of prefill's x [rows, in] as three tensors: its first `first` columns, the next `second`, the rest.
     The hand-written product of many rows (an x86 CPU) writes each to its own output; elsewhere they are slices of
     one product (and wherever a part is not in whole tiles of rows): the op's form is chosen when the export is
     lowered (lowering_for), after the model is traced."""
-    return _ops()["q4_parts"](x, packed, scale, offset, first, second)
+    return _ops()["q4_parts"](x, packed, scale, offset, scale_unit, offset_unit, first, second)
 
 
 def i8_linear(x: torch.Tensor, tiled: torch.Tensor) -> torch.Tensor:
@@ -187,14 +189,29 @@ def lowering_for(device: str, dot_form: str | None = None, x_steps: int = prefil
         _cpu_tuned, _dot_form, _x_steps = before
 
 
-# Prefill's q4 form reads the codes through a 6-d view of the tiled layout (engine/build/q4.py): [tile, group,
-# block h, row r, position j, nibble], the position in the group being nibble * 16 + h * 4 + j.
+# Prefill's q4 form reads the codes through a 7-d view of the tiled layout (engine/build/q4.py): [tile, super-block
+# s, group c in it, block h, row r, position j, nibble], the position in the group being nibble * 16 + h * 4 + j;
+# the group's factors as [tile, s, c, row] (_Q4_FACTORS), their units [tile, s, row] as stored: every index of the
+# generics is then a plain dimension.
 _Q4_VIEW = r"""
   %q = flow.tensor.bitcast %qs : tensor<{nb}x{groups}x{gb}xi8> -> tensor<{nb}x{groups}x{gc}xi4>
-  %q6 = tensor.expand_shape %q [[0], [1], [2, 3, 4, 5]] output_shape [{nb}, {groups}, 4, {t}, 4, 2] : tensor<{nb}x{groups}x{gc}xi4> into tensor<{nb}x{groups}x4x{t}x4x2xi4>"""
+  %q6 = tensor.expand_shape %q [[0], [1, 2], [3, 4, 5, 6]] output_shape [{nb}, {supers}, {per}, 4, {t}, 4, 2] : tensor<{nb}x{groups}x{gc}xi4> into tensor<{nb}x{supers}x{per}x4x{t}x4x2xi4>"""
 
-_Q4_ARGS = ("%qs: tensor<{nb}x{groups}x{gb}xi8>, %d: tensor<{nb}x{groups}x{t}xf16>, "
-            "%m: tensor<{nb}x{groups}x{t}xf16>")
+_Q4_FACTORS = r"""
+  %d4 = tensor.expand_shape %d [[0], [1, 2], [3]] output_shape [{nb}, {supers}, {per}, {t}] : tensor<{nb}x{groups}x{t}xi8> into tensor<{nb}x{supers}x{per}x{t}xi8>
+  %m4 = tensor.expand_shape %m [[0], [1, 2], [3]] output_shape [{nb}, {supers}, {per}, {t}] : tensor<{nb}x{groups}x{t}xi8> into tensor<{nb}x{supers}x{per}x{t}xi8>"""
+
+_Q4_ARGS = ("%qs: tensor<{nb}x{groups}x{gb}xi8>, %d: tensor<{nb}x{groups}x{t}xi8>, %m: tensor<{nb}x{groups}x{t}xi8>, "
+            "%ds: tensor<{nb}x{supers}x{t}xf16>, %ms: tensor<{nb}x{supers}x{t}xf16>")
+
+# A group's scale and offset from its factors (%dq unsigned, %mq signed) and their units (%dh, %mh): %dv, %mv.
+_Q4_NUMBERS = r"""
+    %dqf = arith.uitofp %dq : i8 to f32
+    %mqf = arith.sitofp %mq : i8 to f32
+    %dhf = arith.extf %dh : f16 to f32
+    %mhf = arith.extf %mh : f16 to f32
+    %dv = arith.mulf %dqf, %dhf : f32
+    %mv = arith.mulf %mqf, %mhf : f32"""
 
 # q4, prefill (any number of rows) off x86: the tile is widened back to float32 rows in one generic, which IREE fuses
 # with the packing of the data-tiled matmul, then a contraction over the groups and their weights.
@@ -202,25 +219,25 @@ _MM_Q4 = r"""
 module {{
 util.func private @{name}(%a: tensor<?x{k}xf32>, """ + _Q4_ARGS + r""") -> tensor<?x{n}xf32> {{
   %c0 = arith.constant 0 : index
-  %rows = tensor.dim %a, %c0 : tensor<?x{k}xf32>""" + _Q4_VIEW + r"""
+  %rows = tensor.dim %a, %c0 : tensor<?x{k}xf32>""" + _Q4_VIEW + _Q4_FACTORS + r"""
   %a3 = tensor.expand_shape %a [[0], [1, 2]] output_shape [%rows, {groups}, {g}] : tensor<?x{k}xf32> into tensor<?x{groups}x{g}xf32>
-  %e = tensor.empty() : tensor<{nb}x{t}x{groups}x2x4x4xf32>
+  %e = tensor.empty() : tensor<{nb}x{t}x{supers}x{per}x2x4x4xf32>
   %w6 = linalg.generic {{
-      indexing_maps = [affine_map<(b, r, c, u, h, j) -> (b, c, h, r, j, u)>, affine_map<(b, r, c, u, h, j) -> (b, c, r)>,
-                       affine_map<(b, r, c, u, h, j) -> (b, c, r)>, affine_map<(b, r, c, u, h, j) -> (b, r, c, u, h, j)>],
-      iterator_types = ["parallel", "parallel", "parallel", "parallel", "parallel", "parallel"]}}
-      ins(%q6, %d, %m : tensor<{nb}x{groups}x4x{t}x4x2xi4>, tensor<{nb}x{groups}x{t}xf16>, tensor<{nb}x{groups}x{t}xf16>)
-      outs(%e : tensor<{nb}x{t}x{groups}x2x4x4xf32>) {{
-  ^bb0(%qv: i4, %dh: f16, %mh: f16, %o: f32):
+      indexing_maps = [affine_map<(b, r, s, c, u, h, j) -> (b, s, c, h, r, j, u)>, affine_map<(b, r, s, c, u, h, j) -> (b, s, c, r)>,
+                       affine_map<(b, r, s, c, u, h, j) -> (b, s, c, r)>, affine_map<(b, r, s, c, u, h, j) -> (b, s, r)>,
+                       affine_map<(b, r, s, c, u, h, j) -> (b, s, r)>, affine_map<(b, r, s, c, u, h, j) -> (b, r, s, c, u, h, j)>],
+      iterator_types = ["parallel", "parallel", "parallel", "parallel", "parallel", "parallel", "parallel"]}}
+      ins(%q6, %d4, %m4, %ds, %ms : tensor<{nb}x{supers}x{per}x4x{t}x4x2xi4>, tensor<{nb}x{supers}x{per}x{t}xi8>,
+                                    tensor<{nb}x{supers}x{per}x{t}xi8>, tensor<{nb}x{supers}x{t}xf16>, tensor<{nb}x{supers}x{t}xf16>)
+      outs(%e : tensor<{nb}x{t}x{supers}x{per}x2x4x4xf32>) {{
+  ^bb0(%qv: i4, %dq: i8, %mq: i8, %dh: f16, %mh: f16, %o: f32):
     %0 = arith.extui %qv : i4 to i32
-    %1 = arith.uitofp %0 : i32 to f32
-    %dv = arith.extf %dh : f16 to f32
-    %mv = arith.extf %mh : f16 to f32
+    %1 = arith.uitofp %0 : i32 to f32""" + _Q4_NUMBERS + r"""
     %2 = arith.mulf %1, %dv : f32
     %3 = arith.addf %2, %mv : f32
     linalg.yield %3 : f32
-  }} -> tensor<{nb}x{t}x{groups}x2x4x4xf32>
-  %w = tensor.collapse_shape %w6 [[0, 1], [2], [3, 4, 5]] : tensor<{nb}x{t}x{groups}x2x4x4xf32> into tensor<{n}x{groups}x{g}xf32>
+  }} -> tensor<{nb}x{t}x{supers}x{per}x2x4x4xf32>
+  %w = tensor.collapse_shape %w6 [[0, 1], [2, 3], [4, 5, 6]] : tensor<{nb}x{t}x{supers}x{per}x2x4x4xf32> into tensor<{n}x{groups}x{g}xf32>
   %zero = arith.constant 0.000000e+00 : f32
   %oe = tensor.empty(%rows) : tensor<?x{n}xf32>
   %acc = linalg.fill ins(%zero : f32) outs(%oe : tensor<?x{n}xf32>) -> tensor<?x{n}xf32>
@@ -249,9 +266,9 @@ _MV_Q4 = r"""
 module {{
 util.func private @{name}(%a: tensor<1x{k}xf32>, """ + _Q4_ARGS + r""") -> tensor<1x{n}xf32> {{
   %a1 = tensor.collapse_shape %a [[0, 1]] : tensor<1x{k}xf32> into tensor<{k}xf32>
-  %a4 = tensor.expand_shape %a1 [[0, 1, 2, 3]] output_shape [{groups}, 2, 4, 4] : tensor<{k}xf32> into tensor<{groups}x2x4x4xf32>
+  %a4 = tensor.expand_shape %a1 [[0, 1, 2, 3, 4]] output_shape [{supers}, {per}, 2, 4, 4] : tensor<{k}xf32> into tensor<{supers}x{per}x2x4x4xf32>
   %qw = flow.tensor.bitcast %qs : tensor<{nb}x{groups}x{gb}xi8> -> tensor<{nb}x{groups}x{gw}xi32>
-  %q4 = tensor.expand_shape %qw [[0], [1], [2, 3]] output_shape [{nb}, {groups}, 4, {t}] : tensor<{nb}x{groups}x{gw}xi32> into tensor<{nb}x{groups}x4x{t}xi32>
+  %q4 = tensor.expand_shape %qw [[0], [1, 2], [3, 4]] output_shape [{nb}, {supers}, {per}, 4, {t}] : tensor<{nb}x{groups}x{gw}xi32> into tensor<{nb}x{supers}x{per}x4x{t}xi32>""" + _Q4_FACTORS + r"""
   %zero = arith.constant 0.000000e+00 : f32
   %c4 = arith.constant 4 : index
   %c8 = arith.constant 8 : index
@@ -259,25 +276,25 @@ util.func private @{name}(%a: tensor<1x{k}xf32>, """ + _Q4_ARGS + r""") -> tenso
   %oe = tensor.empty() : tensor<{nb}x{t}xf32>
   %acc = linalg.fill ins(%zero : f32) outs(%oe : tensor<{nb}x{t}xf32>) -> tensor<{nb}x{t}xf32>
   %r = linalg.generic {{
-      indexing_maps = [affine_map<(b, r, c, h, u, j) -> (c, u, h, j)>, affine_map<(b, r, c, h, u, j) -> (b, c, h, r)>,
-                       affine_map<(b, r, c, h, u, j) -> (b, c, r)>, affine_map<(b, r, c, h, u, j) -> (b, c, r)>,
-                       affine_map<(b, r, c, h, u, j) -> (b, r)>],
-      iterator_types = ["parallel", "parallel", "reduction", "reduction", "reduction", "reduction"]}}
-      ins(%a4, %q4, %d, %m : tensor<{groups}x2x4x4xf32>, tensor<{nb}x{groups}x4x{t}xi32>, tensor<{nb}x{groups}x{t}xf16>,
-                             tensor<{nb}x{groups}x{t}xf16>)
+      indexing_maps = [affine_map<(b, r, s, c, h, u, j) -> (s, c, u, h, j)>, affine_map<(b, r, s, c, h, u, j) -> (b, s, c, h, r)>,
+                       affine_map<(b, r, s, c, h, u, j) -> (b, s, c, r)>, affine_map<(b, r, s, c, h, u, j) -> (b, s, c, r)>,
+                       affine_map<(b, r, s, c, h, u, j) -> (b, s, r)>, affine_map<(b, r, s, c, h, u, j) -> (b, s, r)>,
+                       affine_map<(b, r, s, c, h, u, j) -> (b, r)>],
+      iterator_types = ["parallel", "parallel", "reduction", "reduction", "reduction", "reduction", "reduction"]}}
+      ins(%a4, %q4, %d4, %m4, %ds, %ms : tensor<{supers}x{per}x2x4x4xf32>, tensor<{nb}x{supers}x{per}x4x{t}xi32>,
+                                         tensor<{nb}x{supers}x{per}x{t}xi8>, tensor<{nb}x{supers}x{per}x{t}xi8>,
+                                         tensor<{nb}x{supers}x{t}xf16>, tensor<{nb}x{supers}x{t}xf16>)
       outs(%acc : tensor<{nb}x{t}xf32>) {attrs} {{
-  ^bb0(%x: f32, %w: i32, %dh: f16, %mh: f16, %o: f32):
-    %u = linalg.index 4 : index
-    %j = linalg.index 5 : index
+  ^bb0(%x: f32, %w: i32, %dq: i8, %mq: i8, %dh: f16, %mh: f16, %o: f32):
+    %u = linalg.index 5 : index
+    %j = linalg.index 6 : index
     %u4 = arith.muli %u, %c4 : index
     %j8 = arith.muli %j, %c8 : index
     %sh = arith.addi %u4, %j8 : index
     %shi = arith.index_cast %sh : index to i32
     %s = arith.shrui %w, %shi : i32
     %c = arith.andi %s, %c15 : i32
-    %f = arith.sitofp %c : i32 to f32
-    %dv = arith.extf %dh : f16 to f32
-    %mv = arith.extf %mh : f16 to f32
+    %f = arith.sitofp %c : i32 to f32""" + _Q4_NUMBERS + r"""
     %wv = math.fma %f, %dv, %mv : f32
     %p = math.fma %wv, %x, %zero : f32
     %y = arith.addf %p, %o : f32
@@ -329,7 +346,7 @@ module {{
 util.func private @{name}(%a: tensor<?x{k}xf32>, {args}) -> ({result_types}) {{
   %c0 = arith.constant 0 : index
   %rows = tensor.dim %a, %c0 : tensor<?x{k}xf32>
-  %r = util.call @{inner}(%a, %qs, %d, %m) : (tensor<?x{k}xf32>, {arg_types}) -> tensor<?x{n}xf32>
+  %r = util.call @{inner}(%a, %qs, %d, %m, %ds, %ms) : (tensor<?x{k}xf32>, {arg_types}) -> tensor<?x{n}xf32>
   {slices}
   util.return {results} : {result_types}
 }}
@@ -727,6 +744,9 @@ def _cpu_lowering(tiles: int, reduction_dims: int, tile: int = TILE) -> str:
             "pipeline = #iree_cpu.pipeline<DoubleTilingExpert>>>}")
 
 
+# The MLIR names of a q4 product's numbers (_Q4_ARGS), as the hand-written calls bind them.
+Q4_ARG_NAMES = ("%d", "%m", "%ds", "%ms")
+
 _registered: dict | None = None
 
 
@@ -743,7 +763,11 @@ def _register() -> dict:
     from iree.turbine.runtime.op_reg.impl_helper import TemplateLoader, call_function
     from iree.turbine.support.ir_imports import RankedTensorType
 
-    from .q4 import dequantise_q4, untile_q4
+    from ..config import super_groups
+    from .q4 import Q4_NUMBERS, dequantise_q4, untile_q4
+
+    def dense_q4(qs: torch.Tensor, *numbers: torch.Tensor) -> torch.Tensor:
+        return dequantise_q4(*untile_q4({"weight": qs, **dict(zip(Q4_NUMBERS, numbers))}).values())
 
     _mlir_isinstance_shim()
 
@@ -784,15 +808,16 @@ def _register() -> dict:
             executables=prefill_products.quantise_rows_executable(qx, k, _x_steps)
             + prefill_products.q4_rows_executable(_dot_form, exe, nb, k, parts, _x_steps),
             quantise=prefill_products.quantise_rows_call(qx, k, "%a", "%rows", "%rows2", "%xq", "%xs"),
-            call=prefill_products.q4_rows_call(exe, nb, k, "%xq", "%xs", "%rows", "%rows2", "%qs", "%d", "%m",
+            call=prefill_products.q4_rows_call(exe, nb, k, "%xq", "%xs", "%rows", "%rows2", "%qs", Q4_ARG_NAMES,
                                                f"%r:{len(outs)}" if parts else "%r", parts),
             result_types=", ".join(f"tensor<?x{p * Q4_TILE}xf32>" for p in outs),
             results=", ".join(f"%r#{i}" for i in range(len(outs))) if parts else "%r", **sizes))
 
     def q4_sizes(kb: KernelBuilder) -> tuple[dict, int, int]:
         (_, k), (nb, groups, gb) = shape(kb, 0), shape(kb, 1)
+        per = super_groups(groups)
         return (dict(nb=nb, n=nb * Q4_TILE, k=k, gb=gb, gc=2 * gb, gw=gb // 4, t=Q4_TILE, groups=groups,
-                     g=k // groups), nb, k)
+                     g=k // groups, per=per, supers=groups // per), nb, k)
 
     @CustomOp.register(library=library)
     class mmt_q4_parts(CustomOp):
@@ -800,26 +825,26 @@ def _register() -> dict:
         then the rest), each a tensor of its own: q, k and v, which as slices of one [rows, q|k|v] tensor were three
         strided copies a layer. The hand-written product (an x86 CPU) stores each part in its own output; elsewhere
         the parts are slices of the product, inside the op."""
-        signature = ("mmt_q4_parts(Tensor a, Tensor qs, Tensor d, Tensor m, int first, int second) "
-                     "-> (Tensor, Tensor, Tensor)")
+        signature = ("mmt_q4_parts(Tensor a, Tensor qs, Tensor d, Tensor m, Tensor ds, Tensor ms, int first, "
+                     "int second) -> (Tensor, Tensor, Tensor)")
 
         def select(self, ksel: KernelSelection) -> None:
-            a, *weights = (ksel.arg_tensor(i) for i in range(4))
+            a, *weights = (ksel.arg_tensor(i) for i in range(6))
             for t in weights:
                 t.specialize_all_dims()
             a.specialize_dims(1)
-            first, second = ksel.attr_int(4).v, ksel.attr_int(5).v
+            first, second = ksel.attr_int(6).v, ksel.attr_int(7).v
             rest = weights[0].t.shape[0] * Q4_TILE - first - second
             for cols in (first, second, rest):
                 ksel.return_new_tensor([a.t.shape[0], cols], dtype=torch.float32)
 
-        def eager_execute(self, a, qs, d, m, first, second):
-            y = a @ dequantise_q4(*untile_q4({"weight": qs, "scale": d, "offset": m}).values()).T
+        def eager_execute(self, a, qs, d, m, ds, ms, first, second):
+            y = a @ dense_q4(qs, d, m, ds, ms).T
             return y[:, :first], y[:, first:first + second], y[:, first + second:]
 
         def generate(self, ksel: KernelSelection, kb: KernelBuilder) -> None:
             sizes, nb, k = q4_sizes(kb)
-            first, second = (ksel.arg_descs[i].v for i in (4, 5))
+            first, second = (ksel.arg_descs[i].v for i in (6, 7))
             cols = (first, second, nb * Q4_TILE - first - second)
             if _dot_form and first % Q4_TILE == 0 and second % Q4_TILE == 0:
                 emit_q4_rows(kb, sizes, nb, k, tuple(c // Q4_TILE for c in cols))
@@ -838,13 +863,13 @@ def _register() -> dict:
 
     @CustomOp.register(library=library)
     class mmt_q4(CustomOp):
-        signature = "mmt_q4(Tensor a, Tensor qs, Tensor d, Tensor m) -> (Tensor)"
+        signature = "mmt_q4(Tensor a, Tensor qs, Tensor d, Tensor m, Tensor ds, Tensor ms) -> (Tensor)"
 
         def select(self, ksel: KernelSelection) -> None:
-            select(ksel, 4, Q4_TILE)
+            select(ksel, 6, Q4_TILE)
 
-        def eager_execute(self, a, qs, d, m):
-            return a @ dequantise_q4(*untile_q4({"weight": qs, "scale": d, "offset": m}).values()).T
+        def eager_execute(self, a, qs, d, m, ds, ms):
+            return a @ dense_q4(qs, d, m, ds, ms).T
 
         def generate(self, ksel: KernelSelection, kb: KernelBuilder) -> None:
             sizes, nb, k = q4_sizes(kb)
@@ -860,10 +885,10 @@ def _register() -> dict:
                 emit(kb, name, _MV_X86.format(
                     name=name, args=_Q4_ARGS.format(**sizes),
                     executable=dot_products.q4_executable(_dot_form, exe, nb, k),
-                    call=dot_products.q4_call(exe, nb, k, "%a1", "%qs", "%d", "%m", "%r"), **sizes))
+                    call=dot_products.q4_call(exe, nb, k, "%a1", "%qs", Q4_ARG_NAMES, "%r"), **sizes))
             else:
                 name = f"eddy_mv_q4_{tag}{'_cpu' if _cpu_tuned else ''}"
-                attrs = _cpu_lowering(nb, 4, Q4_TILE) if _cpu_tuned else ""
+                attrs = _cpu_lowering(nb, 5, Q4_TILE) if _cpu_tuned else ""
                 emit(kb, name, _MV_Q4.format(name=name, attrs=attrs, **sizes))
 
     @CustomOp.register(library=library)

@@ -36,7 +36,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..arch import Family, family
-from ..config import ATTEND_STEP, Q4_TILE_ROWS, TILE_ROWS, BuildSettings, ModelConfig, auto_kv_dtype
+from ..config import (ATTEND_STEP, Q4_TILE_ROWS, TILE_ROWS, BuildSettings, ModelConfig, auto_kv_dtype,
+                      super_groups)
 from .attention_rows import attend_plan
 from .kernels import (attend_rows, first_blocks, first_slots, i8_linear, q4_linear, q4_linear_parts, query_keys,
                       query_keys_rows, softmax_over_slots, tile_q8, tileable, tiled_rows, weighted_values,
@@ -69,7 +70,7 @@ class Linear(nn.Module):
     (4-bit codes in groups with a scale and an offset each: engine/build/q4.py).
 
     Stored weights are widened inside the graph: IREE fuses the widening into the matrix-vector products, so
-    decode reads 2 (16-bit), 1 (q8) or about 0.625 (q4: half a byte and 4 bytes per 32) bytes per weight while
+    decode reads 2 (16-bit), 1 (q8) or about 0.58 (q4: half a byte, 2 bytes per 32 and 4 per 256) bytes per weight while
     activations and accumulation stay float32. A quantised matrix that is multiplied is stored in tiles of rows
     and multiplied by a custom op (engine/build/kernels.py) whose decode form keeps a row per vector lane. The
     parameters have their stored type from the start, so a skeleton that never receives its weights
@@ -83,17 +84,21 @@ class Linear(nn.Module):
         self.tiled = not lookup
         self.dtype = dtype = matrix_dtype(dtype, in_features, None if lookup else out_features)
         self.in_tiles = in_tiles(dtype, out_features, in_features, self.tiled)
-        self.offset = None
+        self.offset = self.scale_unit = self.offset_unit = None
         if dtype == "q4":
             groups = in_features // Q4_GROUP
             if lookup:
-                shapes = (out_features, in_features // 2), (out_features, groups)
+                self.weight = _frozen(torch.empty(out_features, in_features // 2, dtype=torch.int8))
+                self.scale = _frozen(torch.empty(out_features, groups, dtype=torch.float16))
+                self.offset = _frozen(torch.empty(out_features, groups, dtype=torch.float16))
             else:
-                tiles = out_features // Q4_TILE_ROWS
-                shapes = (tiles, groups, Q4_TILE_ROWS * Q4_GROUP // 2), (tiles, groups, Q4_TILE_ROWS)
-            self.weight = _frozen(torch.empty(shapes[0], dtype=torch.int8))
-            self.scale = _frozen(torch.empty(shapes[1], dtype=torch.float16))
-            self.offset = _frozen(torch.empty(shapes[1], dtype=torch.float16))
+                # Two-level group numbers (engine/build/q4.py, split_numbers): 8-bit factors, float16 units.
+                tiles, supers = out_features // Q4_TILE_ROWS, groups // super_groups(groups)
+                self.weight = _frozen(torch.empty(tiles, groups, Q4_TILE_ROWS * Q4_GROUP // 2, dtype=torch.int8))
+                self.scale = _frozen(torch.empty(tiles, groups, Q4_TILE_ROWS, dtype=torch.int8))
+                self.offset = _frozen(torch.empty(tiles, groups, Q4_TILE_ROWS, dtype=torch.int8))
+                self.scale_unit = _frozen(torch.empty(tiles, supers, Q4_TILE_ROWS, dtype=torch.float16))
+                self.offset_unit = _frozen(torch.empty(tiles, supers, Q4_TILE_ROWS, dtype=torch.float16))
         else:
             stored = torch.int8 if dtype == "q8" else TORCH_DTYPES[dtype]
             tiles = (out_features // TILE_ROWS, in_features // 4, TILE_ROWS * 4)
@@ -105,7 +110,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.dtype == "q4":
-            y = q4_linear(x, self.weight, self.scale, self.offset)
+            y = q4_linear(x, *self.q4_tensors())
         else:
             y = i8_linear(x, self.weight) if self.in_tiles else F.linear(x, self.weight.float())
             y = y if self.scale is None else y * self.scale
@@ -118,11 +123,15 @@ class Linear(nn.Module):
         if self.dtype != "q4" or not many:
             y = self(x)
             return y[:, :first], y[:, first:first + second], y[:, first + second:]
-        ys = q4_linear_parts(x, self.weight, self.scale, self.offset, first, second)
+        ys = q4_linear_parts(x, *self.q4_tensors(), first, second)
         if self.bias is None:
             return ys
         b = self.bias
         return ys[0] + b[:first], ys[1] + b[first:first + second], ys[2] + b[first + second:]
+
+    def q4_tensors(self) -> tuple[torch.Tensor, ...]:
+        """A tiled q4 matrix's parameters in the products' argument order: codes, then q4.Q4_NUMBERS."""
+        return self.weight, self.scale, self.offset, self.scale_unit, self.offset_unit
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows as float32 (the embedding lookup of a tied matrix)."""

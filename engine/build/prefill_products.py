@@ -43,8 +43,8 @@ from __future__ import annotations
 
 from ..config import Q4_GROUP
 from ..config import Q4_TILE_ROWS as Q4_TILE
-from .dot_products import (Q4_GROUP_BYTES, index_constants, q4_prefetch, q4_prefetch_constants, quantise_group,
-                           quantise_vector)
+from .dot_products import (Q4_GROUP_BYTES, Q4_NUMBER_BINDINGS, index_constants, q4_group_numbers, q4_number_subspans,
+                           q4_number_types, q4_prefetch, q4_prefetch_constants, quantise_group, quantise_vector)
 
 # Rows of xq a block of registers multiplies, each with an int32 accumulator per group: ROW_BLOCK / steps rows of x,
 # each with its float32 accumulator. At most 9: dot_products.index_constants names rows %i0..%i8.
@@ -76,7 +76,7 @@ def x_steps(hidden_size: int) -> int:
 def tiles_per_workgroup(tiles: int, k: int) -> int:
     """Tiles of weights per workgroup: as many as fit WORKGROUP_WEIGHT_BYTES, and at least 8 workgroups' worth
     of tiles for the threads to share when the rows are few."""
-    tile_bytes = k // Q4_GROUP * (Q4_GROUP_BYTES + 2 * 2 * Q4_TILE)
+    tile_bytes = k // Q4_GROUP * (Q4_GROUP_BYTES + 2 * Q4_TILE)  # codes and 8-bit factors (units: a few more)
     return max(1, min(WORKGROUP_WEIGHT_BYTES // tile_bytes, -(-tiles // 8)))
 
 
@@ -161,8 +161,8 @@ stream.executable private @{name} {{
     stream.return %tw, %n, %c1 : index, index, index
   }}
   builtin.module {{
-    func.func @{name}(%xqb: !stream.binding, %xsb: !stream.binding, %qb: !stream.binding, %db: !stream.binding,
-                      %mb: !stream.binding, %rows: index, {out_bindings}) {{
+    func.func @{name}(%xqb: !stream.binding, %xsb: !stream.binding, %qb: !stream.binding, {number_bindings},
+                      %rows: index, {out_bindings}) {{
       %c0 = arith.constant 0 : index
       %c1 = arith.constant 1 : index
       %c16 = arith.constant 16 : index
@@ -185,9 +185,7 @@ stream.executable private @{name} {{
       %xq = stream.binding.subspan %xqb[%c0] : !stream.binding -> memref<?x{groups}x8xi32>{{%xrows}}
       %xs = stream.binding.subspan %xsb[%c0] : !stream.binding -> memref<?x{groups}x2xf32>{{%xrows}}
       %q = stream.binding.subspan %qb[%c0] : !stream.binding -> memref<{nb}x{groups}x{gb}xi8>
-{prefetch_constants}
-      %d = stream.binding.subspan %db[%c0] : !stream.binding -> memref<{nb}x{groups}x16xf16>
-      %m = stream.binding.subspan %mb[%c0] : !stream.binding -> memref<{nb}x{groups}x16xf16>
+{prefetch_constants}{number_subspans}
 {out_subspans}
       %last = arith.subi %rows, %c1 : index
       %wx = stream.dispatch.workgroup.id[0] : index
@@ -201,11 +199,7 @@ stream.executable private @{name} {{
       scf.for %rb = %ra to %rz step %crb {{{rows_of_block}
         scf.for %b = %t0 to %t1 step %c1 {{
           %pft = arith.muli %b, %cg : index
-          %acc:{real} = scf.for %c = %c0 to %cg step %c1 iter_args({iter_args}) -> ({acc_types}) {{{prefetch}{group}
-            %dh = vector.load %d[%b, %c, %c0] : memref<{nb}x{groups}x16xf16>, vector<16xf16>
-            %mh = vector.load %m[%b, %c, %c0] : memref<{nb}x{groups}x16xf16>, vector<16xf16>
-            %dv = arith.extf %dh : vector<16xf16> to vector<16xf32>
-            %mv = arith.extf %mh : vector<16xf16> to vector<16xf32>{scale}
+          %acc:{real} = scf.for %c = %c0 to %cg step %c1 iter_args({iter_args}) -> ({acc_types}) {{{prefetch}{group}{numbers}{scale}
             scf.yield {yields} : {acc_types}
           }}
           %col = arith.muli %b, %c16 : index{stores}
@@ -335,7 +329,7 @@ def q4_rows_executable(form: str, name: str, tiles: int, k: int, parts: tuple[in
                        steps: int = STEPS) -> str:
     """The `stream.executable` @name computing out [rows, tiles x 16] f32 from x quantised
     (quantise_rows_executable's xq, xs: `steps` rows each), the codes [tiles x groups x Q4_GROUP_BYTES] i8 and
-    scales, offsets [tiles x groups x 16] f16; with `parts` (tiles each, summing to `tiles`), as that many outputs
+    group numbers (dot_products.q4_number_types); with `parts` (tiles each, summing to `tiles`), as that many outputs
     [rows, part x 16] (q, k and v from one product, each stored where its consumers read it whole)."""
     parts = parts or (tiles,)
     assert sum(parts) == tiles, (parts, tiles)
@@ -364,6 +358,8 @@ def q4_rows_executable(form: str, name: str, tiles: int, k: int, parts: tuple[in
     return _Q4_ROWS.format(
         name=name, groups=groups, nb=tiles, n=tiles * Q4_TILE, gb=Q4_GROUP_BYTES, block=block,
         prefetch_constants=q4_prefetch_constants(tiles, groups), prefetch=q4_prefetch(tiles, groups),
+        number_bindings=Q4_NUMBER_BINDINGS, number_subspans=q4_number_subspans(tiles, groups),
+        numbers=q4_group_numbers(tiles, groups, "            "),
         real=real, steps=steps,
         tile_groups=_by_row_groups("%tw", -(-tiles // per_tiles), -(-tiles // few_tiles), "    ", steps),
         tiles_per_workgroup=_by_row_groups("%ctpw", per_tiles, few_tiles, "      ", steps),
@@ -376,13 +372,13 @@ def q4_rows_executable(form: str, name: str, tiles: int, k: int, parts: tuple[in
         yields=", ".join(f"%n{steps * j + steps - 1}" for j in range(real)), stores=stores)
 
 
-def q4_rows_call(name: str, tiles: int, k: int, xq: str, xs: str, rows: str, rows2: str, q: str, d: str, m: str,
-                 out: str, parts: tuple[int, ...] = ()) -> str:
+def q4_rows_call(name: str, tiles: int, k: int, xq: str, xs: str, rows: str, rows2: str, q: str,
+                 numbers: tuple[str, ...], out: str, parts: tuple[int, ...] = ()) -> str:
     """The `flow.dispatch` of q4_rows_executable @name, binding `out` (tensor<?x tiles*16 x f32>, `rows` rows; xq
-    and xs have `rows2` = steps x `rows`); with `parts`, `out` names their results (`%r:3`, one per part)."""
+    and xs have `rows2` = steps x `rows`; `numbers`: the matrix's group numbers, q4.Q4_NUMBERS' order); with
+    `parts`, `out` names their results (`%r:3`, one per part)."""
     groups = k // Q4_GROUP
     results = ", ".join(f"tensor<?x{p * Q4_TILE}xf32>{{{rows}}}" for p in parts or (tiles,))
-    return (f"{out} = flow.dispatch @{name}::@{name}[{rows}]({xq}, {xs}, {q}, {d}, {m}, {rows}) : "
+    return (f"{out} = flow.dispatch @{name}::@{name}[{rows}]({xq}, {xs}, {q}, {', '.join(numbers)}, {rows}) : "
             f"(tensor<?x{groups}x8xi32>{{{rows2}}}, tensor<?x{groups}x2xf32>{{{rows2}}}, "
-            f"tensor<{tiles}x{groups}x{Q4_GROUP_BYTES}xi8>, tensor<{tiles}x{groups}x16xf16>, "
-            f"tensor<{tiles}x{groups}x16xf16>, index) -> ({results})")
+            f"tensor<{tiles}x{groups}x{Q4_GROUP_BYTES}xi8>, {q4_number_types(tiles, groups)}, index) -> ({results})")

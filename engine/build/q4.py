@@ -1,11 +1,10 @@
 """4-bit weights (`--dtype q4`): groups of Q4_GROUP weights along a row, each an unsigned 4-bit code with a
-float16 scale and offset (w = code * scale + offset), GGUF's Q4_1 (needs torch). float16, as in Q4_1: a Q4_1
-GGUF's numbers come back exactly, and decode reads 0.625 bytes a weight instead of float32's 0.75, which its
-memory-bound product turns into speed (docs/BENCHMARKS.md).
+scale and offset (w = code * scale + offset), GGUF's Q4_1 (needs torch): float16 numbers in the rows layout (a
+Q4_1 GGUF's come back exactly), two-level ones in a multiplied matrix's tiles (below).
 
 The matrix product is one custom op, written as MLIR (engine/build/kernels.py): the packed bytes are bitcast to i4
-and dequantised inside the op's dispatch, so a product reads the 4-bit codes (plus two float32 numbers per group)
-and never a widened matrix. A torch formulation cannot get there: torch has no 4-bit type, and unpacking nibbles
+and dequantised inside the op's dispatch, so a product reads the 4-bit codes (plus a group's numbers) and never a
+widened matrix. A torch formulation cannot get there: torch has no 4-bit type, and unpacking nibbles
 with shifts and masks makes the dequantisation a separate dispatch that writes the whole float32 matrix on every
 call.
 
@@ -13,10 +12,19 @@ Layouts. `quantise_q4` gives rows: codes [out, in/2] (two to a byte, low nibble 
 and offsets [out, in/Q4_GROUP]; an embedding, which is looked up by row, stays so. A matrix that is multiplied is
 stored tiled (`tile_q4`), in tiles of Q4_TILE_ROWS (16) rows: codes [out/16, groups, 256], and per group of a tile
 four blocks of 64 bytes, block h's byte 4r + j holding row r's codes at positions 4h + j (low nibble) and
-4h + 16 + j (high nibble); scales and offsets [out/16, groups, 16]. That is the shape of the x86 integer dot
-products (`vpdpbusd`: 16 rows x 4 positions a register) that the hand-written products take (decode's,
-engine/build/dot_products.py, and prefill's, prefill_products.py): one load and two masks feed two of them. The
-generic forms (other devices and CPUs) index the same bytes through a 6-d view.
+4h + 16 + j (high nibble). That is the shape of the x86 integer dot products (`vpdpbusd`: 16 rows x 4 positions a
+register) that the hand-written products take (decode's, engine/build/dot_products.py, and prefill's,
+prefill_products.py): one load and two masks feed two of them. The generic forms (other devices and CPUs) index
+the same bytes through a view.
+
+A tiled matrix's group numbers are two-level, as Q4_K's are (`split_numbers`): per group an 8-bit factor of the
+scale (0..255) and of the offset (-127..127), and per super-block of up to Q4_SUPER_GROUPS groups along a row a
+float16 unit for each (the block's largest magnitude over 255 or 127): scale = unit x factor. That is 2 bytes a
+group and 4 a super-block instead of 4 a group: 4.625 bits a weight instead of 5. Decode at 1B-8B reads its
+weights at the memory's bandwidth (docs/BENCHMARKS.md), so 7.5 % fewer bytes are about as much time. The codes are
+kept as they are: on the default model's Q4_1 file the numbers' rounding adds 0.7 % to the codes' own error (its
+variance), and `eddy ppl` moves by less than that (docs/QUALITY.md). Scales and offsets [out/16, groups, 16]
+(int8; the scale's byte is unsigned), units [out/16, supers, 16] (float16).
 
 Bytes are stored in int8 tensors: the bytes are what matter, and int8 is the byte type turbine's parameters carry
 unchanged.
@@ -25,8 +33,12 @@ from __future__ import annotations
 
 import torch
 
-from ..config import Q4_GROUP, Q4_TILE_ROWS as TILE
+from ..config import Q4_GROUP, super_groups
+from ..config import Q4_TILE_ROWS as TILE
 from .kernels import tile_rows, untile_rows
+
+# A tiled matrix's parameters beside its codes ("weight"), in the products' argument order.
+Q4_NUMBERS = ("scale", "offset", "scale_unit", "offset_unit")
 
 
 def packable(in_features: int, out_features: int | None = None) -> bool:
@@ -64,15 +76,63 @@ def unpack_q4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([low, high], dim=-1).reshape(*packed.shape[:-1], -1).to(torch.uint8)
 
 
+def split_numbers(scale: torch.Tensor, offset: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Group scales (>= 0) and offsets [out, groups] -> {"scale": unsigned 8-bit factors (as int8 bytes), "offset":
+    signed ones (-127..127) [out, groups], "scale_unit", "offset_unit": float16 [out, supers]}: each number is its
+    super-block's unit times its factor, the unit the block's largest magnitude over 255 (127)."""
+    out, groups = scale.shape
+    per = super_groups(groups)
+    s, o = scale.float().reshape(out, -1, per), offset.float().reshape(out, -1, per)
+    s_unit = (s.amax(-1) / 255).to(torch.float16)
+    o_unit = (o.abs().amax(-1) / 127).to(torch.float16)
+    return {"scale": _factors(s, s_unit, 0, 255).to(torch.uint8).view(torch.int8).reshape(out, groups),
+            "offset": _factors(o, o_unit, -127, 127).to(torch.int8).reshape(out, groups),
+            "scale_unit": s_unit, "offset_unit": o_unit}
+
+
+def _factors(v: torch.Tensor, unit: torch.Tensor, low: int, high: int) -> torch.Tensor:
+    u = unit.float().unsqueeze(-1)
+    return torch.where(u > 0, torch.round(v / torch.where(u > 0, u, 1)), 0).clamp(low, high)
+
+
+def join_numbers(numbers: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """split_numbers' numbers -> the float32 scales and offsets [out, groups] they stand for, each a float32
+    product of factor and unit, as the products compute them."""
+    factors = numbers["scale"].view(torch.uint8).float(), numbers["offset"].float()
+    out, groups = factors[0].shape
+    joined = []
+    for f, unit in zip(factors, (numbers["scale_unit"], numbers["offset_unit"])):
+        joined.append((f.reshape(out, unit.shape[1], -1) * unit.float().unsqueeze(-1)).reshape(out, groups))
+    return joined[0], joined[1]
+
+
+def _nonnegative(rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The same weights with every group's scale >= 0 (split_numbers' factors are unsigned): a group with a
+    negative one (Q4_0's d may be) takes 15 - code, -scale and offset + 15 scale. A group's 16 bytes hold its own
+    codes only, in pack_q4's order as in pair_q4's, so the flip is a xor of whole bytes."""
+    scale, offset = rows["scale"].float(), rows["offset"].float()
+    negative = scale < 0
+    if not bool(negative.any()):
+        return rows
+    out, groups = scale.shape
+    flip = torch.where(negative, -1, 0).to(torch.int8).unsqueeze(-1)
+    weight = (rows["weight"].reshape(out, groups, -1) ^ flip).reshape(out, -1)
+    return {"weight": weight, "scale": scale.abs(), "offset": torch.where(negative, offset + 15 * scale, offset)}
+
+
+def _tiled_numbers(rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: tile_rows(t, TILE) for name, t in split_numbers(rows["scale"], rows["offset"]).items()}
+
+
 def tile_q4(rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The rows layout (quantise_q4) -> the tiled one: codes int8 [out/16, groups, 256] in blocks, scale and offset
-    float16 [out/16, groups, 16]. The same codes and numbers, moved."""
+    """The rows layout (quantise_q4) -> the tiled one: codes int8 [out/16, groups, 256] in blocks, the group
+    numbers split (split_numbers) and tiled: factors [out/16, groups, 16], units [out/16, supers, 16]."""
+    rows = _nonnegative(rows)
     codes = unpack_q4(rows["weight"])
     out, cols = codes.shape
     # [tile, row, group, nibble, block, position in block] -> [tile, group, block, row, position, nibble]
     blocks = codes.reshape(out // TILE, TILE, cols // Q4_GROUP, 2, 4, 4).permute(0, 2, 4, 1, 5, 3)
-    return {"weight": pack_q4(blocks.reshape(out // TILE, cols // Q4_GROUP, -1)),
-            "scale": tile_rows(rows["scale"], TILE), "offset": tile_rows(rows["offset"], TILE)}
+    return {"weight": pack_q4(blocks.reshape(out // TILE, cols // Q4_GROUP, -1)), **_tiled_numbers(rows)}
 
 
 def pair_q4(codes: torch.Tensor) -> torch.Tensor:
@@ -92,19 +152,20 @@ def unpair_q4(paired: torch.Tensor) -> torch.Tensor:
 def tile_paired(paired: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """{"weight": int8 [out, in/2] in pair_q4's bytes, "scale", "offset"} -> the tiled layout (tile_q4's), by
     moving bytes: tile t, group g, block h's byte 4r + j is row 16t + r's byte 4h + j of group g."""
+    paired = _nonnegative(paired)
     w = paired["weight"]
     out, groups = w.shape[0], w.shape[1] // 16
     tiles = w.reshape(out // TILE, TILE, groups, 4, 4).permute(0, 2, 3, 1, 4).reshape(out // TILE, groups, 256)
-    return {"weight": tiles.contiguous(), "scale": tile_rows(paired["scale"], TILE),
-            "offset": tile_rows(paired["offset"], TILE)}
+    return {"weight": tiles.contiguous(), **_tiled_numbers(paired)}
 
 
 def untile_q4(tiled: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The tiled layout -> the rows layout (tile_q4's inverse)."""
+    """The tiled layout -> the rows layout, its numbers joined into float32 (what the products multiply by)."""
     codes = unpack_q4(tiled["weight"])
     tiles, groups, _ = codes.shape
     rows = codes.reshape(tiles, groups, 4, TILE, 4, 2).permute(0, 3, 1, 5, 2, 4).reshape(tiles * TILE, -1)
-    return {"weight": pack_q4(rows), "scale": untile_rows(tiled["scale"]), "offset": untile_rows(tiled["offset"])}
+    scale, offset = join_numbers({name: untile_rows(tiled[name]) for name in Q4_NUMBERS})
+    return {"weight": pack_q4(rows), "scale": scale, "offset": offset}
 
 
 def dequantise_q4(packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:

@@ -4,8 +4,10 @@ Q4_0, Q4_1 and Q4_K all store a weight as a 4-bit code times a scale plus an off
 which is exactly q4's numbers (engine/build/q4.py: w = code * scale + offset, float16 scale and offset). So a
 build reads their codes and numbers as they are rather than dequantising to float32 and quantising again: no
 float32 copy of the matrix (a fifth of a 1B build's time went to making and filling them), and the codes are the
-file's own, where re-quantising moved them. Q4_0 and Q4_1 come back exactly; Q4_K's scale is its block's d times
-a 6-bit factor, rounded to float16 (a relative 2^-11, far under the codes' own step).
+file's own, where re-quantising moved them. In the rows layout Q4_0 and Q4_1 come back exactly; Q4_K's scale is
+its block's d times a 6-bit factor, rounded to float16 (a relative 2^-11, far under the codes' own step). A matrix
+that is multiplied then has its numbers split into 8-bit factors of a unit per super-block (q4.split_numbers), its
+codes still the file's.
 
 Every other type (Q6_K, Q8_0, F16, ...) takes the float path (engine/build/checkpoint/gguf.py).
 """
