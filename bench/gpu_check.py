@@ -124,14 +124,13 @@ def weight_plan(entries: list[dict[str, Any]], seed: int = 17) -> dict[str, Any]
         name, dtype, shape = e["name"], e["dtype"], e["shape"]
         # A tiled q4 matrix's numbers are 8-bit factors of float16 units (engine/build/q4.py, split_numbers): the
         # same scales and offsets as the rows layout's, to within the factors' spread.
-        if name.endswith(".scale") and dtype == "int8":  # unsigned factors 150..250 (bytes)
+        # Units [tiles, supers, 3, 16] (scale's unit, offset's unit and base) are one per super-block: constant
+        # numbers of the right size (scale ~q4_scale, offset ~-7.5 q4_scale), the factors random.
+        if name.endswith((".scale", ".offset")) and dtype == "int8":  # unsigned factors 150..250 (bytes)
             spec.update(dist="uniform", center=200.0, half=50.0)
-        elif name.endswith(".offset") and dtype == "int8":
-            spec.update(dist="uniform", center=-120.0, half=5.0)
-        elif name.endswith(".scale_unit"):
-            spec.update(dist="uniform", center=q4_scale / 200, half=0.0)
-        elif name.endswith(".offset_unit"):
-            spec.update(dist="uniform", center=7.5 * q4_scale / 120, half=0.0)
+        elif name.endswith(".units"):
+            spec.update(dist="units", scale_unit=q4_scale / 200, offset_unit=0.2 * q4_scale / 200,
+                        offset_base=-7.6 * q4_scale)
         elif dtype == "int8":
             spec.update(dist="int8")
         elif name.endswith(".scale") and dtype == "float16":  # q4 group scales: codes 0..15, std 4.6
@@ -160,7 +159,10 @@ def generate(spec: dict[str, Any]) -> np.ndarray:
     versions) and exactly rounded float32 arithmetic go into them."""
     n = int(np.prod(spec["shape"], dtype=np.int64))
     raw = np.random.default_rng(spec["seed"]).bit_generator.random_raw(n)
-    if spec["dist"] == "int8":
+    if spec["dist"] == "units":
+        units = np.array([spec["scale_unit"], spec["offset_unit"], spec["offset_base"]], dtype=np.float16)
+        out = np.broadcast_to(units.reshape(1, 1, 3, 1), spec["shape"]).copy()
+    elif spec["dist"] == "int8":
         codes = (raw >> np.uint64(56)).astype(np.uint8).view(np.int8)
         out = np.maximum(codes, np.int8(-127))
     else:

@@ -247,7 +247,8 @@ stream.executable private @{name} {{
 
 _Q4_TILE = """
         %pft = arith.muli %b, %cg : index
-        %acc = scf.for %c = %c0 to %cg step %c1 iter_args(%af = %zv) -> vector<16xf32> {{{prefetch}{group}
+        %acc = scf.for %sb = %c0 to %csup step %c1 iter_args(%as = %zv) -> vector<16xf32> {{{units}
+        %accs = scf.for %c = %cs0 to %cs1 step %c1 iter_args(%af = %as) -> vector<16xf32> {{{prefetch}{group}
           %fs = arith.sitofp {isum} : vector<16xi32> to vector<16xf32>{numbers}
           %dxs = memref.load %xd[%c] : memref<{groups}xf32>
           %dms = memref.load %xm[%c] : memref<{groups}xf32>
@@ -257,6 +258,8 @@ _Q4_TILE = """
           %a1 = math.fma %fs, %sc, %af : vector<16xf32>
           %a2 = math.fma %mv, %dmv, %a1 : vector<16xf32>
           scf.yield %a2 : vector<16xf32>
+        }}
+        scf.yield %accs : vector<16xf32>
         }}
         vector.store %acc, %o[%b, %c0] : memref<{nb}x16xf32>, vector<16xf32>"""
 
@@ -303,45 +306,57 @@ def index_constants() -> str:
     return "\n".join(lines)
 
 
-# The bindings of a q4 product's group numbers (engine/build/q4.py, split_numbers): scale and offset factors, and
-# their super-blocks' units.
-Q4_NUMBER_BINDINGS = "%db: !stream.binding, %mb: !stream.binding, %dsb: !stream.binding, %msb: !stream.binding"
+# The bindings of a q4 product's group numbers (engine/build/q4.py, split_numbers): the scale and offset factors,
+# and their super-blocks' units.
+Q4_NUMBER_BINDINGS = "%db: !stream.binding, %mb: !stream.binding, %ub: !stream.binding"
 
 
 def q4_number_types(tiles: int, groups: int) -> str:
     """The tensor types of a q4 product's group numbers, in Q4_NUMBER_BINDINGS' order."""
-    factors, units = f"tensor<{tiles}x{groups}x16xi8>", f"tensor<{tiles}x{groups // super_groups(groups)}x16xf16>"
-    return f"{factors}, {factors}, {units}, {units}"
+    factors, units = f"tensor<{tiles}x{groups}x16xi8>", f"tensor<{tiles}x{groups // super_groups(groups)}x3x16xf16>"
+    return f"{factors}, {factors}, {units}"
 
 
 def q4_number_subspans(tiles: int, groups: int) -> str:
-    """The group numbers' memrefs: %d, %m (factors), %ds, %ms (units), and %cper (groups a super-block)."""
+    """The group numbers' memrefs: %d, %m (factors), %u (units); %cper (groups a super-block), %csup (super-blocks
+    a row)."""
     per = super_groups(groups)
-    factors, units = f"memref<{tiles}x{groups}x16xi8>", f"memref<{tiles}x{groups // per}x16xf16>"
     return f"""
       %cper = arith.constant {per} : index
-      %d = stream.binding.subspan %db[%c0] : !stream.binding -> {factors}
-      %m = stream.binding.subspan %mb[%c0] : !stream.binding -> {factors}
-      %ds = stream.binding.subspan %dsb[%c0] : !stream.binding -> {units}
-      %ms = stream.binding.subspan %msb[%c0] : !stream.binding -> {units}"""
+      %csup = arith.constant {groups // per} : index
+      %cbase = arith.constant 2 : index
+      %d = stream.binding.subspan %db[%c0] : !stream.binding -> memref<{tiles}x{groups}x16xi8>
+      %m = stream.binding.subspan %mb[%c0] : !stream.binding -> memref<{tiles}x{groups}x16xi8>
+      %u = stream.binding.subspan %ub[%c0] : !stream.binding -> memref<{tiles}x{groups // per}x3x16xf16>"""
+
+
+def q4_super_units(tiles: int, groups: int, indent: str) -> str:
+    """Super-block %sb of tile %b: its units as float32 (%dhf scale's, %mhf offset's, %bhf offset's base) and its
+    groups %cs0 to %cs1. The products go over a row's groups a super-block at a time so that a group's numbers are
+    two conversions, a multiply and a fused multiply-add: with the units loaded per group the decode product of an
+    8B's matrices lost its 7 % fewer bytes to the instructions (bench/decode_product.py)."""
+    units = f"memref<{tiles}x{groups // super_groups(groups)}x3x16xf16>"
+    lines = [f"%dh = vector.load %u[%b, %sb, %c0, %c0] : {units}, vector<16xf16>",
+             f"%mh = vector.load %u[%b, %sb, %c1, %c0] : {units}, vector<16xf16>",
+             f"%bh = vector.load %u[%b, %sb, %cbase, %c0] : {units}, vector<16xf16>",
+             "%dhf = arith.extf %dh : vector<16xf16> to vector<16xf32>",
+             "%mhf = arith.extf %mh : vector<16xf16> to vector<16xf32>",
+             "%bhf = arith.extf %bh : vector<16xf16> to vector<16xf32>",
+             "%cs0 = arith.muli %sb, %cper : index",
+             "%cs1 = arith.addi %cs0, %cper : index"]
+    return "".join(f"\n{indent}{line}" for line in lines)
 
 
 def q4_group_numbers(tiles: int, groups: int, indent: str) -> str:
-    """Group %c of tile %b's 16 scales %dv and offsets %mv (vector<16xf32>): its factors times its super-block's
-    units, in float32 (the numbers q4.join_numbers gives)."""
-    per = super_groups(groups)
-    factors, units = f"memref<{tiles}x{groups}x16xi8>", f"memref<{tiles}x{groups // per}x16xf16>"
-    lines = ["%sup = arith.divui %c, %cper : index",
-             f"%dq = vector.load %d[%b, %c, %c0] : {factors}, vector<16xi8>",
+    """Group %c of tile %b's 16 scales %dv and offsets %mv (vector<16xf32>) from its factors and its super-block's
+    units (q4_super_units), in float32 as q4.join_numbers computes them (a multiply; a fused multiply-add)."""
+    factors = f"memref<{tiles}x{groups}x16xi8>"
+    lines = [f"%dq = vector.load %d[%b, %c, %c0] : {factors}, vector<16xi8>",
              f"%mq = vector.load %m[%b, %c, %c0] : {factors}, vector<16xi8>",
-             f"%dh = vector.load %ds[%b, %sup, %c0] : {units}, vector<16xf16>",
-             f"%mh = vector.load %ms[%b, %sup, %c0] : {units}, vector<16xf16>",
              "%dqf = arith.uitofp %dq : vector<16xi8> to vector<16xf32>",
-             "%mqf = arith.sitofp %mq : vector<16xi8> to vector<16xf32>",
-             "%dhf = arith.extf %dh : vector<16xf16> to vector<16xf32>",
-             "%mhf = arith.extf %mh : vector<16xf16> to vector<16xf32>",
+             "%mqf = arith.uitofp %mq : vector<16xi8> to vector<16xf32>",
              "%dv = arith.mulf %dqf, %dhf : vector<16xf32>",
-             "%mv = arith.mulf %mqf, %mhf : vector<16xf32>"]
+             "%mv = math.fma %mqf, %mhf, %bhf : vector<16xf32>"]
     return "".join(f"\n{indent}{line}" for line in lines)
 
 
@@ -383,7 +398,8 @@ def q4_executable(form: str, name: str, tiles: int, k: int) -> str:
 {q4_prefetch_constants(tiles, groups)}{q4_number_subspans(tiles, groups)}
       %o = stream.binding.subspan %ob[%c0] : !stream.binding -> memref<{tiles}x16xf32>"""
     tile = _Q4_TILE.format(nb=tiles, groups=groups, group=body.format(nb=tiles, groups=groups), isum=isum,
-                           prefetch=q4_prefetch(tiles, groups), numbers=q4_group_numbers(tiles, groups, "          "))
+                           prefetch=q4_prefetch(tiles, groups), units=q4_super_units(tiles, groups, "        "),
+                           numbers=q4_group_numbers(tiles, groups, "          "))
     return _executable(name, tiles, k, f"%qb: !stream.binding, {Q4_NUMBER_BINDINGS}", subspans, tile)
 
 

@@ -87,13 +87,12 @@ def q4_linear(x: torch.Tensor, packed: torch.Tensor, *numbers: torch.Tensor) -> 
 
 
 def q4_linear_parts(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
-                    scale_unit: torch.Tensor, offset_unit: torch.Tensor, first: int,
-                    second: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    units: torch.Tensor, first: int, second: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q4_linear of prefill's x [rows, in] as three tensors: its first `first` columns, the next `second`, the rest.
     The hand-written product of many rows (an x86 CPU) writes each to its own output; elsewhere they are slices of
     one product (and wherever a part is not in whole tiles of rows): the op's form is chosen when the export is
     lowered (lowering_for), after the model is traced."""
-    return _ops()["q4_parts"](x, packed, scale, offset, scale_unit, offset_unit, first, second)
+    return _ops()["q4_parts"](x, packed, scale, offset, units, first, second)
 
 
 def i8_linear(x: torch.Tensor, tiled: torch.Tensor) -> torch.Tensor:
@@ -191,27 +190,31 @@ def lowering_for(device: str, dot_form: str | None = None, x_steps: int = prefil
 
 # Prefill's q4 form reads the codes through a 7-d view of the tiled layout (engine/build/q4.py): [tile, super-block
 # s, group c in it, block h, row r, position j, nibble], the position in the group being nibble * 16 + h * 4 + j;
-# the group's factors as [tile, s, c, row] (_Q4_FACTORS), their units [tile, s, row] as stored: every index of the
-# generics is then a plain dimension.
+# the group's factors as [tile, s, c, row] and its super-block's three units each as [tile, s, row] (_Q4_FACTORS):
+# every index of the generics is then a plain dimension.
 _Q4_VIEW = r"""
   %q = flow.tensor.bitcast %qs : tensor<{nb}x{groups}x{gb}xi8> -> tensor<{nb}x{groups}x{gc}xi4>
   %q6 = tensor.expand_shape %q [[0], [1, 2], [3, 4, 5, 6]] output_shape [{nb}, {supers}, {per}, 4, {t}, 4, 2] : tensor<{nb}x{groups}x{gc}xi4> into tensor<{nb}x{supers}x{per}x4x{t}x4x2xi4>"""
 
 _Q4_FACTORS = r"""
   %d4 = tensor.expand_shape %d [[0], [1, 2], [3]] output_shape [{nb}, {supers}, {per}, {t}] : tensor<{nb}x{groups}x{t}xi8> into tensor<{nb}x{supers}x{per}x{t}xi8>
-  %m4 = tensor.expand_shape %m [[0], [1, 2], [3]] output_shape [{nb}, {supers}, {per}, {t}] : tensor<{nb}x{groups}x{t}xi8> into tensor<{nb}x{supers}x{per}x{t}xi8>"""
+  %m4 = tensor.expand_shape %m [[0], [1, 2], [3]] output_shape [{nb}, {supers}, {per}, {t}] : tensor<{nb}x{groups}x{t}xi8> into tensor<{nb}x{supers}x{per}x{t}xi8>
+  %ds = tensor.extract_slice %units[0, 0, 0, 0] [{nb}, {supers}, 1, {t}] [1, 1, 1, 1] : tensor<{nb}x{supers}x3x{t}xf16> to tensor<{nb}x{supers}x{t}xf16>
+  %ms = tensor.extract_slice %units[0, 0, 1, 0] [{nb}, {supers}, 1, {t}] [1, 1, 1, 1] : tensor<{nb}x{supers}x3x{t}xf16> to tensor<{nb}x{supers}x{t}xf16>
+  %bs = tensor.extract_slice %units[0, 0, 2, 0] [{nb}, {supers}, 1, {t}] [1, 1, 1, 1] : tensor<{nb}x{supers}x3x{t}xf16> to tensor<{nb}x{supers}x{t}xf16>"""
 
 _Q4_ARGS = ("%qs: tensor<{nb}x{groups}x{gb}xi8>, %d: tensor<{nb}x{groups}x{t}xi8>, %m: tensor<{nb}x{groups}x{t}xi8>, "
-            "%ds: tensor<{nb}x{supers}x{t}xf16>, %ms: tensor<{nb}x{supers}x{t}xf16>")
+            "%units: tensor<{nb}x{supers}x3x{t}xf16>")
 
-# A group's scale and offset from its factors (%dq unsigned, %mq signed) and their units (%dh, %mh): %dv, %mv.
+# A group's scale and offset (%dv, %mv) from its factors (%dq, %mq) and its super-block's units (%dh, %mh, %bh).
 _Q4_NUMBERS = r"""
     %dqf = arith.uitofp %dq : i8 to f32
-    %mqf = arith.sitofp %mq : i8 to f32
+    %mqf = arith.uitofp %mq : i8 to f32
     %dhf = arith.extf %dh : f16 to f32
     %mhf = arith.extf %mh : f16 to f32
+    %bhf = arith.extf %bh : f16 to f32
     %dv = arith.mulf %dqf, %dhf : f32
-    %mv = arith.mulf %mqf, %mhf : f32"""
+    %mv = math.fma %mqf, %mhf, %bhf : f32"""
 
 # q4, prefill (any number of rows) off x86: the tile is widened back to float32 rows in one generic, which IREE fuses
 # with the packing of the data-tiled matmul, then a contraction over the groups and their weights.
@@ -225,12 +228,14 @@ util.func private @{name}(%a: tensor<?x{k}xf32>, """ + _Q4_ARGS + r""") -> tenso
   %w6 = linalg.generic {{
       indexing_maps = [affine_map<(b, r, s, c, u, h, j) -> (b, s, c, h, r, j, u)>, affine_map<(b, r, s, c, u, h, j) -> (b, s, c, r)>,
                        affine_map<(b, r, s, c, u, h, j) -> (b, s, c, r)>, affine_map<(b, r, s, c, u, h, j) -> (b, s, r)>,
-                       affine_map<(b, r, s, c, u, h, j) -> (b, s, r)>, affine_map<(b, r, s, c, u, h, j) -> (b, r, s, c, u, h, j)>],
+                       affine_map<(b, r, s, c, u, h, j) -> (b, s, r)>, affine_map<(b, r, s, c, u, h, j) -> (b, s, r)>,
+                       affine_map<(b, r, s, c, u, h, j) -> (b, r, s, c, u, h, j)>],
       iterator_types = ["parallel", "parallel", "parallel", "parallel", "parallel", "parallel", "parallel"]}}
-      ins(%q6, %d4, %m4, %ds, %ms : tensor<{nb}x{supers}x{per}x4x{t}x4x2xi4>, tensor<{nb}x{supers}x{per}x{t}xi8>,
-                                    tensor<{nb}x{supers}x{per}x{t}xi8>, tensor<{nb}x{supers}x{t}xf16>, tensor<{nb}x{supers}x{t}xf16>)
+      ins(%q6, %d4, %m4, %ds, %ms, %bs : tensor<{nb}x{supers}x{per}x4x{t}x4x2xi4>, tensor<{nb}x{supers}x{per}x{t}xi8>,
+                                         tensor<{nb}x{supers}x{per}x{t}xi8>, tensor<{nb}x{supers}x{t}xf16>,
+                                         tensor<{nb}x{supers}x{t}xf16>, tensor<{nb}x{supers}x{t}xf16>)
       outs(%e : tensor<{nb}x{t}x{supers}x{per}x2x4x4xf32>) {{
-  ^bb0(%qv: i4, %dq: i8, %mq: i8, %dh: f16, %mh: f16, %o: f32):
+  ^bb0(%qv: i4, %dq: i8, %mq: i8, %dh: f16, %mh: f16, %bh: f16, %o: f32):
     %0 = arith.extui %qv : i4 to i32
     %1 = arith.uitofp %0 : i32 to f32""" + _Q4_NUMBERS + r"""
     %2 = arith.mulf %1, %dv : f32
@@ -279,13 +284,14 @@ util.func private @{name}(%a: tensor<1x{k}xf32>, """ + _Q4_ARGS + r""") -> tenso
       indexing_maps = [affine_map<(b, r, s, c, h, u, j) -> (s, c, u, h, j)>, affine_map<(b, r, s, c, h, u, j) -> (b, s, c, h, r)>,
                        affine_map<(b, r, s, c, h, u, j) -> (b, s, c, r)>, affine_map<(b, r, s, c, h, u, j) -> (b, s, c, r)>,
                        affine_map<(b, r, s, c, h, u, j) -> (b, s, r)>, affine_map<(b, r, s, c, h, u, j) -> (b, s, r)>,
-                       affine_map<(b, r, s, c, h, u, j) -> (b, r)>],
+                       affine_map<(b, r, s, c, h, u, j) -> (b, s, r)>, affine_map<(b, r, s, c, h, u, j) -> (b, r)>],
       iterator_types = ["parallel", "parallel", "reduction", "reduction", "reduction", "reduction", "reduction"]}}
-      ins(%a4, %q4, %d4, %m4, %ds, %ms : tensor<{supers}x{per}x2x4x4xf32>, tensor<{nb}x{supers}x{per}x4x{t}xi32>,
-                                         tensor<{nb}x{supers}x{per}x{t}xi8>, tensor<{nb}x{supers}x{per}x{t}xi8>,
-                                         tensor<{nb}x{supers}x{t}xf16>, tensor<{nb}x{supers}x{t}xf16>)
+      ins(%a4, %q4, %d4, %m4, %ds, %ms, %bs : tensor<{supers}x{per}x2x4x4xf32>, tensor<{nb}x{supers}x{per}x4x{t}xi32>,
+                                              tensor<{nb}x{supers}x{per}x{t}xi8>, tensor<{nb}x{supers}x{per}x{t}xi8>,
+                                              tensor<{nb}x{supers}x{t}xf16>, tensor<{nb}x{supers}x{t}xf16>,
+                                              tensor<{nb}x{supers}x{t}xf16>)
       outs(%acc : tensor<{nb}x{t}xf32>) {attrs} {{
-  ^bb0(%x: f32, %w: i32, %dq: i8, %mq: i8, %dh: f16, %mh: f16, %o: f32):
+  ^bb0(%x: f32, %w: i32, %dq: i8, %mq: i8, %dh: f16, %mh: f16, %bh: f16, %o: f32):
     %u = linalg.index 5 : index
     %j = linalg.index 6 : index
     %u4 = arith.muli %u, %c4 : index
@@ -346,7 +352,7 @@ module {{
 util.func private @{name}(%a: tensor<?x{k}xf32>, {args}) -> ({result_types}) {{
   %c0 = arith.constant 0 : index
   %rows = tensor.dim %a, %c0 : tensor<?x{k}xf32>
-  %r = util.call @{inner}(%a, %qs, %d, %m, %ds, %ms) : (tensor<?x{k}xf32>, {arg_types}) -> tensor<?x{n}xf32>
+  %r = util.call @{inner}(%a, %qs, %d, %m, %units) : (tensor<?x{k}xf32>, {arg_types}) -> tensor<?x{n}xf32>
   {slices}
   util.return {results} : {result_types}
 }}
@@ -745,7 +751,7 @@ def _cpu_lowering(tiles: int, reduction_dims: int, tile: int = TILE) -> str:
 
 
 # The MLIR names of a q4 product's numbers (_Q4_ARGS), as the hand-written calls bind them.
-Q4_ARG_NAMES = ("%d", "%m", "%ds", "%ms")
+Q4_ARG_NAMES = ("%d", "%m", "%units")
 
 _registered: dict | None = None
 
@@ -825,26 +831,26 @@ def _register() -> dict:
         then the rest), each a tensor of its own: q, k and v, which as slices of one [rows, q|k|v] tensor were three
         strided copies a layer. The hand-written product (an x86 CPU) stores each part in its own output; elsewhere
         the parts are slices of the product, inside the op."""
-        signature = ("mmt_q4_parts(Tensor a, Tensor qs, Tensor d, Tensor m, Tensor ds, Tensor ms, int first, "
-                     "int second) -> (Tensor, Tensor, Tensor)")
+        signature = ("mmt_q4_parts(Tensor a, Tensor qs, Tensor d, Tensor m, Tensor u, int first, int second) "
+                     "-> (Tensor, Tensor, Tensor)")
 
         def select(self, ksel: KernelSelection) -> None:
-            a, *weights = (ksel.arg_tensor(i) for i in range(6))
+            a, *weights = (ksel.arg_tensor(i) for i in range(5))
             for t in weights:
                 t.specialize_all_dims()
             a.specialize_dims(1)
-            first, second = ksel.attr_int(6).v, ksel.attr_int(7).v
+            first, second = ksel.attr_int(5).v, ksel.attr_int(6).v
             rest = weights[0].t.shape[0] * Q4_TILE - first - second
             for cols in (first, second, rest):
                 ksel.return_new_tensor([a.t.shape[0], cols], dtype=torch.float32)
 
-        def eager_execute(self, a, qs, d, m, ds, ms, first, second):
-            y = a @ dense_q4(qs, d, m, ds, ms).T
+        def eager_execute(self, a, qs, d, m, u, first, second):
+            y = a @ dense_q4(qs, d, m, u).T
             return y[:, :first], y[:, first:first + second], y[:, first + second:]
 
         def generate(self, ksel: KernelSelection, kb: KernelBuilder) -> None:
             sizes, nb, k = q4_sizes(kb)
-            first, second = (ksel.arg_descs[i].v for i in (6, 7))
+            first, second = (ksel.arg_descs[i].v for i in (5, 6))
             cols = (first, second, nb * Q4_TILE - first - second)
             if _dot_form and first % Q4_TILE == 0 and second % Q4_TILE == 0:
                 emit_q4_rows(kb, sizes, nb, k, tuple(c // Q4_TILE for c in cols))
@@ -863,13 +869,13 @@ def _register() -> dict:
 
     @CustomOp.register(library=library)
     class mmt_q4(CustomOp):
-        signature = "mmt_q4(Tensor a, Tensor qs, Tensor d, Tensor m, Tensor ds, Tensor ms) -> (Tensor)"
+        signature = "mmt_q4(Tensor a, Tensor qs, Tensor d, Tensor m, Tensor u) -> (Tensor)"
 
         def select(self, ksel: KernelSelection) -> None:
-            select(ksel, 6, Q4_TILE)
+            select(ksel, 5, Q4_TILE)
 
-        def eager_execute(self, a, qs, d, m, ds, ms):
-            return a @ dense_q4(qs, d, m, ds, ms).T
+        def eager_execute(self, a, qs, d, m, u):
+            return a @ dense_q4(qs, d, m, u).T
 
         def generate(self, ksel: KernelSelection, kb: KernelBuilder) -> None:
             sizes, nb, k = q4_sizes(kb)

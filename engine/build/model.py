@@ -70,7 +70,7 @@ class Linear(nn.Module):
     (4-bit codes in groups with a scale and an offset each: engine/build/q4.py).
 
     Stored weights are widened inside the graph: IREE fuses the widening into the matrix-vector products, so
-    decode reads 2 (16-bit), 1 (q8) or about 0.58 (q4: half a byte, 2 bytes per 32 and 4 per 256) bytes per weight while
+    decode reads 2 (16-bit), 1 (q8) or about 0.59 (q4: half a byte, 2 bytes per 32 and 6 per 256) bytes per weight while
     activations and accumulation stay float32. A quantised matrix that is multiplied is stored in tiles of rows
     and multiplied by a custom op (engine/build/kernels.py) whose decode form keeps a row per vector lane. The
     parameters have their stored type from the start, so a skeleton that never receives its weights
@@ -84,7 +84,7 @@ class Linear(nn.Module):
         self.tiled = not lookup
         self.dtype = dtype = matrix_dtype(dtype, in_features, None if lookup else out_features)
         self.in_tiles = in_tiles(dtype, out_features, in_features, self.tiled)
-        self.offset = self.scale_unit = self.offset_unit = None
+        self.offset = self.units = None
         if dtype == "q4":
             groups = in_features // Q4_GROUP
             if lookup:
@@ -97,8 +97,7 @@ class Linear(nn.Module):
                 self.weight = _frozen(torch.empty(tiles, groups, Q4_TILE_ROWS * Q4_GROUP // 2, dtype=torch.int8))
                 self.scale = _frozen(torch.empty(tiles, groups, Q4_TILE_ROWS, dtype=torch.int8))
                 self.offset = _frozen(torch.empty(tiles, groups, Q4_TILE_ROWS, dtype=torch.int8))
-                self.scale_unit = _frozen(torch.empty(tiles, supers, Q4_TILE_ROWS, dtype=torch.float16))
-                self.offset_unit = _frozen(torch.empty(tiles, supers, Q4_TILE_ROWS, dtype=torch.float16))
+                self.units = _frozen(torch.empty(tiles, supers, 3, Q4_TILE_ROWS, dtype=torch.float16))
         else:
             stored = torch.int8 if dtype == "q8" else TORCH_DTYPES[dtype]
             tiles = (out_features // TILE_ROWS, in_features // 4, TILE_ROWS * 4)
@@ -131,7 +130,7 @@ class Linear(nn.Module):
 
     def q4_tensors(self) -> tuple[torch.Tensor, ...]:
         """A tiled q4 matrix's parameters in the products' argument order: codes, then q4.Q4_NUMBERS."""
-        return self.weight, self.scale, self.offset, self.scale_unit, self.offset_unit
+        return self.weight, self.scale, self.offset, self.units
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows as float32 (the embedding lookup of a tied matrix)."""

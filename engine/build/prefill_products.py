@@ -44,7 +44,8 @@ from __future__ import annotations
 from ..config import Q4_GROUP
 from ..config import Q4_TILE_ROWS as Q4_TILE
 from .dot_products import (Q4_GROUP_BYTES, Q4_NUMBER_BINDINGS, index_constants, q4_group_numbers, q4_number_subspans,
-                           q4_number_types, q4_prefetch, q4_prefetch_constants, quantise_group, quantise_vector)
+                           q4_number_types, q4_prefetch, q4_prefetch_constants, q4_super_units, quantise_group,
+                           quantise_vector)
 
 # Rows of xq a block of registers multiplies, each with an int32 accumulator per group: ROW_BLOCK / steps rows of x,
 # each with its float32 accumulator. At most 9: dot_products.index_constants names rows %i0..%i8.
@@ -199,8 +200,11 @@ stream.executable private @{name} {{
       scf.for %rb = %ra to %rz step %crb {{{rows_of_block}
         scf.for %b = %t0 to %t1 step %c1 {{
           %pft = arith.muli %b, %cg : index
-          %acc:{real} = scf.for %c = %c0 to %cg step %c1 iter_args({iter_args}) -> ({acc_types}) {{{prefetch}{group}{numbers}{scale}
+          %acc:{real} = scf.for %sb = %c0 to %csup step %c1 iter_args({super_iter_args}) -> ({acc_types}) {{{units}
+          %accs:{real} = scf.for %c = %cs0 to %cs1 step %c1 iter_args({iter_args}) -> ({acc_types}) {{{prefetch}{group}{numbers}{scale}
             scf.yield {yields} : {acc_types}
+          }}
+          scf.yield {super_yields} : {acc_types}
           }}
           %col = arith.muli %b, %c16 : index{stores}
         }}
@@ -367,7 +371,9 @@ def q4_rows_executable(form: str, name: str, tiles: int, k: int, parts: tuple[in
         out_bindings=", ".join(f"%ob{i}: !stream.binding" for i in range(len(parts))),
         out_subspans="\n".join(f"      %res{i} = stream.binding.subspan %ob{i}[%c0] : !stream.binding -> "
                                f"memref<?x{p * Q4_TILE}xf32>{{%rows}}" for i, p in enumerate(parts)),
-        iter_args=", ".join(f"%af{j} = %zv" for j in range(real)), acc_types=acc_types,
+        super_iter_args=", ".join(f"%as{j} = %zv" for j in range(real)),
+        iter_args=", ".join(f"%af{j} = %as{j}" for j in range(real)), acc_types=acc_types,
+        super_yields=", ".join(f"%accs#{j}" for j in range(real)), units=q4_super_units(tiles, groups, "          "),
         group=body.format(nb=tiles, groups=groups), scale="".join(scale),
         yields=", ".join(f"%n{steps * j + steps - 1}" for j in range(real)), stores=stores)
 

@@ -17,14 +17,13 @@ register) that the hand-written products take (decode's, engine/build/dot_produc
 prefill_products.py): one load and two masks feed two of them. The generic forms (other devices and CPUs) index
 the same bytes through a view.
 
-A tiled matrix's group numbers are two-level, as Q4_K's are (`split_numbers`): per group an 8-bit factor of the
-scale (0..255) and of the offset (-127..127), and per super-block of up to Q4_SUPER_GROUPS groups along a row a
-float16 unit for each (the block's largest magnitude over 255 or 127): scale = unit x factor. That is 2 bytes a
-group and 4 a super-block instead of 4 a group: 4.625 bits a weight instead of 5. Decode at 1B-8B reads its
-weights at the memory's bandwidth (docs/BENCHMARKS.md), so 7.5 % fewer bytes are about as much time. The codes are
-kept as they are: on the default model's Q4_1 file the numbers' rounding adds 0.7 % to the codes' own error (its
-variance), and `eddy ppl` moves by less than that (docs/QUALITY.md). Scales and offsets [out/16, groups, 16]
-(int8; the scale's byte is unsigned), units [out/16, supers, 16] (float16).
+A tiled matrix's group numbers are two-level, as Q4_K's are (`split_numbers`): per group an 8-bit factor of its
+scale and one of its offset, and per super-block of up to Q4_SUPER_GROUPS groups along a row three float16 numbers
+(scale = unit x factor, offset = base + unit x factor). That is 2 bytes a group and 6 a super-block instead of 4 a
+group: 4.69 bits a weight instead of 5. Decode at 1B-8B reads its weights at the memory's bandwidth
+(docs/BENCHMARKS.md), so 6 % fewer bytes are about as much time. The codes are kept as they are: on the default
+model's Q4_1 file the numbers' rounding adds 0.06 % to the variance of the codes' own error. Factors
+[out/16, groups, 16] (int8 tensors holding unsigned bytes), units [out/16, supers, 3, 16] (float16).
 
 Bytes are stored in int8 tensors: the bytes are what matter, and int8 is the byte type turbine's parameters carry
 unchanged.
@@ -38,7 +37,7 @@ from ..config import Q4_TILE_ROWS as TILE
 from .kernels import tile_rows, untile_rows
 
 # A tiled matrix's parameters beside its codes ("weight"), in the products' argument order.
-Q4_NUMBERS = ("scale", "offset", "scale_unit", "offset_unit")
+Q4_NUMBERS = ("scale", "offset", "units")
 
 
 def packable(in_features: int, out_features: int | None = None) -> bool:
@@ -77,33 +76,45 @@ def unpack_q4(packed: torch.Tensor) -> torch.Tensor:
 
 
 def split_numbers(scale: torch.Tensor, offset: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Group scales (>= 0) and offsets [out, groups] -> {"scale": unsigned 8-bit factors (as int8 bytes), "offset":
-    signed ones (-127..127) [out, groups], "scale_unit", "offset_unit": float16 [out, supers]}: each number is its
-    super-block's unit times its factor, the unit the block's largest magnitude over 255 (127)."""
+    """Group scales (>= 0) and offsets [out, groups] -> {"scale", "offset": unsigned 8-bit factors [out, groups]
+    (their bytes in int8), "units": float16 [out, supers, 3]}, where per super-block units = (scale unit, offset
+    unit, offset base): scale = scale unit x factor, offset = offset base + offset unit x factor. The scale unit is
+    the block's largest scale / 255; the offsets span their block's least to largest over 255 steps. An offset
+    first takes up 7.5 times its scale's rounding (a group's mean code, about): the weights move by the rounding
+    times the code's distance from 7.5 rather than times the code."""
     out, groups = scale.shape
     per = super_groups(groups)
     s, o = scale.float().reshape(out, -1, per), offset.float().reshape(out, -1, per)
     s_unit = (s.amax(-1) / 255).to(torch.float16)
-    o_unit = (o.abs().amax(-1) / 127).to(torch.float16)
-    return {"scale": _factors(s, s_unit, 0, 255).to(torch.uint8).view(torch.int8).reshape(out, groups),
-            "offset": _factors(o, o_unit, -127, 127).to(torch.int8).reshape(out, groups),
-            "scale_unit": s_unit, "offset_unit": o_unit}
+    s_factor = _factors(s, s_unit.float(), 0)
+    o = o + 7.5 * (s - s_factor * s_unit.float().unsqueeze(-1))
+    o_base = o.amin(-1).to(torch.float16)
+    o_unit = ((o.amax(-1) - o_base.float()) / 255).to(torch.float16)
+    o_factor = _factors(o, o_unit.float(), o_base.float())
+    return {"scale": _bytes(s_factor, out, groups), "offset": _bytes(o_factor, out, groups),
+            "units": torch.stack([s_unit, o_unit, o_base], dim=-1)}
 
 
-def _factors(v: torch.Tensor, unit: torch.Tensor, low: int, high: int) -> torch.Tensor:
-    u = unit.float().unsqueeze(-1)
-    return torch.where(u > 0, torch.round(v / torch.where(u > 0, u, 1)), 0).clamp(low, high)
+def _factors(v: torch.Tensor, unit: torch.Tensor, base: torch.Tensor | int) -> torch.Tensor:
+    """round((v - base) / unit) in 0..255 per super-block ([out, supers, per]; 0 where the unit is 0)."""
+    u = unit.unsqueeze(-1)
+    b = base.unsqueeze(-1) if isinstance(base, torch.Tensor) else base
+    return torch.where(u > 0, torch.round((v - b) / torch.where(u > 0, u, 1)), 0).clamp(0, 255)
+
+
+def _bytes(factors: torch.Tensor, out: int, groups: int) -> torch.Tensor:
+    return factors.to(torch.uint8).view(torch.int8).reshape(out, groups)
 
 
 def join_numbers(numbers: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """split_numbers' numbers -> the float32 scales and offsets [out, groups] they stand for, each a float32
-    product of factor and unit, as the products compute them."""
-    factors = numbers["scale"].view(torch.uint8).float(), numbers["offset"].float()
-    out, groups = factors[0].shape
-    joined = []
-    for f, unit in zip(factors, (numbers["scale_unit"], numbers["offset_unit"])):
-        joined.append((f.reshape(out, unit.shape[1], -1) * unit.float().unsqueeze(-1)).reshape(out, groups))
-    return joined[0], joined[1]
+    """split_numbers' numbers -> the float32 scales and offsets [out, groups] they stand for, computed in float32
+    as the products compute them (a scale one multiply, an offset one fused multiply-add)."""
+    units = numbers["units"].float()
+    out, supers, _ = units.shape
+    s_factor, o_factor = (numbers[n].view(torch.uint8).float().reshape(out, supers, -1) for n in ("scale", "offset"))
+    scale = s_factor * units[..., 0:1]
+    offset = (o_factor.double() * units[..., 1:2].double() + units[..., 2:3].double()).float()
+    return scale.reshape(out, -1), offset.reshape(out, -1)
 
 
 def _nonnegative(rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -121,7 +132,18 @@ def _nonnegative(rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _tiled_numbers(rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {name: tile_rows(t, TILE) for name, t in split_numbers(rows["scale"], rows["offset"]).items()}
+    """split_numbers' numbers tiled: factors [out/16, groups, 16], units [out/16, supers, 3, 16]."""
+    split = split_numbers(rows["scale"], rows["offset"])
+    units = split["units"]
+    out, supers, _ = units.shape
+    return {"scale": tile_rows(split["scale"], TILE), "offset": tile_rows(split["offset"], TILE),
+            "units": units.reshape(out // TILE, TILE, supers, 3).permute(0, 2, 3, 1).contiguous()}
+
+
+def _untiled_numbers(tiled: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    tiles, supers, _, _ = tiled["units"].shape
+    units = tiled["units"].permute(0, 3, 1, 2).reshape(tiles * TILE, supers, 3)
+    return {"scale": untile_rows(tiled["scale"]), "offset": untile_rows(tiled["offset"]), "units": units}
 
 
 def tile_q4(rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -164,7 +186,7 @@ def untile_q4(tiled: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     codes = unpack_q4(tiled["weight"])
     tiles, groups, _ = codes.shape
     rows = codes.reshape(tiles, groups, 4, TILE, 4, 2).permute(0, 3, 1, 5, 2, 4).reshape(tiles * TILE, -1)
-    scale, offset = join_numbers({name: untile_rows(tiled[name]) for name in Q4_NUMBERS})
+    scale, offset = join_numbers(_untiled_numbers(tiled))
     return {"weight": pack_q4(rows), "scale": scale, "offset": offset}
 
 
