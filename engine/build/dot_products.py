@@ -245,21 +245,30 @@ stream.executable private @{name} {{
 }}
 """
 
+# Decode sums a super-block's groups before its units: sum_g (u f_g) dx_g isum_g + (b + v e_g) dm_g = u sum_g f_g
+# (dx_g isum_g) + v sum_g e_g dm_g + b sum_g dm_g, so a group costs its two factors' conversions and two fused
+# multiply-adds, and the units three per super-block (the default model's decode, compute-bound at 135M, lost
+# 2-8 % to multiplying the units in every group).
 _Q4_TILE = """
         %pft = arith.muli %b, %cg : index
         %acc = scf.for %sb = %c0 to %csup step %c1 iter_args(%as = %zv) -> vector<16xf32> {{{units}
-        %accs = scf.for %c = %cs0 to %cs1 step %c1 iter_args(%af = %as) -> vector<16xf32> {{{prefetch}{group}
-          %fs = arith.sitofp {isum} : vector<16xi32> to vector<16xf32>{numbers}
+        %accs:3 = scf.for %c = %cs0 to %cs1 step %c1 iter_args(%af = %zv, %bf = %zv, %cf = %zf) -> (vector<16xf32>, vector<16xf32>, f32) {{{prefetch}{group}
+          %fs = arith.sitofp {isum} : vector<16xi32> to vector<16xf32>{factors}
           %dxs = memref.load %xd[%c] : memref<{groups}xf32>
           %dms = memref.load %xm[%c] : memref<{groups}xf32>
           %dxv = vector.broadcast %dxs : f32 to vector<16xf32>
           %dmv = vector.broadcast %dms : f32 to vector<16xf32>
-          %sc = arith.mulf %dv, %dxv : vector<16xf32>
-          %a1 = math.fma %fs, %sc, %af : vector<16xf32>
-          %a2 = math.fma %mv, %dmv, %a1 : vector<16xf32>
-          scf.yield %a2 : vector<16xf32>
+          %t = arith.mulf %fs, %dxv : vector<16xf32>
+          %a1 = math.fma %t, %dqf, %af : vector<16xf32>
+          %b1 = math.fma %mqf, %dmv, %bf : vector<16xf32>
+          %c1s = arith.addf %cf, %dms : f32
+          scf.yield %a1, %b1, %c1s : vector<16xf32>, vector<16xf32>, f32
         }}
-        scf.yield %accs : vector<16xf32>
+        %csv = vector.broadcast %accs#2 : f32 to vector<16xf32>
+        %s1 = math.fma %accs#0, %dhf, %as : vector<16xf32>
+        %s2 = math.fma %accs#1, %mhf, %s1 : vector<16xf32>
+        %s3 = math.fma %csv, %bhf, %s2 : vector<16xf32>
+        scf.yield %s3 : vector<16xf32>
         }}
         vector.store %acc, %o[%b, %c0] : memref<{nb}x16xf32>, vector<16xf32>"""
 
@@ -347,17 +356,22 @@ def q4_super_units(tiles: int, groups: int, indent: str) -> str:
     return "".join(f"\n{indent}{line}" for line in lines)
 
 
-def q4_group_numbers(tiles: int, groups: int, indent: str) -> str:
-    """Group %c of tile %b's 16 scales %dv and offsets %mv (vector<16xf32>) from its factors and its super-block's
-    units (q4_super_units), in float32 as q4.join_numbers computes them (a multiply; a fused multiply-add)."""
+def q4_group_factors(tiles: int, groups: int, indent: str) -> str:
+    """Group %c of tile %b's 16 scale and offset factors as float32: %dqf, %mqf."""
     factors = f"memref<{tiles}x{groups}x16xi8>"
     lines = [f"%dq = vector.load %d[%b, %c, %c0] : {factors}, vector<16xi8>",
              f"%mq = vector.load %m[%b, %c, %c0] : {factors}, vector<16xi8>",
              "%dqf = arith.uitofp %dq : vector<16xi8> to vector<16xf32>",
-             "%mqf = arith.uitofp %mq : vector<16xi8> to vector<16xf32>",
-             "%dv = arith.mulf %dqf, %dhf : vector<16xf32>",
-             "%mv = math.fma %mqf, %mhf, %bhf : vector<16xf32>"]
+             "%mqf = arith.uitofp %mq : vector<16xi8> to vector<16xf32>"]
     return "".join(f"\n{indent}{line}" for line in lines)
+
+
+def q4_group_numbers(tiles: int, groups: int, indent: str) -> str:
+    """Group %c of tile %b's 16 scales %dv and offsets %mv (vector<16xf32>) from its factors and its super-block's
+    units (q4_super_units), in float32 as q4.join_numbers computes them (a multiply; a fused multiply-add)."""
+    return q4_group_factors(tiles, groups, indent) + "".join(
+        f"\n{indent}{line}" for line in ("%dv = arith.mulf %dqf, %dhf : vector<16xf32>",
+                                         "%mv = math.fma %mqf, %mhf, %bhf : vector<16xf32>"))
 
 
 def q4_prefetch_constants(tiles: int, groups: int) -> str:
@@ -399,7 +413,7 @@ def q4_executable(form: str, name: str, tiles: int, k: int) -> str:
       %o = stream.binding.subspan %ob[%c0] : !stream.binding -> memref<{tiles}x16xf32>"""
     tile = _Q4_TILE.format(nb=tiles, groups=groups, group=body.format(nb=tiles, groups=groups), isum=isum,
                            prefetch=q4_prefetch(tiles, groups), units=q4_super_units(tiles, groups, "        "),
-                           numbers=q4_group_numbers(tiles, groups, "          "))
+                           factors=q4_group_factors(tiles, groups, "          "))
     return _executable(name, tiles, k, f"%qb: !stream.binding, {Q4_NUMBER_BINDINGS}", subspans, tile)
 
 
