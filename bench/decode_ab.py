@@ -1,0 +1,68 @@
+#!/usr/bin/env python3
+"""Two Eddy builds' decode alternated in one process: for a change to the decode program, whose effect on a shared
+host is smaller than the host's bandwidth bands (docs/BENCHMARKS.md), pairs of samples seconds apart compare the
+builds in the same band.
+
+    python bench/decode_ab.py OLD_BUILD_FOLDER NEW_BUILD_FOLDER [--pairs 16] [--context 1000] [--tokens 32] [--json FILE]
+
+Each folder is a build (an artefact folder: ~/.cache/eddy/artefacts/...). Both prefill the same `--context` token
+ids, then each sample decodes `--tokens` greedy tokens from there; the order alternates pair by pair. Prints each
+pair and the medians (ms a token, and of the pairs' old/new ratios), and writes JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.machine import cpu_info  # noqa: E402
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("old", type=Path)
+    p.add_argument("new", type=Path)
+    p.add_argument("--pairs", type=int, default=16)
+    p.add_argument("--context", type=int, default=1000)
+    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--json", type=Path)
+    a = p.parse_args()
+
+    import numpy as np
+
+    from engine.loader import open_folder
+
+    engines = {"old": open_folder(a.old).engine, "new": open_folder(a.new).engine}
+    ids = np.random.RandomState(0).randint(100, 40000, a.context).tolist()
+    ms: dict[str, list[float]] = {name: [] for name in engines}
+    for i in range(a.pairs):
+        for name in ("old", "new") if i % 2 == 0 else ("new", "old"):
+            eng = engines[name]
+            eng.reset()
+            eng.prefill(ids)
+            token, start = 5, time.perf_counter()
+            for _ in range(a.tokens):
+                token = int(np.argmax(eng.decode(token)))
+            ms[name].append((time.perf_counter() - start) / a.tokens * 1000)
+        print(f"pair {i + 1}: old {ms['old'][-1]:.2f} ms, new {ms['new'][-1]:.2f} ms, "
+              f"old/new {ms['old'][-1] / ms['new'][-1]:.3f}", flush=True)
+    ratios = [o / n for o, n in zip(ms["old"], ms["new"])]
+    print(f"medians: old {statistics.median(ms['old']):.2f} ms, new {statistics.median(ms['new']):.2f} ms a token; "
+          f"median of the pairs' old/new {statistics.median(ratios):.3f} ({a.pairs} pairs, {a.tokens} greedy tokens at "
+          f"{a.context})")
+    if a.json:
+        a.json.write_text(json.dumps({"machine": cpu_info(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+                                      "old": str(a.old), "new": str(a.new), "context": a.context,
+                                      "tokens": a.tokens, "ms_per_token": ms, "pair_ratios_old_over_new": ratios},
+                                     indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
