@@ -247,8 +247,9 @@ stream.executable private @{name} {{
 
 # Decode sums a super-block's groups before its units: sum_g (u f_g) dx_g isum_g + (b + v e_g) dm_g = u sum_g f_g
 # (dx_g isum_g) + v sum_g e_g dm_g + b sum_g dm_g, so a group costs its two factors' conversions and two fused
-# multiply-adds, and the units three per super-block (the default model's decode, compute-bound at 135M, lost
-# 2-8 % to multiplying the units in every group).
+# multiply-adds, and the units three per super-block (the default model's decode, nearer compute-bound at 135M, was
+# ~2 % slower than before the split numbers with the units multiplied in every group, and is not now:
+# bench/decode_ab.py, docs/BENCHMARKS.md).
 _Q4_TILE = """
         %pft = arith.muli %b, %cg : index
         %acc = scf.for %sb = %c0 to %csup step %c1 iter_args(%as = %zv) -> vector<16xf32> {{{units}
@@ -341,9 +342,8 @@ def q4_number_subspans(tiles: int, groups: int) -> str:
 
 def q4_super_units(tiles: int, groups: int, indent: str) -> str:
     """Super-block %sb of tile %b: its units as float32 (%dhf scale's, %mhf offset's, %bhf offset's base) and its
-    groups %cs0 to %cs1. The products go over a row's groups a super-block at a time so that a group's numbers are
-    two conversions, a multiply and a fused multiply-add: with the units loaded per group the decode product of an
-    8B's matrices lost its 7 % fewer bytes to the instructions (bench/decode_product.py)."""
+    groups %cs0 to %cs1. The products go over a row's groups a super-block at a time so that the units are loaded
+    and widened once a block, not once a group."""
     units = f"memref<{tiles}x{groups // super_groups(groups)}x3x16xf16>"
     lines = [f"%dh = vector.load %u[%b, %sb, %c0, %c0] : {units}, vector<16xf16>",
              f"%mh = vector.load %u[%b, %sb, %c1, %c0] : {units}, vector<16xf16>",

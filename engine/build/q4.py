@@ -148,7 +148,7 @@ def _untiled_numbers(tiled: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def tile_q4(rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The rows layout (quantise_q4) -> the tiled one: codes int8 [out/16, groups, 256] in blocks, the group
-    numbers split (split_numbers) and tiled: factors [out/16, groups, 16], units [out/16, supers, 16]."""
+    numbers split (split_numbers) and tiled: factors [out/16, groups, 16], units [out/16, supers, 3, 16]."""
     rows = _nonnegative(rows)
     codes = unpack_q4(rows["weight"])
     out, cols = codes.shape
