@@ -6,8 +6,8 @@ builds in the same band.
     python bench/decode_ab.py OLD_BUILD_FOLDER NEW_BUILD_FOLDER [--pairs 16] [--context 1000] [--tokens 32] [--json FILE]
 
 Each folder is a build (an artefact folder: ~/.cache/eddy/artefacts/...). Both prefill the same `--context` token
-ids, then each sample decodes `--tokens` greedy tokens from there; the order alternates pair by pair. Prints each
-pair and the medians (ms a token, and of the pairs' old/new ratios), and writes JSON.
+ids once; each sample goes back to that state and decodes `--tokens` greedy tokens (bench/decode_pair.py's sample
+and alternation). Prints each pair and the medians (ms a token, and of the pairs' old/new ratios), and writes JSON.
 """
 from __future__ import annotations
 
@@ -17,11 +17,14 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.decode_pair import alternated, eddy_tok_s  # noqa: E402
 from bench.machine import cpu_info  # noqa: E402
+from bench.peers import EddyPeer  # noqa: E402
 
 
 def main() -> int:
@@ -36,22 +39,18 @@ def main() -> int:
 
     import numpy as np
 
-    from engine.loader import open_folder
+    ids = [int(i) for i in np.random.RandomState(0).randint(100, 40000, a.context)]
+    peers = {"old": EddyPeer(folder=a.old), "new": EddyPeer(folder=a.new)}
+    for peer in peers.values():
+        peer.keep(ids)
+    ms: dict[str, list[float]] = {"old": [], "new": []}
+    def ms_a_token(name: str) -> Callable[[], float]:
+        return lambda: 1000 / eddy_tok_s(peers[name], a.context, a.tokens)
 
-    engines = {"old": open_folder(a.old).engine, "new": open_folder(a.new).engine}
-    ids = np.random.RandomState(0).randint(100, 40000, a.context).tolist()
-    ms: dict[str, list[float]] = {name: [] for name in engines}
-    for i in range(a.pairs):
-        for name in ("old", "new") if i % 2 == 0 else ("new", "old"):
-            eng = engines[name]
-            eng.reset()
-            eng.prefill(ids)
-            token, start = 5, time.perf_counter()
-            for _ in range(a.tokens):
-                token = int(np.argmax(eng.decode(token)))
-            ms[name].append((time.perf_counter() - start) / a.tokens * 1000)
-        print(f"pair {i + 1}: old {ms['old'][-1]:.2f} ms, new {ms['new'][-1]:.2f} ms, "
-              f"old/new {ms['old'][-1] / ms['new'][-1]:.3f}", flush=True)
+    for i, (old, new) in enumerate(alternated(ms_a_token("old"), ms_a_token("new"), a.pairs)):
+        ms["old"].append(old)
+        ms["new"].append(new)
+        print(f"pair {i + 1}: old {old:.2f} ms, new {new:.2f} ms, old/new {old / new:.3f}", flush=True)
     ratios = [o / n for o, n in zip(ms["old"], ms["new"])]
     print(f"medians: old {statistics.median(ms['old']):.2f} ms, new {statistics.median(ms['new']):.2f} ms a token; "
           f"median of the pairs' old/new {statistics.median(ratios):.3f} ({a.pairs} pairs, {a.tokens} greedy tokens at "

@@ -19,12 +19,35 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Callable, Iterator
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.machine import cpu_info  # noqa: E402
 from bench.peers import EddyPeer, LlamaPeer  # noqa: E402
+
+
+def eddy_tok_s(eddy: EddyPeer, context: int, tokens: int) -> float:
+    """One sample: back to the kept `context` tokens (EddyPeer.keep), then `tokens` greedy steps; tokens a second."""
+    logits = eddy.back_to(context)
+    start = time.perf_counter()
+    for _ in range(tokens):
+        logits = eddy.step(eddy.argmax(logits))
+    return tokens / (time.perf_counter() - start)
+
+
+def alternated(first: Callable[[], float], second: Callable[[], float], pairs: int) -> Iterator[tuple[float, float]]:
+    """(first's sample, second's sample) `pairs` times, which one runs first alternating pair by pair so that
+    neither always follows the other's traffic; one unrecorded pass of each first pages the weights in."""
+    first(), second()
+    for i in range(pairs):
+        if i % 2 == 0:
+            x = first()
+            yield x, second()
+        else:
+            y = second()
+            yield first(), y
 
 
 def main() -> int:
@@ -46,26 +69,14 @@ def main() -> int:
     llama.keep(ids)
     greedy = llama.sampler(None)
 
-    def eddy_sample() -> float:
-        logits = eddy.back_to(a.context)
-        start = time.perf_counter()
-        for _ in range(a.tokens):
-            logits = eddy.step(eddy.argmax(logits))
-        return a.tokens / (time.perf_counter() - start)
-
     def llama_sample() -> float:
         llama.back_to(a.context)
         start = time.perf_counter()
         llama.decode_loop(greedy, a.tokens)
         return a.tokens / (time.perf_counter() - start)
 
-    eddy_sample(), llama_sample()  # warm: the first pass pages the weights in
     pairs = []
-    for i in range(a.pairs):
-        # Alternate which goes first, so neither always follows the other's traffic.
-        first, second = (eddy_sample, llama_sample) if i % 2 == 0 else (llama_sample, eddy_sample)
-        x, y = first(), second()
-        e, l = (x, y) if i % 2 == 0 else (y, x)
+    for i, (e, l) in enumerate(alternated(lambda: eddy_tok_s(eddy, a.context, a.tokens), llama_sample, a.pairs)):
         pairs.append({"eddy_tok_s": round(e, 2), "llama_tok_s": round(l, 2), "ratio": round(e / l, 3)})
         print(f"pair {i + 1}: eddy {e:.2f} tok/s, llama.cpp {l:.2f} tok/s, ratio {e / l:.3f}", flush=True)
     med = {k: statistics.median(p[k] for p in pairs) for k in ("eddy_tok_s", "llama_tok_s", "ratio")}
