@@ -16,6 +16,8 @@ class Device:
     target_flag: str = ""  # the flag that names the chip, its value the build's target (BuildSettings.target)
     default_target: str = ""  # "": a build must name one
     auto_kv: str = ""  # the KV cache type "auto" gives here; "": the weight type's (config.AUTO_KV_DTYPE)
+    fixed_shapes: bool = False  # programs of fixed call shapes, calls padded to them (engine/shapes.py)
+    fused_attention: bool = False  # attention as IREE's attention op, one a layer (engine/build/model.py)
 
 
 # The CUDA targets iree-compile 3.13 knows by name: it has no sm_90 or sm_100 (their names give "missing GPU
@@ -72,10 +74,12 @@ TABLE: dict[str, Device] = {d.name: d for d in (
     # transformed matrices came out wrong on Mesa's lavapipe (the tiny model's decode logits off by 1e-2 to NaN
     # while prefill, which reads the weights as stored, matched the CPU to 2e-7; with this flag both match).
     Device("vulkan", "vulkan", ("--iree-hal-target-device=vulkan", "--iree-opt-const-expr-hoisting=false"),
-           "--iree-vulkan-target="),
+           "--iree-vulkan-target=", fixed_shapes=True),
     # A float32 cache on the GPU: IREE's GPU code widening a 16-bit one cost a decode step at 1000 tokens 7.7 ms
     # against 4.6 (H200, docs/GPU.md), and a GPU has the memory (the default model's cache is 47 MB in float32).
-    Device("cuda", "cuda", ("--iree-hal-target-device=cuda",), "--iree-cuda-target=", auto_kv="f32"),
+    # IREE's attention op compiles for cuda, not for vulkan (its SPIR-V pipeline fails to bufferize the op).
+    Device("cuda", "cuda", ("--iree-hal-target-device=cuda",), "--iree-cuda-target=", auto_kv="f32", fixed_shapes=True,
+           fused_attention=True),
 )}
 DEVICES = tuple(TABLE)
 
@@ -113,6 +117,17 @@ def host_cpu_flags() -> set[str]:
     except OSError:
         return set()
     return set(line.partition(":")[2].split())
+
+
+# Targets whose builds keep dynamic shapes on a device of fixed ones: the portable Vulkan profile promises no 64-bit
+# integers, which IREE emulates for scalar code but not for the vectors fixed shapes make of the positions' compares
+# (iree-compile: "failed to legalize operation 'vector.broadcast'" of an i64).
+DYNAMIC_TARGETS = (VULKAN_PORTABLE,)
+
+
+def fixed_shapes(device: str, target: str) -> bool:
+    """Whether a build for `device` and its `target` holds programs of fixed call shapes (engine/shapes.py)."""
+    return TABLE[device].fixed_shapes and target not in DYNAMIC_TARGETS
 
 
 def driver(device: str) -> str:

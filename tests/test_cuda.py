@@ -113,6 +113,33 @@ def test_the_cuda_build_cross_compiles_for_the_named_target(cuda_tiny_folder):
     assert b"embedded-elf" not in vmfb  # and no CPU code beside it
 
 
+@pytest.mark.parametrize("name", ["tiny-random", "tiny-random-gemma3"])
+def test_the_cuda_programs_compiled_for_the_cpu_give_the_cpu_builds_logits(name, tmp_path):
+    """What a cuda build computes, checked without a GPU: its export (fixed call shapes, padding, IREE's fused
+    attention op a layer) compiled for this CPU instead, run through the same host code, against the CPU build
+    (tests/fixed_shapes.py). Only the CUDA code generation itself is left to a device (bench/gpu_check.py)."""
+    import shutil
+
+    from engine.build.artefacts import ensure_artefacts, read_manifest
+    from engine.build.checkpoint import resolve_model
+    from engine.build.export import compile_mlir, kept_export
+    from engine.config import ModelConfig
+    from engine.loader import open_model
+    from engine.run.runtime import CompiledModule, StreamingEngine
+    from fixed_shapes import same_calls
+
+    source = resolve_model(name)
+    settings = CUDA_TINY.for_source(source)
+    folder = ensure_artefacts(source, settings)
+    cfg = ModelConfig(**read_manifest(folder)["config"])
+    mlir = kept_export(cfg, settings)
+    assert b"iree_linalg_ext.attention" in mlir.read_bytes() or b"scaled_dot_product_attention" in mlir.read_bytes()
+    compile_mlir(mlir, tmp_path / "module.vmfb", "cpu", lambda *_: None, lambda: False, 60, "host")
+    shutil.copyfile(folder / "weights.irpa", tmp_path / "weights.irpa")
+    gpu = StreamingEngine(CompiledModule(tmp_path, replace(settings, device="cpu", gpu_target="")), cfg, settings)
+    same_calls(gpu, open_model(name, TINY_SETTINGS).engine)
+
+
 def test_the_cuda_module_runs_only_where_there_is_a_gpu(cuda_tiny_folder, tiny):
     from engine.loader import open_folder
 

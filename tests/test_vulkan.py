@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, TINY_SETTINGS
+from fixed_shapes import same_calls
 
 from engine.config import BuildSettings
 from engine.devices import VULKAN_PORTABLE, VULKAN_TARGETS, compile_flags, vulkan_target_for
@@ -86,6 +87,22 @@ def test_the_vulkan_build_gives_the_cpu_builds_logits(vulkan_tiny, tiny):
         out.append(eng.decode(ids[0]))
     for i, (g, w) in enumerate(zip(got, want)):
         assert np.abs(g - w).max() < 1e-4, (i, float(np.abs(g - w).max()))
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_the_fixed_shape_module_pads_and_buckets_to_the_cpu_builds_logits(family, vulkan_tiny, tiny):
+    """A GPU build holds a program per chunk size and attended-slot bucket (engine/shapes.py): every program, every
+    padded length, a sliding window, scoring, a snapshot and a rewind give the CPU build's numbers
+    (tests/fixed_shapes.py). Gemma 3's local layers keep their own ring, where padded tokens have a spare slot."""
+    from engine.loader import open_model
+
+    if family == "llama":
+        gpu, cpu = vulkan_tiny.engine, tiny.engine
+    else:
+        name = f"tiny-random-{family}"
+        gpu = open_model(name, resolve_target(replace(TINY_SETTINGS, device="vulkan"))).engine
+        cpu = open_model(name, TINY_SETTINGS).engine
+    same_calls(gpu, cpu)
 
 
 def test_the_vulkan_q8_build_gives_the_cpus_generic_products(vulkan_tiny):

@@ -34,8 +34,8 @@ BUILT_FILES = ("module.vmfb", "weights.irpa", "tokenizer.json", "chat.json")
 # devices.py holds the iree-compile flags, arch.py the families the model is built from, irpa.py and
 # weights_file.py how the weights file is laid out and filled.
 # What an export's result depends on: every source of the build (a kernel generator missing from a hand-kept list
-# once left its changes out of the key), the devices' flags, the families and the constants.
-EXPORT_SOURCES = ("build", "devices.py", "arch.py", "config.py")
+# once left its changes out of the key), the devices' flags, the families, the constants and the call shapes.
+EXPORT_SOURCES = ("build", "devices.py", "arch.py", "config.py", "shapes.py")
 SAMPLE = 1 << 20  # bytes hashed at each end of a large file: catches truncation and foreign files cheaply
 BUNDLED_ENV = "EDDY_BUNDLED_MODELS"  # os.pathsep-separated folders holding precompiled entries
 # Modules that building an entry needs; a packaged Eddy leaves them out.

@@ -20,8 +20,9 @@ import iree.turbine.aot as aot
 from iree.turbine.aot.compiled_module import ExportTargetDef
 
 from ..config import ATTEND_STEP, QUANTISED, BuildSettings, ModelConfig
-from ..devices import compile_flags, dot_form
+from ..devices import compile_flags, dot_form, fixed_shapes
 from ..errors import ArtefactError, BuildCancelled
+from ..shapes import score_name
 from ..paths import cache_dir
 from . import kernels, prefill_products
 from .model import StreamingLlama
@@ -43,15 +44,15 @@ def build_model(cfg: ModelConfig, settings: BuildSettings, state: dict[str, torc
     return model.eval()
 
 
-def example_args(cfg: ModelConfig, settings: BuildSettings, n: int) -> tuple[torch.Tensor, ...]:
-    """(tokens, slots, rope, shift, slot_pos, token_pos) for n new tokens."""
+def example_args(cfg: ModelConfig, settings: BuildSettings, n: int, attended: int = 0) -> tuple[torch.Tensor, ...]:
+    """(tokens, slots, rope, shift, slot_pos, token_pos) for n new tokens attending to `attended` slots (0: all)."""
     tables, half = cfg.rope_tables, cfg.head_dim // 2
     return (
         torch.zeros(n, dtype=torch.int64),
         torch.arange(n, dtype=torch.int64),
         torch.zeros(tables, 2, n, half),
         torch.zeros(tables, 2, half),
-        torch.zeros(settings.slots + cfg.local_ring(settings), dtype=torch.int64),
+        torch.zeros((attended or settings.slots) + cfg.local_ring(settings), dtype=torch.int64),
         torch.zeros(n, dtype=torch.int64),
     )
 
@@ -118,6 +119,30 @@ def _trace(fxb: "aot.FxProgramsBuilder", name: str, entry: _Entry, args: tuple, 
 
 def export_module(model: StreamingLlama) -> "aot.ExportOutput":
     cfg, settings = model.cfg, model.settings
+    fxb = aot.FxProgramsBuilder(model)
+    cpu = settings.device == "cpu"
+    if model.shapes:  # a program per call shape (engine/shapes.py)
+        for name, n, attended in model.shapes.programs():
+            entry = (_Decode if name.startswith("decode") else _Prefill)(model)
+            _trace(fxb, name, entry, example_args(cfg, settings, n, attended), one_pass=cpu)
+        for n in model.shapes.chunks:
+            _trace(fxb, score_name(n), _Score(model), (torch.zeros(n, dtype=torch.int64),), one_pass=cpu)
+    else:
+        _trace_dynamic(fxb, model)
+    _trace(fxb, "reset", _Reset(model), (), one_pass=cpu)
+    _trace(fxb, "snapshot", _Snapshot(model), (), one_pass=cpu)
+    _trace(fxb, "restore", _Restore(model), tuple(torch.zeros_like(b) for b in model.state()), one_pass=cpu)
+
+    # The custom ops are expanded as the programs are imported.
+    with kernels.lowering_for(settings.device, dot_form(settings.device, settings.target_cpu),
+                              prefill_products.x_steps(cfg.dim)):
+        return aot.export(fxb)
+
+
+def _trace_dynamic(fxb: "aot.FxProgramsBuilder", model: StreamingLlama) -> None:
+    """prefill and decode, each one program of dynamic shapes: any token count up to the prefill bound, any
+    whole number of blocks of attended slots."""
+    cfg, settings = model.cfg, model.settings
     # Bounds are not checked at run time (a longer call silently computes garbage); the runtime chunks.
     n = torch.export.Dim("n", min=1, max=cfg.prefill_bound(settings))
     # The cache's slots a call attends to (model.py: StreamingLlama.hidden), then the local ring's, if any.
@@ -129,21 +154,11 @@ def export_module(model: StreamingLlama) -> "aot.ExportOutput":
         attended = ATTEND_STEP * torch.export.Dim("blocks", min=2, max=blocks)
         slot_pos = {0: attended + ring if ring else attended}
     dyn = {"tokens": {0: n}, "slots": {0: n}, "rope": {2: n}, "shift": None, "slot_pos": slot_pos, "token_pos": {0: n}}
-    fxb = aot.FxProgramsBuilder(model)
-    example = example_args(cfg, settings, 2)
     one = {name: None if name != "slot_pos" else slot_pos for name in dyn}
     cpu = settings.device == "cpu"
-    _trace(fxb, "prefill", _Prefill(model), example, dyn, one_pass=cpu)
+    _trace(fxb, "prefill", _Prefill(model), example_args(cfg, settings, 2), dyn, one_pass=cpu)
     _trace(fxb, "decode", _Decode(model), example_args(cfg, settings, 1), one, one_pass=cpu)
-    _trace(fxb, "score", _Score(model), (example[0].clone(),), {"targets": {0: n}}, one_pass=cpu)
-    _trace(fxb, "reset", _Reset(model), (), one_pass=cpu)
-    _trace(fxb, "snapshot", _Snapshot(model), (), one_pass=cpu)
-    _trace(fxb, "restore", _Restore(model), tuple(torch.zeros_like(b) for b in model.state()), one_pass=cpu)
-
-    # The custom ops are expanded as the programs are imported.
-    with kernels.lowering_for(settings.device, dot_form(settings.device, settings.target_cpu),
-                              prefill_products.x_steps(cfg.dim)):
-        return aot.export(fxb)
+    _trace(fxb, "score", _Score(model), (torch.zeros(2, dtype=torch.int64),), {"targets": {0: n}}, one_pass=cpu)
 
 
 def zero_init_cache(mlir: str) -> str:
@@ -170,8 +185,9 @@ EXPORTS_KEPT_BYTES = 64 << 20
 def export_key(cfg: ModelConfig, settings: BuildSettings) -> str:
     """What the exported MLIR depends on: the model's shape and the build settings, but neither its weights (they
     are external parameters) nor the CPU or GPU it is then compiled for (only iree-compile sees those), but for
-    the instructions the quantised types' hand-written decode products are written with. Builds that differ in
-    just those share one export: the package's two CPU levels, a test suite's models of one shape."""
+    the instructions the quantised types' hand-written decode products are written with and whether a GPU target
+    takes fixed shapes. Builds that differ in just those share one export: the package's two CPU levels, a test
+    suite's models of one shape."""
     from .artefacts import export_code_hash
     from .checkpoint.source import dist_version
 
@@ -179,6 +195,8 @@ def export_key(cfg: ModelConfig, settings: BuildSettings) -> str:
              # q4's and q8's decode products are written for the target's instructions: CPUs that differ in them
              # differ here.
              "dot_form": dot_form(settings.device, settings.target_cpu) if settings.dtype in QUANTISED else None,
+             # Most GPU targets take programs of fixed shapes, a few dynamic ones (devices.DYNAMIC_TARGETS).
+             "fixed_shapes": fixed_shapes(settings.device, settings.target),
              "export": export_code_hash(),
              "versions": [dist_version(d) for d in ("torch", "iree-turbine", "iree-base-compiler")]}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]

@@ -25,6 +25,11 @@ a query is the same in the conversation as in the cache. Only the sinks sit clos
 than in the conversation: their keys are re-rotated forward by the evicted count, O(sinks) work per call. The
 result is StreamingLLM's rule (each token attended at its position within the cache) with no copy of the
 cache and no re-rotation on eviction.
+
+A GPU build holds a program per call shape (engine/shapes.py), and the host pads a prefill to the next chunk size:
+a padded token's slot is `settings.slots`, one past the slots any call reads (the cache has that one more, the own
+ring one more past its `ring`), and StreamingLlama.padding picks them out, so no real token attends to them and the
+logits returned are the last real token's.
 """
 from __future__ import annotations
 
@@ -38,6 +43,8 @@ from torch import nn
 from ..arch import Family, family
 from ..config import (ATTEND_STEP, Q4_TILE_ROWS, TILE_ROWS, BuildSettings, ModelConfig, auto_kv_dtype,
                       super_groups)
+from ..devices import TABLE
+from ..shapes import call_shapes
 from .attention_rows import attend_plan
 from .kernels import (attend_rows, first_blocks, first_slots, i8_linear, q4_linear, q4_linear_parts, query_keys,
                       query_keys_rows, softmax_over_slots, tile_q8, tileable, tiled_rows, weighted_values,
@@ -262,6 +269,7 @@ class Step:
     local_mask_t: torch.Tensor
     single: bool  # one query (decode)
     kept: torch.Tensor | None  # each new token's row of sink_keys: its sink slot, or the last row (nothing reads)
+    ring_size: int  # the local ring's slots read (its buffer has one more in a padded build: engine/shapes.py)
 
 
 class Attention(nn.Module):
@@ -277,6 +285,9 @@ class Attention(nn.Module):
         # There, with no soft cap and a head size its stack fits, the whole attention as one op (kernels.attend_rows).
         self.one_op = (self.rows_ops and cfg.attn_softcap is None and attend_plan(cfg.head_dim) is not None
                        and not own_ring)
+        # On a device that compiles it, with no soft cap, IREE's own attention op: one fused op a layer (the
+        # softmax in flight) where the matmuls and the softmax were four or more kernels.
+        self.fused = TABLE[settings.device].fused_attention and cfg.attn_softcap is None
         self.index = index  # this layer's place in the buffer it writes (the shared cache or the ring)
         self.local = layer in cfg.local_layers  # attends to the last local_window tokens only (Gemma)
         self.own_ring = own_ring
@@ -308,6 +319,8 @@ class Attention(nn.Module):
         else:
             keys, values = self.write_cache(step, to_kv(k, step.cache), to_kv(v, step.cache))
             mask = step.local_mask if self.local else step.mask
+        if self.fused:
+            return self.wo(self.fused_attention(q, keys, values, mask))
         if step.single:
             # One query: custom ops read the cache in place (matmuls would re-pack it every step: kernels.py).
             q1, mask1 = (q * self.scale).view(kvh, rep, d), mask.view(-1)
@@ -332,6 +345,19 @@ class Attention(nn.Module):
         else:
             out = torch.matmul(probs, values.unsqueeze(1)).permute(2, 0, 1, 3)
         return self.wo(out.reshape(n, cfg.n_heads * d))
+
+    def fused_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                        mask: torch.Tensor) -> torch.Tensor:
+        """q [n, kvh, rep, d] over keys and values [kvh, C, d] under mask [n, C] as one scaled_dot_product_attention
+        (IREE: iree_linalg_ext.attention); a KV head's rep query heads are its rows, so keys are not repeated."""
+        n, kvh, rep, d = q.shape
+        rows = q.permute(1, 2, 0, 3).reshape(1, kvh, rep * n, d)
+        # The mask as the scores' full shape: IREE's conversion of a 2-d one failed (a collapse to a lower rank).
+        slots = mask.shape[-1]
+        over = mask.unsqueeze(0).expand(rep, n, slots).reshape(1, 1, rep * n, slots).expand(1, kvh, rep * n, slots)
+        out = F.scaled_dot_product_attention(rows, keys.unsqueeze(0), values.unsqueeze(0), attn_mask=over,
+                                             scale=self.scale)
+        return out.view(kvh, rep, n, d).permute(2, 0, 1, 3).reshape(n, kvh * rep * d)
 
     def softmax(self, scores: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         # A local ring's slots (and a prefill's new tokens after them) are not in blocks: the others are for the
@@ -362,13 +388,13 @@ class Attention(nn.Module):
         ring as it was plus the new tokens, and writes them after: writing first would overwrite tokens its
         earliest queries still see. Keys are rotated by absolute position, so nothing is re-rotated.
         """
-        ring, i = step.ring, self.index
+        ring, i, size = step.ring, self.index, step.ring_size
         k, v = to_kv(k, ring), to_kv(v, ring)
         if step.single:
             self._put(ring, step.ring_slots, k, v)
-            return from_kv(ring[i, 0]), from_kv(ring[i, 1])
-        keys = torch.cat([from_kv(ring[i, 0]), from_kv(k).transpose(0, 1)], dim=1)
-        values = torch.cat([from_kv(ring[i, 1]), from_kv(v).transpose(0, 1)], dim=1)
+            return from_kv(ring[i, 0].narrow(1, 0, size)), from_kv(ring[i, 1].narrow(1, 0, size))
+        keys = torch.cat([from_kv(ring[i, 0].narrow(1, 0, size)), from_kv(k).transpose(0, 1)], dim=1)
+        values = torch.cat([from_kv(ring[i, 1].narrow(1, 0, size)), from_kv(v).transpose(0, 1)], dim=1)
         self._put(ring, step.ring_slots, k, v)
         return keys, values
 
@@ -491,10 +517,15 @@ class StreamingLlama(nn.Module):
         # inside the write's dispatch, a head_dim-128 model's tile of them took 32 kB of stack: over the limit).
         kv = KV_STORAGE[auto_kv_dtype(settings.dtype, settings.kv_dtype, settings.device)]
         kvh, d = cfg.n_kv_heads, cfg.head_dim
-        self.register_buffer("cache", torch.zeros(len(shared), 2, kvh, settings.slots, d, dtype=kv), persistent=False)
+        # A build of fixed call shapes pads its calls: padded tokens go to one more slot of the cache and of the
+        # ring, which no call reads (engine/shapes.py).
+        self.shapes = call_shapes(cfg, settings)
+        trash = 1 if self.shapes else 0
+        self.register_buffer("cache", torch.zeros(len(shared), 2, kvh, settings.slots + trash, d, dtype=kv),
+                             persistent=False)
         sinks = torch.zeros(len(shared), settings.sink_slots + 1, kvh, d, dtype=kv) if settings.sink_slots else None
         self.register_buffer("sink_keys", sinks, persistent=False)
-        self.register_buffer("ring_cache", torch.zeros(len(local), 2, kvh, ring, d, dtype=kv) if ring else None,
+        self.register_buffer("ring_cache", torch.zeros(len(local), 2, kvh, ring + trash, d, dtype=kv) if ring else None,
                              persistent=False)
         # The last prefill call's final hidden rows, which `score` turns into log-probabilities: scoring is then a
         # small program over them, not a third copy of the whole model in the module (tracing and compiling that
@@ -527,11 +558,16 @@ class StreamingLlama(nn.Module):
         local, ring_slots = mask, None
         if ring:
             ring_slots = torch.remainder(token_pos, ring)
+            if self.shapes and not single:  # padded tokens: the ring's spare slot
+                ring_slots = torch.where(self.padding(slots), torch.full_like(slots, ring), ring_slots)
             ring_pos = slot_pos.narrow(0, n_slots, ring)
             if single:  # what the ring holds once this token is written
                 seen = torch.where(torch.arange(ring) == ring_slots, token_pos, ring_pos)
-            else:  # the ring as it was, then the new tokens
-                seen = torch.cat([ring_pos, token_pos])
+            else:  # the ring as it was, then the new tokens (padded ones never seen)
+                new = token_pos
+                if self.shapes:
+                    new = torch.where(self.padding(slots), torch.full_like(token_pos, EMPTY_SLOT), token_pos)
+                seen = torch.cat([ring_pos, new])
             seen = seen.unsqueeze(0)
             # Nested rather than `&`: the IREE torch frontend cannot lower a boolean and.
             local = torch.where(seen <= now, torch.where(seen > now - window, torch.zeros(()), neg), neg)
@@ -542,11 +578,15 @@ class StreamingLlama(nn.Module):
         sinks = self.settings.sink_slots
         kept = torch.where(slots < sinks, slots, torch.full_like(slots, sinks)) if self.sink_keys is not None else None
         step = Step(self.cache, self.sink_keys, self.ring_cache, slots, rope, shift, ring_slots, cache_pos, mask, local,
-                    mask.transpose(0, 1), local.transpose(0, 1), single, kept)
+                    mask.transpose(0, 1), local.transpose(0, 1), single, kept, ring)
         self.shift_sinks(shift)
         for block in self.layers:
             x = block(x, step)
         return self.norm(x)
+
+    def padding(self, slots: torch.Tensor) -> torch.Tensor:
+        """Which of a padded call's tokens are padding: those written to the trash slot (engine/shapes.py)."""
+        return slots >= self.settings.slots
 
     def shift_sinks(self, shift: torch.Tensor) -> None:
         """Slots 0..S-1 of every shared layer's keys: the sinks' original keys (sink_keys, from earlier calls)
@@ -579,7 +619,9 @@ class StreamingLlama(nn.Module):
         self.scored.narrow(0, 0, x.shape[0]).copy_(x)
         # A gather by a data-dependent index rather than x[-1:]: IREE would otherwise narrow the last layer to
         # one row and emit a reduction dispatch whose stack frame exceeds the CPU limit.
-        last = torch.argmax(token_pos).unsqueeze(0)
+        # Padded tokens repeat the last position: they are taken out of the running.
+        pos = torch.where(self.padding(slots), torch.full_like(token_pos, -1), token_pos) if self.shapes else token_pos
+        last = torch.argmax(pos).unsqueeze(0)
         return self.head(x.index_select(0, last))
 
     def decode(self, tokens, slots, rope, shift, slot_pos, token_pos) -> torch.Tensor:
@@ -588,8 +630,13 @@ class StreamingLlama(nn.Module):
 
     def score(self, targets) -> torch.Tensor:
         """log p(targets[i] | the last prefill call's tokens up to i) for each of its n tokens [n] (perplexity)."""
-        logp = torch.log_softmax(self.head(self.scored.narrow(0, 0, targets.shape[0])), -1)
-        return torch.gather(logp, 1, targets.unsqueeze(1)).squeeze(1)
+        logits = self.head(self.scored.narrow(0, 0, targets.shape[0]))
+        # The target's logit less the log of the sum, spelled out: IREE's vulkan code for gather(log_softmax) over
+        # 4 rows of a 49152 vocabulary came out wrong by up to 2.9 on lavapipe (16 rows: right), and this is right
+        # at both (tests/test_vulkan.py).
+        top = logits.amax(-1, keepdim=True)
+        total = torch.log(torch.exp(logits - top).sum(-1, keepdim=True)) + top
+        return (torch.gather(logits, 1, targets.unsqueeze(1)) - total).squeeze(1)
 
     def state(self) -> list[torch.Tensor]:
         """The buffers that hold a conversation's cache, in the order snapshot returns and restore takes them."""

@@ -18,6 +18,7 @@ from ..events import CacheStats
 from ..devices import driver
 from ..errors import ArtefactError, DeviceError
 from ..gpu import check_runnable
+from ..shapes import call_shapes, decode_name, prefill_name, score_name
 
 EMPTY_SLOT = 2**62  # must equal engine.build.model.EMPTY_SLOT: later than every token, so always masked
 
@@ -46,9 +47,11 @@ class CompiledModule:
             hal = rt.create_hal_module(self.instance, self.device)
             main = rt.VmModule.mmap(self.instance, str(vmfb))
             self.context = rt.SystemContext(vm_modules=[hal, params, main], config=rt.Config(device=self.device))
-            functions = self.context.modules.module
-            self._prefill, self._decode = functions["prefill"], functions["decode"]
-            self._score, self._reset = functions["score"], functions["reset"]
+            functions = self._functions = self.context.modules.module
+            # One prefill, decode and score of dynamic shapes (a CPU build), or one per call shape (engine/shapes.py).
+            self.fixed = "prefill" not in main.function_names
+            self._programs: dict[str, object] = {}  # looked up once each
+            self._reset = functions["reset"]
             self._snapshot, self._restore = functions["snapshot"], functions["restore"]
         # IREE reports a bad file as RuntimeError, ValueError or IndexError (a parameter index or a parameter out
         # of the file's range: a truncated .irpa, or a .vmfb built for other weights), OSError for unreadable files.
@@ -63,21 +66,38 @@ class CompiledModule:
 
     def _count(self, token_pos: np.ndarray) -> None:
         # The module itself keeps no counter (the host passes every position), so this is the module-side
-        # record of what it was actually fed; tests check it against StreamingEngine's bookkeeping.
+        # record of what it was actually fed; tests check it against StreamingEngine's bookkeeping. A call's
+        # positions run on from its first (padding repeats its last), so its first and last count its tokens.
         self.clean = False
-        self.tokens_fed += len(token_pos)
+        self.tokens_fed += int(token_pos[-1]) - int(token_pos[0]) + 1
         self.next_position = int(token_pos[-1]) + 1
+
+    def _program(self, kind: str, args: tuple[np.ndarray, ...]):
+        """The prefill or decode program for a call's shapes (args as prefill takes them)."""
+        if not self.fixed:
+            return self._function(kind)
+        return self._function(decode_name(len(args[4])) if kind == "decode"
+                              else prefill_name(len(args[0]), len(args[4])))
+
+    def _function(self, name: str):
+        fn = self._programs.get(name)
+        if fn is None:
+            try:
+                fn = self._programs[name] = self._functions[name]
+            except (KeyError, AttributeError) as e:  # the host pads to the module's shapes: a mismatch is a bug
+                raise ArtefactError(f"the compiled module has no program {name}") from e
+        return fn
 
     # Results are copied out: to_host() is a view of a device buffer that IREE recycles once the result
     # object is collected, so a kept view would silently change under a later call.
     # Every entry point takes the new tokens' positions (token_pos) as its last argument.
     def prefill(self, *args: np.ndarray) -> np.ndarray:
-        out = self._host(self._prefill(*args))
+        out = self._host(self._program("prefill", args)(*args))
         self._count(args[-1])
         return out
 
     def decode(self, *args: np.ndarray) -> np.ndarray:
-        out = self._host(self._decode(*args))
+        out = self._host(self._program("decode", args)(*args))
         self._count(args[-1])
         return out
 
@@ -104,8 +124,13 @@ class CompiledModule:
     def score(self, tokens: np.ndarray, targets: np.ndarray, *rest: np.ndarray) -> np.ndarray:
         """prefill's arguments with the targets after the tokens: the log-probabilities of the targets. The module's
         score reads the hidden rows its prefill keeps (engine/build/model.py), so this is those two calls."""
-        self._prefill(tokens, *rest)
-        out = self._host(self._score(targets))
+        self._program("prefill", (tokens, *rest))(tokens, *rest)
+        if self.fixed:  # the targets padded as the tokens were
+            n, padded = len(targets), np.zeros(len(tokens), targets.dtype)
+            padded[:n] = targets
+            out = self._host(self._function(score_name(len(tokens)))(padded))[:n]
+        else:
+            out = self._host(self._function("score")(targets))
         self._count(rest[-1])
         return out
 
@@ -146,6 +171,7 @@ class StreamingEngine:
         self.freqs = rope.inv_freqs(cfg)
         self.ring = cfg.local_ring(settings)  # the local layers' own ring (0: none)
         self.chunk = cfg.prefill_bound(settings)  # most tokens per prefill call
+        self.shapes = call_shapes(cfg, settings)  # None: the module's calls take any shape
         self.reset()
 
     def reset(self) -> None:
@@ -225,6 +251,8 @@ class StreamingEngine:
         """How many of the cache's first slots a call reads: every used slot (the cache fills from slot 0: sinks,
         then the window's ring after the sink slots), so attention costs what the conversation holds."""
         used = np.flatnonzero(self.slot_pos != EMPTY_SLOT)
+        if self.shapes:
+            return self.shapes.bucket_for(int(used[-1]) + 1 if used.size else 1)
         blocks = -(-(int(used[-1]) + 1 if used.size else 1) // ATTEND_STEP)
         # At least 2 blocks, as the module was exported (engine/build/export.py); the cache has whole blocks.
         return ATTEND_STEP * min(max(blocks, 2), len(self.slot_pos) // ATTEND_STEP)
@@ -263,8 +291,12 @@ class StreamingEngine:
         """Appends tokens (chunked within the compiled bound); returns the logits after the last [vocab]."""
         logits = None
         for chunk in self._chunks(ids):
-            logits = self.module.prefill(*self._inputs(chunk))
+            logits = self.module.prefill(*self._padded(self._inputs(chunk)))
         return logits[0]
+
+    def _padded(self, args: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
+        """A prefill call's inputs as the module takes them: padded to a chunk size where its shapes are fixed."""
+        return self.shapes.pad(args) if self.shapes else args
 
     def decode(self, token: int) -> np.ndarray:
         return self.module.decode(*self._inputs(np.array([token], dtype=np.int64)))[0]
@@ -274,7 +306,8 @@ class StreamingEngine:
         tg = np.asarray(targets, dtype=np.int64)
         out, done = [], 0
         for chunk in self._chunks(ids):
-            out.append(self.module.score(chunk, tg[done : done + len(chunk)], *self._inputs(chunk)[1:]))
+            tokens, *rest = self._padded(self._inputs(chunk))
+            out.append(self.module.score(tokens, tg[done : done + len(chunk)], *rest))
             done += len(chunk)
         return np.concatenate(out)
 
