@@ -818,7 +818,8 @@ def capture_inputs(engine: Any, dest: Path) -> dict[str, Any]:
             f = folder / f"arg{i}.npy"
             np.save(f, np.ascontiguousarray(a))
             files.append(str(f))
-        out[name] = {"function": fn, "inputs": files, "shapes": [list(np.shape(a)) for a in calls[name]]}
+        out[name] = {"function": module.program_name(fn, calls[name]), "inputs": files,
+                     "shapes": [list(np.shape(a)) for a in calls[name]]}
     (dest / "inputs.json").write_text(json.dumps(out))
     return out
 

@@ -72,12 +72,14 @@ class CompiledModule:
         self.tokens_fed += int(token_pos[-1]) - int(token_pos[0]) + 1
         self.next_position = int(token_pos[-1]) + 1
 
-    def _program(self, kind: str, args: tuple[np.ndarray, ...]):
-        """The prefill or decode program for a call's shapes (args as prefill takes them)."""
+    def program_name(self, kind: str, args: tuple[np.ndarray, ...]) -> str:
+        """The name of the "prefill" or "decode" program that takes a call of these arguments."""
         if not self.fixed:
-            return self._function(kind)
-        return self._function(decode_name(len(args[4])) if kind == "decode"
-                              else prefill_name(len(args[0]), len(args[4])))
+            return kind
+        return decode_name(len(args[4])) if kind == "decode" else prefill_name(len(args[0]), len(args[4]))
+
+    def _program(self, kind: str, args: tuple[np.ndarray, ...]):
+        return self._function(self.program_name(kind, args))
 
     def _function(self, name: str):
         fn = self._programs.get(name)
