@@ -20,7 +20,7 @@ import iree.turbine.aot as aot
 from iree.turbine.aot.compiled_module import ExportTargetDef
 
 from ..config import ATTEND_STEP, QUANTISED, BuildSettings, ModelConfig
-from ..devices import compile_flags, dot_form, fixed_shapes
+from ..devices import TABLE, compile_flags, dot_form, fixed_shapes
 from ..errors import ArtefactError, BuildCancelled
 from ..shapes import score_name
 from ..paths import cache_dir
@@ -104,7 +104,7 @@ def _trace(fxb: "aot.FxProgramsBuilder", name: str, entry: _Entry, args: tuple, 
     `_export(pre_dispatch=False)`; torch is pinned): the same program with some ops left whole (full for empty +
     fill, _to_copy for convert_element_type), which the CPU lowers alike and the parity tests hold to the same
     logits. IREE's GPU pipeline failed on the one-pass decode's attention (a reduction over dynamic slots with
-    a negative read range), so GPU builds keep the two passes."""
+    a negative read range), so GPU builds of dynamic shapes keep the two passes."""
     if one_pass:
         from torch.export._trace import _export
 
@@ -120,18 +120,20 @@ def _trace(fxb: "aot.FxProgramsBuilder", name: str, entry: _Entry, args: tuple, 
 def export_module(model: StreamingLlama) -> "aot.ExportOutput":
     cfg, settings = model.cfg, model.settings
     fxb = aot.FxProgramsBuilder(model)
-    cpu = settings.device == "cpu"
+    # One pass where it serves (_trace): not for IREE's fused attention, which it decomposes into matmuls (it keeps
+    # scaled_dot_product_attention only through the second pass's decompositions), nor for a GPU's dynamic shapes.
+    one = settings.device == "cpu" or (model.shapes is not None and not TABLE[settings.device].fused_attention)
     if model.shapes:  # a program per call shape (engine/shapes.py)
         for name, n, attended in model.shapes.programs():
             entry = (_Decode if name.startswith("decode") else _Prefill)(model)
-            _trace(fxb, name, entry, example_args(cfg, settings, n, attended), one_pass=cpu)
+            _trace(fxb, name, entry, example_args(cfg, settings, n, attended), one_pass=one)
         for n in model.shapes.chunks:
-            _trace(fxb, score_name(n), _Score(model), (torch.zeros(n, dtype=torch.int64),), one_pass=cpu)
+            _trace(fxb, score_name(n), _Score(model), (torch.zeros(n, dtype=torch.int64),), one_pass=one)
     else:
         _trace_dynamic(fxb, model)
-    _trace(fxb, "reset", _Reset(model), (), one_pass=cpu)
-    _trace(fxb, "snapshot", _Snapshot(model), (), one_pass=cpu)
-    _trace(fxb, "restore", _Restore(model), tuple(torch.zeros_like(b) for b in model.state()), one_pass=cpu)
+    _trace(fxb, "reset", _Reset(model), (), one_pass=one)
+    _trace(fxb, "snapshot", _Snapshot(model), (), one_pass=one)
+    _trace(fxb, "restore", _Restore(model), tuple(torch.zeros_like(b) for b in model.state()), one_pass=one)
 
     # The custom ops are expanded as the programs are imported.
     with kernels.lowering_for(settings.device, dot_form(settings.device, settings.target_cpu),
