@@ -161,3 +161,28 @@ def test_the_build_clock_counts_the_longer_of_the_two_halves_and_each_part_s_own
     assert (e.export_per_layer_s, e.compile_per_layer_s, e.save_per_byte_s, e.tokenizer_s) == (0.875, 0.25, 1e-8, 1.5)
     assert e.seconds(16, 10 ** 9, False) == {"export": 16.0, "compile": 8.0, "save": 11.0, "tokenizer": 1.5}
     assert e.seconds(16, 10 ** 9, True)["export"] == 0.5
+
+
+def test_a_gpu_builds_expected_time_counts_its_programs():
+    """A GPU build traces and compiles a prefill and a decode per call shape (engine/shapes.py), where a CPU build
+    has one of each: its layers count that many times over, in what it is expected to take and in what its time
+    says of the next build's."""
+    from dataclasses import replace
+
+    from conftest import TINY_SETTINGS
+
+    from engine.build.progress import Expected, traced_layers
+    from engine.config import ModelConfig
+
+    config = ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
+                         intermediate=128).to_dict()
+    vulkan = replace(TINY_SETTINGS, device="vulkan", gpu_target="llvmpipe")
+    # chunks (4, 16) x buckets (16, 32, 64), and a decode per bucket: 9 programs where the CPU's have 2
+    assert traced_layers(config, vulkan.to_dict()) == 2 * 9 / 2
+    assert traced_layers(config, TINY_SETTINGS.to_dict()) == 2
+    assert traced_layers(config, replace(vulkan, gpu_target="vp_android_baseline_2022").to_dict()) == 2  # dynamic
+    assert traced_layers(config, None) == 2 and traced_layers(config, {"old": 1}) == 2
+    built = {"build_seconds": {"export": 2.0 + 9.0, "compile": 4.0 + 18.0, "save": 1.0}, "config": config,
+             "settings": vulkan.to_dict(), "files": {"weights.irpa": {"size": 10}}}
+    e = Expected.from_manifests([built])
+    assert (e.export_per_layer_s, e.compile_per_layer_s) == (1.0, 2.0)

@@ -263,10 +263,11 @@ def compile_mlir(mlir_path: Path, vmfb_path: Path, device: str, progress: Progre
             raise ArtefactError(f"iree-compile failed (exit {proc.returncode}):\n" + "\n".join(errors or lines[-20:]))
 
 
-def expected_times(cfg: ModelConfig, weights_bytes: int, reused_export: bool) -> dict[str, float]:
+def expected_times(cfg: ModelConfig, settings: BuildSettings, weights_bytes: int,
+                   reused_export: bool) -> dict[str, float]:
     """What each part of this build should take here, from the builds this machine has made."""
     from .artefacts import artefacts_root
-    from .progress import Expected
+    from .progress import Expected, traced_layers
 
     manifests = []
     for f in artefacts_root().glob("*/manifest.json"):
@@ -274,7 +275,8 @@ def expected_times(cfg: ModelConfig, weights_bytes: int, reused_export: bool) ->
             manifests.append(json.loads(f.read_text()))
         except (OSError, ValueError):
             continue
-    return Expected.from_manifests(manifests).seconds(cfg.n_layers, weights_bytes, reused_export)
+    return Expected.from_manifests(manifests).seconds(traced_layers(cfg.to_dict(), settings.to_dict()),
+                                                      weights_bytes, reused_export)
 
 
 class _SideJob:
@@ -377,7 +379,7 @@ def build(source: "ModelSource", cfg: ModelConfig, settings: BuildSettings, out_
         side.wait()
         raise
     kept = kept_export(cfg, settings)
-    clock = BuildClock(expected_times(cfg, side_job.piece_bytes(model)[1], kept.is_file()))
+    clock = BuildClock(expected_times(cfg, settings, side_job.piece_bytes(model)[1], kept.is_file()))
 
     def say(stage: str, detail: str) -> None:
         with lock:

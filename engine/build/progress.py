@@ -14,6 +14,9 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Protocol
 
+from ..config import BuildSettings, ModelConfig
+from ..shapes import call_shapes
+
 # In the order a build starts them (engine.build.export.build reports these names); "saving weights" runs
 # beside "exporting" and "compiling".
 STAGES = ("loading weights", "exporting", "saving weights", "compiling")
@@ -85,7 +88,7 @@ class Expected:
         export, compile_, save, tokenizer = [], [], [], []
         for m in manifests:
             try:
-                t, layers = m["build_seconds"], int(m["config"]["n_layers"])
+                t, layers = m["build_seconds"], traced_layers(m["config"], m.get("settings"))
                 size = int(m["files"]["weights.irpa"]["size"])
                 if float(t.get("export", 0)) > 1.0:  # a reused export says nothing of the trace's speed
                     export.append(max(0.0, float(t["export"]) - Expected.EXPORT_FIXED_S) / layers)
@@ -101,11 +104,23 @@ class Expected:
         return Expected(pick(export, d.export_per_layer_s), pick(compile_, d.compile_per_layer_s),
                         pick(save, d.save_per_byte_s), pick(tokenizer, d.tokenizer_s))
 
-    def seconds(self, layers: int, weights_bytes: int, reused_export: bool) -> dict[str, float]:
-        """BuildClock's expected seconds for a build of `layers` layers writing `weights_bytes`."""
+    def seconds(self, layers: float, weights_bytes: int, reused_export: bool) -> dict[str, float]:
+        """BuildClock's expected seconds for a build of `layers` layers (traced_layers) writing `weights_bytes`."""
         return {"export": 0.5 if reused_export else self.EXPORT_FIXED_S + self.export_per_layer_s * layers,
                 "compile": self.COMPILE_FIXED_S + self.compile_per_layer_s * layers,
                 "save": 1.0 + self.save_per_byte_s * weights_bytes, "tokenizer": self.tokenizer_s}
+
+
+def traced_layers(config: dict, settings: dict | None) -> float:
+    """A build's layers weighted by the prefill and decode programs it traces and compiles: a dynamic build's two
+    count as its layers, a GPU build's one per call shape (engine/shapes.py: 16 for the default model) as eight
+    times them. What the export and iree-compile take grows with both."""
+    layers = int(config["n_layers"])
+    try:
+        shapes = call_shapes(ModelConfig(**config), BuildSettings(**settings)) if settings else None
+    except (TypeError, ValueError, KeyError):  # a manifest of an older layout: as a dynamic build
+        shapes = None
+    return layers * (len(shapes.programs()) / 2 if shapes else 1)
 
 
 class BuildClock:
