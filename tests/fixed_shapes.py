@@ -12,8 +12,12 @@ def same_calls(gpu, cpu) -> None:
     assert shapes is not None and cpu.shapes is None and shapes.ring == gpu.ring
     ran: set[str] = set()
     program = gpu.module._program
-    gpu.module._program = lambda kind, args: ran.add(  # noqa: E731
-        f"{kind}_{len(args[0])}_{len(args[4])}" if kind == "prefill" else f"decode_{len(args[4])}") or program(kind, args)
+
+    def spy(kind: str, args: tuple):
+        ran.add(gpu.module.program_name(kind, args))
+        return program(kind, args)
+
+    gpu.module._program = spy
     ids = [int(i) for i in np.random.RandomState(9).randint(0, gpu.cfg.vocab_size, 400)]
     worst, at = 0.0, 0
 

@@ -22,8 +22,8 @@ from iree.turbine.aot.compiled_module import ExportTargetDef
 from ..config import ATTEND_STEP, QUANTISED, BuildSettings, ModelConfig
 from ..devices import TABLE, compile_flags, dot_form, fixed_shapes
 from ..errors import ArtefactError, BuildCancelled
-from ..shapes import score_name
 from ..paths import cache_dir
+from ..shapes import score_name
 from . import kernels, prefill_products
 from .model import StreamingLlama
 from .process import tied_to_me
