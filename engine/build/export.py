@@ -122,18 +122,18 @@ def export_module(model: StreamingLlama) -> "aot.ExportOutput":
     fxb = aot.FxProgramsBuilder(model)
     # One pass where it serves (_trace): not for IREE's fused attention, which it decomposes into matmuls (it keeps
     # scaled_dot_product_attention only through the second pass's decompositions), nor for a GPU's dynamic shapes.
-    one = settings.device == "cpu" or (model.shapes is not None and not TABLE[settings.device].fused_attention)
+    one_pass = settings.device == "cpu" or (model.shapes is not None and not TABLE[settings.device].fused_attention)
     if model.shapes:  # a program per call shape (engine/shapes.py)
         for name, n, attended in model.shapes.programs():
             entry = (_Decode if name.startswith("decode") else _Prefill)(model)
-            _trace(fxb, name, entry, example_args(cfg, settings, n, attended), one_pass=one)
+            _trace(fxb, name, entry, example_args(cfg, settings, n, attended), one_pass=one_pass)
         for n in model.shapes.chunks:
-            _trace(fxb, score_name(n), _Score(model), (torch.zeros(n, dtype=torch.int64),), one_pass=one)
+            _trace(fxb, score_name(n), _Score(model), (torch.zeros(n, dtype=torch.int64),), one_pass=one_pass)
     else:
         _trace_dynamic(fxb, model)
-    _trace(fxb, "reset", _Reset(model), (), one_pass=one)
-    _trace(fxb, "snapshot", _Snapshot(model), (), one_pass=one)
-    _trace(fxb, "restore", _Restore(model), tuple(torch.zeros_like(b) for b in model.state()), one_pass=one)
+    _trace(fxb, "reset", _Reset(model), (), one_pass=one_pass)
+    _trace(fxb, "snapshot", _Snapshot(model), (), one_pass=one_pass)
+    _trace(fxb, "restore", _Restore(model), tuple(torch.zeros_like(b) for b in model.state()), one_pass=one_pass)
 
     # The custom ops are expanded as the programs are imported.
     with kernels.lowering_for(settings.device, dot_form(settings.device, settings.target_cpu),

@@ -586,7 +586,7 @@ class StreamingLlama(nn.Module):
 
     def padding(self, slots: torch.Tensor) -> torch.Tensor:
         """Which of a padded call's tokens are padding: those written to the trash slot (engine/shapes.py)."""
-        return slots >= self.settings.slots
+        return slots >= self.shapes.trash
 
     def shift_sinks(self, shift: torch.Tensor) -> None:
         """Slots 0..S-1 of every shared layer's keys: the sinks' original keys (sink_keys, from earlier calls)
