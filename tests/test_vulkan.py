@@ -105,14 +105,16 @@ def test_the_fixed_shape_module_pads_and_buckets_to_the_cpu_builds_logits(family
     same_calls(gpu, cpu)
 
 
-def test_the_vulkan_q8_build_gives_the_cpus_generic_products(vulkan_tiny):
-    """q8 (a folder's default): the GPU's products are the generic ones, which a CPU build for x86-64-v2 also takes
-    (no hand-written integer form there): the same arithmetic, within 1e-4."""
+@pytest.mark.parametrize("dtype", ["q8", "q4"])
+def test_the_vulkan_quantised_build_gives_the_cpus_generic_products(dtype, vulkan_tiny):
+    """q8 (a folder's default) and q4 (a 4-bit GGUF's): the GPU's products are the generic ones, which a CPU build
+    for x86-64-v2 also takes (no hand-written integer form there): the same arithmetic, within 1e-4. q4's decode
+    runs the many-row product on vulkan (devices.Device.q4_vector_decode), whose one-row form did not compile."""
     from engine.loader import open_model
 
-    q8 = replace(TINY_SETTINGS, dtype="q8")
-    gpu = open_model("tiny-random", resolve_target(replace(q8, device="vulkan"))).engine
-    cpu = open_model("tiny-random", replace(q8, target_cpu="x86-64-v2")).engine
+    quantised = replace(TINY_SETTINGS, dtype=dtype)
+    gpu = open_model("tiny-random", resolve_target(replace(quantised, device="vulkan"))).engine
+    cpu = open_model("tiny-random", replace(quantised, target_cpu="x86-64-v2")).engine
     ids = [int(i) for i in np.random.RandomState(8).randint(0, 49152, 30)]
     for eng in (gpu, cpu):
         eng.reset()

@@ -38,6 +38,7 @@ import torch
 from ..config import ATTEND_STEP
 from ..config import Q4_TILE_ROWS as Q4_TILE
 from ..config import TILE_ROWS as TILE
+from ..devices import TABLE as DEVICE_TABLE
 from . import attention_rows, dot_products, prefill_products
 
 
@@ -166,6 +167,7 @@ def first_slots(kv: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 _cpu_tuned = False
+_q4_vector = True
 _dot_form: str | None = None
 _x_steps = prefill_products.STEPS
 
@@ -179,13 +181,14 @@ def lowering_for(device: str, dot_form: str | None = None, x_steps: int = prefil
     the multiply-add as one scalar per lane). Other devices get IREE's own choice: the attribute names llvm-cpu's
     pipeline. `x_steps`: the rounded rows a row of x becomes in the hand-written prefill products
     (prefill_products.x_steps: the model's width decides)."""
-    global _cpu_tuned, _dot_form, _x_steps
-    before = _cpu_tuned, _dot_form, _x_steps
-    _cpu_tuned, _dot_form, _x_steps = device == "cpu", dot_form, x_steps
+    global _cpu_tuned, _q4_vector, _dot_form, _x_steps
+    before = _cpu_tuned, _q4_vector, _dot_form, _x_steps
+    _cpu_tuned, _q4_vector, _dot_form, _x_steps = (device == "cpu", DEVICE_TABLE[device].q4_vector_decode, dot_form,
+                                                   x_steps)
     try:
         yield
     finally:
-        _cpu_tuned, _dot_form, _x_steps = before
+        _cpu_tuned, _q4_vector, _dot_form, _x_steps = before
 
 
 # Prefill's q4 form reads the codes through a 7-d view of the tiled layout (engine/build/q4.py): [tile, super-block
@@ -784,12 +787,12 @@ def _register() -> dict:
     template = Template()
     library = def_library("eddy_quant")
 
-    def select(ksel: KernelSelection, arity: int, tile: int) -> None:
+    def select(ksel: KernelSelection, arity: int, tile: int, vector_form: bool = True) -> None:
         a, *weights = (ksel.arg_tensor(i) for i in range(arity))
         for t in weights:
             t.specialize_all_dims()
-        # One row (decode's call, whose shapes are static) selects the matrix-vector form.
-        if isinstance(a.t.shape[0], int) and a.t.shape[0] == 1:
+        # One row (decode's call, whose shapes are static) selects the matrix-vector form where there is one.
+        if vector_form and isinstance(a.t.shape[0], int) and a.t.shape[0] == 1:
             a.specialize_all_dims()
         else:
             a.specialize_dims(1)
@@ -872,7 +875,7 @@ def _register() -> dict:
         signature = "mmt_q4(Tensor a, Tensor qs, Tensor d, Tensor m, Tensor u) -> (Tensor)"
 
         def select(self, ksel: KernelSelection) -> None:
-            select(ksel, 5, Q4_TILE)
+            select(ksel, 5, Q4_TILE, vector_form=_q4_vector)  # devices.Device.q4_vector_decode
 
         def eager_execute(self, a, qs, d, m, u):
             return a @ dense_q4(qs, d, m, u).T
