@@ -1,4 +1,4 @@
-"""The `eddy` command line: chat, serve, compile, bench, ppl, cache, models (the contract in DESIGN.md)."""
+"""The `eddy` command line: chat, serve, compile, bench, ppl, cache, models (the contract: docs/CONTRACT.md)."""
 from __future__ import annotations
 
 import argparse
@@ -21,7 +21,7 @@ from .run.sampling import OPTIONS, SamplingParams
 if TYPE_CHECKING:
     from .build.progress import Progress
 
-# What --json prints: DESIGN.md's lines, and a reasoning model's thinking beside its tokens (the other events
+# What --json prints: docs/CONTRACT.md's lines, and a reasoning model's thinking beside its tokens (the other events
 # are for live displays).
 JSON_LINES = (Prefill, Token, Reasoning, Done, Error)
 

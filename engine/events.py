@@ -1,6 +1,6 @@
 """What the engine tells its callers, as typed events.
 
-The session emits them; `eddy chat --json` prints each as one JSON line (DESIGN.md's contract: the fields and
+The session emits them; `eddy chat --json` prints each as one JSON line (docs/CONTRACT.md: the fields and
 their order are kept, new ones only added at the end); the app's worker forwards them, one signal per kind.
 Torch-free, Qt-free.
 """

@@ -36,8 +36,8 @@ def test_turn_streams_tokens_and_reports_events(session):
     assert events[-2]["first"] == 0 and events[-2]["left"] == () and events[-2]["cut"] == -1
 
 
-def test_typed_events_serialise_to_the_json_lines_of_design_md():
-    """Field names and order as DESIGN.md gives them (and as eddy chat --json printed before typed events),
+def test_typed_events_serialise_to_the_json_lines_of_the_contract():
+    """Field names and order as docs/CONTRACT.md gives them (and as eddy chat --json printed before typed events),
     plus the cache's new `pinned` at its end."""
     from engine.events import CacheStats, Context, Done, Error, Prefill, Token
 
