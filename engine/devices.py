@@ -18,7 +18,6 @@ class Device:
     auto_kv: str = ""  # the KV cache type "auto" gives here; "": the weight type's (config.AUTO_KV_DTYPE)
     fixed_shapes: bool = False  # programs of fixed call shapes, calls padded to them (engine/shapes.py)
     fused_attention: bool = False  # attention as IREE's attention op, one a layer (engine/build/model.py)
-    q4_vector_decode: bool = True  # decode's q4 products in the one-row form (engine/build/kernels.py, mmt_q4)
 
 
 # The CUDA targets iree-compile 3.13 knows by name: it has no sm_90 or sm_100 (their names give "missing GPU
@@ -74,14 +73,8 @@ TABLE: dict[str, Device] = {d.name: d for d in (
     # Weights' transforms are left in each call, not hoisted into the module's initialiser: hoisted, the decode's
     # transformed matrices came out wrong on Mesa's lavapipe (the tiny model's decode logits off by 1e-2 to NaN
     # while prefill, which reads the weights as stored, matched the CPU to 2e-7; with this flag both match).
-    # q4 decode takes the many-row product: the one-row form's reduction over five dimensions failed iree-compile's
-    # SPIR-V lowering at the widths of tiny-random, Gemma 3, Qwen3 and Llama 3.2 1B ("failed to legalize operation
-    # 'memref.alloc'" of an index buffer in workgroup memory), and with its shifts read from a table instead it
-    # compiled and lavapipe's decode logits came out 0.4 off (the same form on the CPU: exact). The price: IREE runs
-    # the many-row form's dequantisation as a dispatch of its own, every matrix written out in float32 each call
-    # (docs/GPU.md, known gaps).
     Device("vulkan", "vulkan", ("--iree-hal-target-device=vulkan", "--iree-opt-const-expr-hoisting=false"),
-           "--iree-vulkan-target=", fixed_shapes=True, q4_vector_decode=False),
+           "--iree-vulkan-target=", fixed_shapes=True),
     # A float32 cache on the GPU: IREE's GPU code widening a 16-bit one cost a decode step at 1000 tokens 7.7 ms
     # against 4.6 (H200, docs/GPU.md), and a GPU has the memory (the default model's cache is 47 MB in float32).
     # IREE's attention op compiles for cuda, not for vulkan (its SPIR-V pipeline fails to bufferize the op).

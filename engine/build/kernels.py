@@ -38,7 +38,6 @@ import torch
 from ..config import ATTEND_STEP
 from ..config import Q4_TILE_ROWS as Q4_TILE
 from ..config import TILE_ROWS as TILE
-from ..devices import TABLE as DEVICE_TABLE
 from . import attention_rows, dot_products, prefill_products
 
 
@@ -167,7 +166,6 @@ def first_slots(kv: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 _cpu_tuned = False
-_q4_vector = True
 _dot_form: str | None = None
 _x_steps = prefill_products.STEPS
 
@@ -181,14 +179,13 @@ def lowering_for(device: str, dot_form: str | None = None, x_steps: int = prefil
     the multiply-add as one scalar per lane). Other devices get IREE's own choice: the attribute names llvm-cpu's
     pipeline. `x_steps`: the rounded rows a row of x becomes in the hand-written prefill products
     (prefill_products.x_steps: the model's width decides)."""
-    global _cpu_tuned, _q4_vector, _dot_form, _x_steps
-    before = _cpu_tuned, _q4_vector, _dot_form, _x_steps
-    _cpu_tuned, _q4_vector, _dot_form, _x_steps = (device == "cpu", DEVICE_TABLE[device].q4_vector_decode, dot_form,
-                                                   x_steps)
+    global _cpu_tuned, _dot_form, _x_steps
+    before = _cpu_tuned, _dot_form, _x_steps
+    _cpu_tuned, _dot_form, _x_steps = device == "cpu", dot_form, x_steps
     try:
         yield
     finally:
-        _cpu_tuned, _q4_vector, _dot_form, _x_steps = before
+        _cpu_tuned, _dot_form, _x_steps = before
 
 
 # Prefill's q4 form reads the codes through a 7-d view of the tiled layout (engine/build/q4.py): [tile, super-block
@@ -264,8 +261,8 @@ util.func private @{name}(%a: tensor<?x{k}xf32>, """ + _Q4_ARGS + r""") -> tenso
 }}
 """
 
-# q4, decode (one row), the generic form (devices and CPUs without a hand-written one): out[b, r] = sum over the
-# group's positions of (code * d + m) * x, vectorised along the tile's rows r. Each row's 4 bytes of a block are
+# q4, decode (one row), the generic form of CPUs without a hand-written one (GPUs: _MV_Q4_BYTES): out[b, r] = sum
+# over the group's positions of (code * d + m) * x, vectorised along the tile's rows r. Each row's 4 bytes of a block are
 # read as one int32 (16 rows' are 64 contiguous bytes: one vector load) and the code of position (u, j) taken out
 # with a shift by 8j + 4u: indexing the nibbles as i4 gathered 16 rows 4 bytes apart, several times slower. The
 # product is math.fma(w, x, 0) and not a mulf: IREE turns a reduction of a mulf into a vector.contract, which it
@@ -307,6 +304,52 @@ util.func private @{name}(%a: tensor<1x{k}xf32>, """ + _Q4_ARGS + r""") -> tenso
     %wv = math.fma %f, %dv, %mv : f32
     %p = math.fma %wv, %x, %zero : f32
     %y = arith.addf %p, %o : f32
+    linalg.yield %y : f32
+  }} -> tensor<{nb}x{t}xf32>
+  %r1 = tensor.collapse_shape %r [[0, 1]] : tensor<{nb}x{t}xf32> into tensor<{n}xf32>
+  %r2 = tensor.expand_shape %r1 [[0, 1]] output_shape [1, {n}] : tensor<{n}xf32> into tensor<1x{n}xf32>
+  util.return %r2 : tensor<1x{n}xf32>
+}}
+}}
+"""
+
+# q4, decode (one row), off the CPU: as _MV_Q4, but over the codes' bytes, each giving its two nibbles' products
+# (the low one is position u = 0, the high one u = 1, so x is read twice, at u = 0 and u = 1): no linalg.index,
+# which IREE's SPIR-V lowering of such a reduction kept in workgroup memory as `index` values it cannot hold.
+_MV_Q4_BYTES = r"""
+module {{
+util.func private @{name}(%a: tensor<1x{k}xf32>, """ + _Q4_ARGS + r""") -> tensor<1x{n}xf32> {{
+  %a1 = tensor.collapse_shape %a [[0, 1]] : tensor<1x{k}xf32> into tensor<{k}xf32>
+  %a4 = tensor.expand_shape %a1 [[0, 1, 2, 3, 4]] output_shape [{supers}, {per}, 2, 4, 4] : tensor<{k}xf32> into tensor<{supers}x{per}x2x4x4xf32>
+  %q5 = tensor.expand_shape %qs [[0], [1, 2], [3, 4, 5]] output_shape [{nb}, {supers}, {per}, 4, {t}, 4] : tensor<{nb}x{groups}x{gb}xi8> into tensor<{nb}x{supers}x{per}x4x{t}x4xi8>""" + _Q4_FACTORS + r"""
+  %zero = arith.constant 0.000000e+00 : f32
+  %c4 = arith.constant 4 : i8
+  %c15 = arith.constant 15 : i8
+  %oe = tensor.empty() : tensor<{nb}x{t}xf32>
+  %acc = linalg.fill ins(%zero : f32) outs(%oe : tensor<{nb}x{t}xf32>) -> tensor<{nb}x{t}xf32>
+  %r = linalg.generic {{
+      indexing_maps = [affine_map<(b, r, s, c, h, j) -> (s, c, 0, h, j)>, affine_map<(b, r, s, c, h, j) -> (s, c, 1, h, j)>,
+                       affine_map<(b, r, s, c, h, j) -> (b, s, c, h, r, j)>,
+                       affine_map<(b, r, s, c, h, j) -> (b, s, c, r)>, affine_map<(b, r, s, c, h, j) -> (b, s, c, r)>,
+                       affine_map<(b, r, s, c, h, j) -> (b, s, r)>, affine_map<(b, r, s, c, h, j) -> (b, s, r)>,
+                       affine_map<(b, r, s, c, h, j) -> (b, s, r)>, affine_map<(b, r, s, c, h, j) -> (b, r)>],
+      iterator_types = ["parallel", "parallel", "reduction", "reduction", "reduction", "reduction"]}}
+      ins(%a4, %a4, %q5, %d4, %m4, %ds, %ms, %bs : tensor<{supers}x{per}x2x4x4xf32>, tensor<{supers}x{per}x2x4x4xf32>,
+                                                   tensor<{nb}x{supers}x{per}x4x{t}x4xi8>,
+                                                   tensor<{nb}x{supers}x{per}x{t}xi8>, tensor<{nb}x{supers}x{per}x{t}xi8>,
+                                                   tensor<{nb}x{supers}x{t}xf16>, tensor<{nb}x{supers}x{t}xf16>,
+                                                   tensor<{nb}x{supers}x{t}xf16>)
+      outs(%acc : tensor<{nb}x{t}xf32>) {{
+  ^bb0(%xl: f32, %xh: f32, %w: i8, %dq: i8, %mq: i8, %dh: f16, %mh: f16, %bh: f16, %o: f32):
+    %lo = arith.andi %w, %c15 : i8
+    %hi = arith.shrui %w, %c4 : i8
+    %lof = arith.uitofp %lo : i8 to f32
+    %hif = arith.uitofp %hi : i8 to f32""" + _Q4_NUMBERS + r"""
+    %wl = math.fma %lof, %dv, %mv : f32
+    %wh = math.fma %hif, %dv, %mv : f32
+    %pl = arith.mulf %wl, %xl : f32
+    %ph = math.fma %wh, %xh, %pl : f32
+    %y = arith.addf %ph, %o : f32
     linalg.yield %y : f32
   }} -> tensor<{nb}x{t}xf32>
   %r1 = tensor.collapse_shape %r [[0, 1]] : tensor<{nb}x{t}xf32> into tensor<{n}xf32>
@@ -787,12 +830,12 @@ def _register() -> dict:
     template = Template()
     library = def_library("eddy_quant")
 
-    def select(ksel: KernelSelection, arity: int, tile: int, vector_form: bool = True) -> None:
+    def select(ksel: KernelSelection, arity: int, tile: int) -> None:
         a, *weights = (ksel.arg_tensor(i) for i in range(arity))
         for t in weights:
             t.specialize_all_dims()
-        # One row (decode's call, whose shapes are static) selects the matrix-vector form where there is one.
-        if vector_form and isinstance(a.t.shape[0], int) and a.t.shape[0] == 1:
+        # One row (decode's call, whose shapes are static) selects the matrix-vector form.
+        if isinstance(a.t.shape[0], int) and a.t.shape[0] == 1:
             a.specialize_all_dims()
         else:
             a.specialize_dims(1)
@@ -875,7 +918,7 @@ def _register() -> dict:
         signature = "mmt_q4(Tensor a, Tensor qs, Tensor d, Tensor m, Tensor u) -> (Tensor)"
 
         def select(self, ksel: KernelSelection) -> None:
-            select(ksel, 5, Q4_TILE, vector_form=_q4_vector)  # devices.Device.q4_vector_decode
+            select(ksel, 5, Q4_TILE)
 
         def eager_execute(self, a, qs, d, m, u):
             return a @ dense_q4(qs, d, m, u).T
@@ -897,8 +940,10 @@ def _register() -> dict:
                     call=dot_products.q4_call(exe, nb, k, "%a1", "%qs", Q4_ARG_NAMES, "%r"), **sizes))
             else:
                 name = f"eddy_mv_q4_{tag}{'_cpu' if _cpu_tuned else ''}"
-                attrs = _cpu_lowering(nb, 5, Q4_TILE) if _cpu_tuned else ""
-                emit(kb, name, _MV_Q4.format(name=name, attrs=attrs, **sizes))
+                if _cpu_tuned:
+                    emit(kb, name, _MV_Q4.format(name=name, attrs=_cpu_lowering(nb, 5, Q4_TILE), **sizes))
+                else:
+                    emit(kb, name, _MV_Q4_BYTES.format(name=name, **sizes))
 
     @CustomOp.register(library=library)
     class mmt_i8(CustomOp):
