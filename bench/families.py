@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Every family at the real config of a checkpoint people run (all its layers, random weights), built as a new user
-builds it: one row a model, the way a family is declared supported in the README.
+builds it: one row a model, the way a family is declared supported in docs/MODELS.md.
 
     python bench/families.py [--model gemma-3-270m ...] [--dtype q4] [--llama-cpp Q4_K_M --convert PATH]
                              [--no-reuse] [--runs 3] [--json FILE]
