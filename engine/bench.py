@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import psutil
 
+from .build_flags import build_arguments
 from .config import BuildSettings
 from .loader import open_model
 
@@ -45,8 +46,6 @@ def _decode_rate(engine, logits: np.ndarray, n: int) -> tuple[float, np.ndarray]
 
 def _cold_start(model: str | None, settings: BuildSettings) -> float:
     """Seconds from spawning `eddy chat --prompt` (artefacts warm) to its first token event."""
-    from .cli import build_arguments
-
     cmd = [sys.executable, "-m", "engine.cli", "chat", "--prompt", "Hi", "--json", "--max-new-tokens", "4",
            *build_arguments(settings)]
     if model:

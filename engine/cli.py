@@ -10,8 +10,8 @@ import sys
 import threading
 from typing import TYPE_CHECKING, Sequence
 
-from .devices import GPU_TARGETS
-from .config import DEVICES, DTYPE_CHOICES, KV_CHOICES, PIN_SLOTS, TARGET_CPUS, BuildSettings
+from .build_flags import add_build_options, positive_int, settings_from
+from .config import BuildSettings
 from .errors import EddyError
 from .events import Done, Error, Event, Prefill, PrefillProgress, Reasoning, Token
 
@@ -30,24 +30,6 @@ def _describe(values: dict) -> str:
     return ", ".join(f"{k.replace('_', ' ')} {v:g}" for k, v in values.items() if v)
 
 
-def _model_name(text: str) -> str:
-    # An empty name would silently mean the default model: someone who typed --model "$MODEL" meant another.
-    if not text.strip():
-        raise argparse.ArgumentTypeError("is empty: name a model (smollm2-135m-instruct, tiny-random, a .gguf "
-                                         "file or a Hugging Face folder), or leave --model out for the default")
-    return text
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a whole number (got {text!r})") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be 1 or more (got {value})")
-    return value
-
-
 def _live(stream: "object") -> bool:
     """Whether in-place progress (carriage returns, ANSI erase) belongs on this stream: only on a terminal that
     understands it; a pipe or a log gets plain lines."""
@@ -56,45 +38,6 @@ def _live(stream: "object") -> bool:
         return bool(isatty and isatty()) and os.environ.get("TERM") != "dumb"
     except (OSError, ValueError):
         return False
-
-
-def _build_options(p: argparse.ArgumentParser) -> None:
-    d = BuildSettings()
-    p.add_argument("--model", type=_model_name, default=None, help="smollm2-135m-instruct (default), tiny-random, a .gguf file, a Hugging Face folder, or (eddy chat) "
-                        "an OpenAI-compatible server's http(s)://HOST:PORT/v1")
-    p.add_argument("--sinks", type=int, default=d.sinks, help=f"attention-sink tokens kept forever (default {d.sinks})")
-    p.add_argument("--window", type=int, default=d.window, help=f"recent tokens kept (default {d.window})")
-    p.add_argument("--max-sinks", type=int, default=None,
-                   help=f"sink slots compiled, the most tokens a pinned system prompt may take (default: --sinks; "
-                        f"{PIN_SLOTS} with --pin-system)")
-    p.add_argument("--dtype", choices=DTYPE_CHOICES, default=d.dtype,
-                   help="weight type; q8 = int8 with per-row scales, q4 = 4-bit codes in groups of 32 with a scale and "
-                        "offset; auto (the default) = q4 for a 4-bit GGUF such as the default model, q8 otherwise")
-    p.add_argument("--kv-dtype", choices=KV_CHOICES, default=d.kv_dtype,
-                   help="KV cache type; 16 bits halve what attention reads over a long window; auto (the default) = "
-                        "f32 for f32 weights, bf16 for bf16, f16 otherwise; f32 on a cuda GPU")
-    p.add_argument("--device", choices=DEVICES, default=d.device)
-    p.add_argument("--gpu-target", choices=[t for targets in GPU_TARGETS.values() for t in targets], default=None,
-                   help="cuda or vulkan device: the target to build for (default: this machine's GPU; name one to "
-                        "build for a GPU elsewhere: cuda sm_89 for Ada and Hopper, sm_80 for Ampere; vulkan rdna3, "
-                        "ampere, ada, ..., or vp_android_baseline_2022 for any Vulkan 1.1 device)")
-    p.add_argument("--target-cpu", choices=TARGET_CPUS, default=d.target_cpu,
-                   help="cpu device: the CPU to compile for; host (default) is fastest but runs only on CPUs like "
-                        "this one, x86-64-v3 (AVX2) is the portable choice for packages")
-
-
-def _settings(a: argparse.Namespace) -> BuildSettings:
-    max_sinks = a.max_sinks if a.max_sinks is not None else (PIN_SLOTS if getattr(a, "pin_system", False) else 0)
-    return BuildSettings(sinks=a.sinks, window=a.window, dtype=a.dtype, device=a.device, target_cpu=a.target_cpu,
-                         max_sinks=max_sinks, kv_dtype=a.kv_dtype, gpu_target=a.gpu_target or "")
-
-
-def build_arguments(settings: BuildSettings) -> list[str]:
-    """The command-line flags that give `settings` (the inverse of _settings), for a child `eddy` of the same build."""
-    args = ["--sinks", str(settings.sinks), "--window", str(settings.window), "--dtype", settings.dtype,
-            "--kv-dtype", settings.kv_dtype, "--device", settings.device, "--target-cpu", settings.target_cpu,
-            "--max-sinks", str(settings.max_sinks)]
-    return args + (["--gpu-target", settings.gpu_target] if settings.gpu_target else [])
 
 
 def _progress_printer(quiet: bool) -> "Progress":
@@ -134,7 +77,7 @@ def parser() -> argparse.ArgumentParser:
     chat = sub.add_parser("chat", help="chat in the terminal (each input line is a user turn)",
                           description="Chat in the terminal. Decoding is greedy unless --chat-defaults "
                                       "(repeatable output for scripts and benchmarks).")
-    _build_options(chat)
+    add_build_options(chat)
     chat.add_argument("--prompt", help="answer this one turn and exit")
     chat.add_argument("--api-key", default=None,
                       help="the key of a server given as --model http(s)://HOST:PORT/v1 (default: $EDDY_API_KEY)")
@@ -166,14 +109,14 @@ def parser() -> argparse.ArgumentParser:
                                        "/v1/completions, /v1/models, /health). Conversations slide through the "
                                        "window instead of failing, and a resent conversation prefills only its "
                                        "new tokens.")
-    _build_options(serve)
+    add_build_options(serve)
     serve_options(serve)
 
     comp = sub.add_parser("compile", help="build (or find) the compiled artefacts and print their folder")
-    _build_options(comp)
+    add_build_options(comp)
 
     bench = sub.add_parser("bench", help="measure time to first token, prefill, decode, memory and start-up")
-    _build_options(bench)
+    add_build_options(bench)
     bench.add_argument("--json", dest="json_file", default=None, help="also write the results to this file")
     bench.add_argument("--runs", type=int, default=3, help="repetitions per measurement (medians are reported)")
 
@@ -205,7 +148,7 @@ def parser() -> argparse.ArgumentParser:
     from .ppl import DEFAULT_CHUNK, DEFAULT_STRIDE, MODES
 
     ppl = sub.add_parser("ppl", help="perplexity over a long text file (streaming, window, recompute or dense)")
-    _build_options(ppl)
+    add_build_options(ppl)
     ppl.add_argument("--text", required=True, help="UTF-8 text file to score")
     ppl.add_argument("--mode", choices=MODES, default="streaming",
                      help="streaming: sinks + window; window: no sinks, same capacity; recompute: each scored "
@@ -246,12 +189,12 @@ def _run(args: argparse.Namespace, json_events: bool) -> int:
         if args.command == "serve":
             from .serve.main import serve
 
-            return serve(args, _settings(args), _progress_printer(False))
+            return serve(args, settings_from(args), _progress_printer(False))
         if args.command == "compile":
             from .build.artefacts import ensure_artefacts
             from .build.checkpoint import resolve_model
 
-            print(ensure_artefacts(resolve_model(args.model), _settings(args), _progress_printer(False)))
+            print(ensure_artefacts(resolve_model(args.model), settings_from(args), _progress_printer(False)))
             return 0
         if args.command == "cache":
             return _cache(args)
@@ -260,7 +203,7 @@ def _run(args: argparse.Namespace, json_events: bool) -> int:
         if args.command == "bench":
             from .bench import run_bench
 
-            run_bench(args.model, _settings(args), args.runs, args.json_file)
+            run_bench(args.model, settings_from(args), args.runs, args.json_file)
             return 0
         if args.command == "ppl":
             from .ppl import run_ppl
@@ -389,7 +332,7 @@ def _chat(args: argparse.Namespace) -> int:
         model = open_remote(args.model, args.api_key, args.context)
         where = f"{model.info.model} at {model.source.url}"
     else:
-        model = open_model(args.model, _settings(args), _progress_printer(args.json))
+        model = open_model(args.model, settings_from(args), _progress_printer(args.json))
         where = None
     base = model.chat_defaults if args.chat_defaults else ChatDefaults(greedy)
     sampling = sampling_params(base, given, args.seed)

@@ -155,9 +155,10 @@ def test_the_cuda_module_runs_only_where_there_is_a_gpu(cuda_tiny_folder, tiny):
 
 def test_a_child_eddy_gets_the_same_build_from_its_flags():
     """`eddy bench`'s cold start runs `eddy chat` with the build's own flags (a cuda build's target among them)."""
-    from engine.cli import _settings, build_arguments, parser
+    from engine.build_flags import build_arguments, settings_from
+    from engine.cli import parser
 
     for settings in (BuildSettings(), BuildSettings(sinks=2, window=100, dtype="f16", kv_dtype="f16", device="cuda",
                                                     gpu_target="sm_80", max_sinks=32, max_chunk=512),
                      BuildSettings(target_cpu="x86-64-v3")):
-        assert _settings(parser().parse_args(["chat", *build_arguments(settings)])) == settings
+        assert settings_from(parser().parse_args(["chat", *build_arguments(settings)])) == settings

@@ -6,6 +6,7 @@ import ipaddress
 import sys
 from typing import TYPE_CHECKING
 
+from ..build_flags import positive_int
 from ..config import BuildSettings
 from ..errors import EddyError
 
@@ -23,8 +24,6 @@ def is_loopback(host: str) -> bool:
 
 
 def add_options(serve: argparse.ArgumentParser) -> None:
-    from ..cli import positive_int  # the command line that calls this has it loaded
-
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback only)")
     serve.add_argument("--port", type=int, default=8080)
     serve.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
