@@ -59,17 +59,6 @@ def untile_q8(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(tiles, quads, TILE, 4).transpose(1, 2).reshape(tiles * TILE, quads * 4)
 
 
-def tile_rows(w: torch.Tensor, tile: int) -> torch.Tensor:
-    """[out, in] -> [out/T, in, T]: the rows of each tile interleaved at each input position (q4's scales)."""
-    out, cols = w.shape
-    return w.reshape(out // tile, tile, cols).transpose(1, 2).contiguous()
-
-
-def untile_rows(t: torch.Tensor) -> torch.Tensor:
-    """tile_rows' inverse."""
-    return t.transpose(1, 2).reshape(-1, t.shape[1]).contiguous()
-
-
 def tiled_rows(tiled: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` [n] of a tiled q8 matrix (tile_q8), as [n, in] (a tied embedding's lookup): the tile of each,
     then its row."""

@@ -34,10 +34,20 @@ import torch
 
 from ..config import Q4_GROUP, super_groups
 from ..config import Q4_TILE_ROWS as TILE
-from .kernels import tile_rows, untile_rows
 
 # A tiled matrix's parameters beside its codes ("weight"), in the products' argument order.
 Q4_NUMBERS = ("scale", "offset", "units")
+
+
+def tile_rows(w: torch.Tensor, tile: int) -> torch.Tensor:
+    """[out, in] -> [out/T, in, T]: the rows of each tile interleaved at each input position (q4's scales)."""
+    out, cols = w.shape
+    return w.reshape(out // tile, tile, cols).transpose(1, 2).contiguous()
+
+
+def untile_rows(t: torch.Tensor) -> torch.Tensor:
+    """tile_rows' inverse."""
+    return t.transpose(1, 2).reshape(-1, t.shape[1]).contiguous()
 
 
 def packable(in_features: int, out_features: int | None = None) -> bool:
