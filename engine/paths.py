@@ -14,3 +14,8 @@ def cache_dir() -> Path:
         root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "eddy"
     root.mkdir(parents=True, exist_ok=True)
     return root
+
+
+def artefacts_root() -> Path:
+    """The folder holding one folder per cached build (engine/build/cache.py lists and deletes them)."""
+    return cache_dir() / "artefacts"

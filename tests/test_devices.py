@@ -25,9 +25,9 @@ def test_one_device_table_feeds_config_cli_and_runtime():
 
 
 def test_export_code_hash_covers_model_export_and_compile_flags():
-    from engine.build import artefacts
+    from engine.build import artefacts, export_code
 
-    sources = artefacts.export_sources()
+    sources = export_code.export_sources()
     assert all(p.is_file() for p in sources)
     covered = {p.relative_to(ROOT / "engine").as_posix() for p in sources}
     assert {"build/model.py", "build/export.py", "devices.py"} <= covered

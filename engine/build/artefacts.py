@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Callable
 
 from ..config import AUTO_DTYPE, BuildSettings, ModelConfig, auto_kv_dtype
 from ..errors import ArtefactError, ModelError
-from ..paths import cache_dir
+from ..paths import artefacts_root
+from .export_code import export_code_hash
 
 if TYPE_CHECKING:
     from .checkpoint import ModelSource
@@ -30,12 +31,6 @@ if TYPE_CHECKING:
 
 MANIFEST = "manifest.json"
 BUILT_FILES = ("module.vmfb", "weights.irpa", "tokenizer.json", "chat.json")
-# Source files (under engine/) whose content decides what gets compiled: editing them invalidates every entry.
-# devices.py holds the iree-compile flags, arch.py the families the model is built from, irpa.py and
-# weights_file.py how the weights file is laid out and filled.
-# What an export's result depends on: every source of the build (a kernel generator missing from a hand-kept list
-# once left its changes out of the key), the devices' flags, the families, the constants and the call shapes.
-EXPORT_SOURCES = ("build", "devices.py", "arch.py", "config.py", "shapes.py")
 SAMPLE = 1 << 20  # bytes hashed at each end of a large file: catches truncation and foreign files cheaply
 BUNDLED_ENV = "EDDY_BUNDLED_MODELS"  # os.pathsep-separated folders holding precompiled entries
 # Modules that building an entry needs; a packaged Eddy leaves them out.
@@ -51,22 +46,6 @@ def _version(dist: str) -> str:
         return "none"
 
 
-def export_sources() -> list[Path]:
-    """The files EXPORT_SOURCES names (a folder: its Python files)."""
-    here = Path(__file__).parents[1]
-    return [p for name in EXPORT_SOURCES
-            for p in (sorted((here / name).rglob("*.py")) if (here / name).is_dir() else [here / name])]
-
-
-def export_code_hash() -> str:
-    here = Path(__file__).parents[1]
-    h = hashlib.sha256()
-    for path in export_sources():
-        h.update(str(path.relative_to(here)).encode())
-        h.update(path.read_bytes())
-    return h.hexdigest()[:16]
-
-
 def artefact_key(source: "ModelSource", settings: BuildSettings) -> str:
     parts = {
         "model": source.fingerprint(),
@@ -75,11 +54,6 @@ def artefact_key(source: "ModelSource", settings: BuildSettings) -> str:
         "export": export_code_hash(),
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
-
-
-def artefacts_root() -> Path:
-    """The folder holding one folder per cached build (engine/build/cache.py lists and deletes them)."""
-    return cache_dir() / "artefacts"
 
 
 def artefact_dir(source: "ModelSource", settings: BuildSettings) -> Path:

@@ -22,11 +22,12 @@ from iree.turbine.aot.compiled_module import ExportTargetDef
 from ..config import ATTEND_STEP, QUANTISED, BuildSettings, ModelConfig
 from ..devices import TABLE, compile_flags, dot_form, fixed_shapes
 from ..errors import ArtefactError, BuildCancelled
-from ..paths import cache_dir
+from ..paths import artefacts_root, cache_dir
 from ..shapes import score_name
 from . import kernels, prefill_products
+from .export_code import export_code_hash
 from .model import StreamingLlama
-from .process import tied_to_me
+from .child import tied_to_me
 
 if TYPE_CHECKING:
     from .checkpoint import ModelSource
@@ -190,7 +191,6 @@ def export_key(cfg: ModelConfig, settings: BuildSettings) -> str:
     the instructions the quantised types' hand-written decode products are written with and whether a GPU target
     takes fixed shapes. Builds that differ in just those share one export: the package's two CPU levels, a test
     suite's models of one shape."""
-    from .artefacts import export_code_hash
     from .checkpoint.source import dist_version
 
     parts = {"config": cfg.to_dict(), "settings": replace(settings, target_cpu="host", gpu_target="").to_dict(),
@@ -266,7 +266,6 @@ def compile_mlir(mlir_path: Path, vmfb_path: Path, device: str, progress: Progre
 def expected_times(cfg: ModelConfig, settings: BuildSettings, weights_bytes: int,
                    reused_export: bool) -> dict[str, float]:
     """What each part of this build should take here, from the builds this machine has made."""
-    from .artefacts import artefacts_root
     from .progress import Expected, traced_layers
 
     manifests = []
@@ -293,7 +292,7 @@ class _SideJob:
         self._reader.start()
 
     def _read(self) -> None:
-        from .process import error_from
+        from .child import error_from
         from .progress import finished, weights_detail
 
         assert self._proc.stdout is not None

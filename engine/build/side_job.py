@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from ..config import BuildSettings
-from .process import answer, child_env, tied_to_me
+from .child import answer, child_env, tied_to_me
 
 
 def start(job: dict) -> subprocess.Popen:
