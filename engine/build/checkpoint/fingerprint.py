@@ -21,13 +21,13 @@ FINGERPRINT_VERSION = "eddy-checkpoint-1"
 
 def fingerprint(source: "ModelSource") -> str:
     """sha256 hex identifying the model's content; file hashes are memoised on disk."""
-    from .source import DEFAULT_MODEL, ModelSource, default_gguf_path, dist_version
+    from .bundled import default_gguf_path, dist_version
     from .tiny import TINY_SEED, tiny_spec
 
-    h = hashlib.sha256()
-    h.update(FINGERPRINT_VERSION.encode())
-    h.update(b"\0" + source.kind.encode())
     if source.kind == "tiny-random":
+        h = hashlib.sha256()
+        h.update(FINGERPRINT_VERSION.encode())
+        h.update(b"\0" + source.kind.encode())
         # Random init can change between torch/transformers releases even with the same
         # seed, so the versions are part of what defines these weights.
         spec = {
@@ -37,12 +37,18 @@ def fingerprint(source: "ModelSource") -> str:
             "transformers": dist_version("transformers"),
         }
         h.update(b"\0" + json.dumps(spec, sort_keys=True).encode())
-        tokenizer_source = ModelSource(DEFAULT_MODEL, "gguf", default_gguf_path())
-        h.update(b"\0" + fingerprint(tokenizer_source).encode())
+        h.update(b"\0" + _of_files("gguf", [default_gguf_path()]).encode())  # the default model's tokenizer
         return h.hexdigest()
-    files = source.files()
+    return _of_files(source.kind, source.files())
+
+
+def _of_files(kind: str, files: list[Path]) -> str:
+    """A GGUF's or Hugging Face folder's fingerprint: its files' contents."""
+    h = hashlib.sha256()
+    h.update(FINGERPRINT_VERSION.encode())
+    h.update(b"\0" + kind.encode())
     for path, digest in zip(files, file_hashes(files)):
-        label = path.name if source.kind == "hf" else "model.gguf"
+        label = path.name if kind == "hf" else "model.gguf"
         h.update(b"\0" + label.encode() + b"\0" + digest.encode())
     return h.hexdigest()
 

