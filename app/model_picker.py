@@ -65,7 +65,7 @@ def choices(recent: list[str], entries: list[Any], found: list[Any], current: st
             built: set[str] | frozenset[str] = frozenset(), times: BuildTimes = BuildTimes()) -> list[ModelChoice]:
     """Every model to offer, recent first, each once (by its spec). `built`: the specs whose build for the
     current settings is in the cache (ModelCatalog works them out)."""
-    from engine.build.checkpoint import DEFAULT_MODEL
+    from engine.checkpoint import DEFAULT_MODEL
 
     out: dict[str, ModelChoice] = {}
 
@@ -95,7 +95,7 @@ def built_specs(specs: list[str], settings: Any) -> set[str]:
     """Which of `specs` have their build for `settings` in the artefact cache (the key hashes a file's first
     and last MiB: cheap even for a large GGUF)."""
     from engine.build.artefacts import artefact_dir
-    from engine.build.checkpoint import resolve_model
+    from engine.checkpoint import resolve_model
 
     out = set()
     for spec in specs:

@@ -522,7 +522,7 @@ def models(out: Path, model: str | None) -> int:
     import json
     import os
 
-    from engine.build.checkpoint.source import default_gguf_path
+    from engine.checkpoint.source import default_gguf_path
 
     real = default_gguf_path()
     shop = Path(tempfile.mkdtemp(prefix="eddy-shot-stores-"))

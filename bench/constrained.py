@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 from machine import cpu_info  # noqa: E402  (bench/machine.py, beside this script)
 
-from engine.build.checkpoint import resolve_model, save_tokenizer  # noqa: E402
+from engine.checkpoint import resolve_model, save_tokenizer  # noqa: E402
 from engine.run.constraint import Grammar  # noqa: E402
 from engine.run.tokenizer import Tokenizer  # noqa: E402
 

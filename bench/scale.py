@@ -54,15 +54,15 @@ from machine import cpu_info  # noqa: E402  (bench/machine.py, beside this scrip
 
 from engine import arch  # noqa: E402
 from engine.build.artefacts import MANIFEST  # noqa: E402
-from engine.build.checkpoint.shapes import config  # noqa: E402
+from engine.checkpoint.shapes import config  # noqa: E402
 
-# config.json of each size (engine/build/checkpoint/shapes.py, from the models' cards).
+# config.json of each size (engine/checkpoint/shapes.py, from the models' cards).
 SIZES = {name: config(name) for name in ("llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b")}
 STAGE = re.compile(r"building: (.+?) +\d+%")
 
 
 def checkpoint_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
-    from engine.build.checkpoint.weights import expected_shapes
+    from engine.checkpoint.weights import expected_shapes
 
     # expected_shapes takes Eddy's family name ("gemma3"), a config.json its model_type ("gemma3_text").
     return expected_shapes({**cfg, "model_type": arch.for_hf("random", cfg.get("model_type"), []).name})
@@ -73,7 +73,7 @@ def write_checkpoint(folder: Path, cfg: dict, seed: int = 0) -> int:
     whole) and the default model's tokenizer files. Returns the weights' size in bytes."""
     import torch
 
-    from engine.build.checkpoint import resolve_model, save_tokenizer
+    from engine.checkpoint import resolve_model, save_tokenizer
 
     folder.mkdir(parents=True)
     (folder / "config.json").write_text(json.dumps(cfg, indent=1))

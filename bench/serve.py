@@ -183,7 +183,7 @@ def main() -> int:
                    help="run only llama.cpp's server, keeping the Eddy rows of the --json file")
     args = p.parse_args()
 
-    from engine.build.checkpoint import resolve_model
+    from engine.checkpoint import resolve_model
     from engine.config import BuildSettings
 
     results = {"machine": cpu_info(), "turns": args.turns, "max_tokens": args.max_tokens, "model": args.model,

@@ -192,7 +192,7 @@ def _run(args: argparse.Namespace, json_events: bool) -> int:
             return serve(args, settings_from(args), _progress_printer(False))
         if args.command == "compile":
             from .build.artefacts import ensure_artefacts
-            from .build.checkpoint import resolve_model
+            from .checkpoint import resolve_model
 
             print(ensure_artefacts(resolve_model(args.model), settings_from(args), _progress_printer(False)))
             return 0

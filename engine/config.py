@@ -81,7 +81,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> "ModelConfig":
-        """From a Hugging Face config-style dict (as engine.build.checkpoint.read_config returns)."""
+        """From a Hugging Face config-style dict (as engine.checkpoint.read_config returns)."""
         heads = int(d["num_attention_heads"])
         fam = family(d.get("model_type") or "llama")
         cfg = cls(

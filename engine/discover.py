@@ -307,7 +307,7 @@ def _ollama_model_digest(manifest: Path) -> str | None:
 
 
 def _gguf_model(path: Path, source: str, name: str) -> FoundModel:
-    from engine.build.checkpoint.gguf import read_gguf
+    from engine.checkpoint.gguf import read_gguf
 
     real = Path(os.path.realpath(path))
     try:
@@ -336,7 +336,7 @@ def _gguf_model(path: Path, source: str, name: str) -> FoundModel:
 
 
 def _hf_model(path: Path, source: str, name: str) -> FoundModel:
-    from engine.build.checkpoint.hf import hf_weight_files, safetensors_header
+    from engine.checkpoint.hf import hf_weight_files, safetensors_header
 
     reason = _refusal(path, Path(os.path.realpath(path)))
     family, weights = "", "safetensors"
@@ -371,7 +371,7 @@ def _hf_model(path: Path, source: str, name: str) -> FoundModel:
 def _refusal(path: Path, real: Path) -> str:
     """Why resolve_model refuses the model, without the file name it starts with (the list shows that); "" if
     it runs."""
-    from engine.build.checkpoint.source import resolve_model
+    from engine.checkpoint.source import resolve_model
 
     try:
         resolve_model(str(path))

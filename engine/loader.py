@@ -9,7 +9,7 @@ from typing import IO, Callable
 from .build.artefacts import (bundled_entries, check_cpu, compiler_available, ensure_artefacts, find_bundled,
                               no_compiler_error, read_manifest)
 from .build.cache import hold
-from .build.checkpoint import DEFAULT_MODEL, TINY_RANDOM, ModelSource, resolve_model
+from .checkpoint import DEFAULT_MODEL, TINY_RANDOM, ModelSource, resolve_model
 from .build.progress import Progress
 from .config import BuildSettings, ModelConfig
 from .errors import ArtefactError, ModelError

@@ -156,7 +156,7 @@ def tokenizer_for(source):
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in source.name)[-40:]
     folder = cache_dir() / "tokenizers" / f"{safe}-{source.fingerprint()[:20]}"
     if not ((folder / "tokenizer.json").is_file() and (folder / "chat.json").is_file()):
-        from .build.checkpoint import save_tokenizer
+        from .checkpoint import save_tokenizer
 
         staging = folder.with_name(f"{folder.name}.building-{os.getpid()}")
         shutil.rmtree(staging, ignore_errors=True)
@@ -181,7 +181,7 @@ def run_ppl(model: str | None, text_file: str | os.PathLike, mode: str, sinks: i
             kv_dtype: str = BuildSettings.kv_dtype) -> dict:
     """Scores the text in one mode; returns the summary (and writes it with per-position losses to json_file)."""
     from .build.artefacts import ensure_artefacts
-    from .build.checkpoint import read_config, resolve_model
+    from .checkpoint import read_config, resolve_model
     from .loader import open_folder
 
     if mode not in MODES:

@@ -66,7 +66,7 @@ def du(path: Path) -> int:
 def build_model(target_cpu: str) -> Path:
     """The default model's artefacts for a portable CPU target (found in the cache, or built: ~2-4 min)."""
     from engine.build.artefacts import ensure_artefacts
-    from engine.build.checkpoint import resolve_model
+    from engine.checkpoint import resolve_model
     from engine.config import BuildSettings
 
     settings = BuildSettings(target_cpu=target_cpu)

@@ -51,7 +51,7 @@ def tiny():
 @pytest.fixture(scope="session")
 def tiny_reference():
     """(HF config dict, float32 state dict) of tiny-random, for torch references."""
-    from engine.build.checkpoint import load_state_dict, read_config, resolve_model
+    from engine.checkpoint import load_state_dict, read_config, resolve_model
 
     source = resolve_model("tiny-random")
     return read_config(source), load_state_dict(source)
@@ -86,7 +86,7 @@ def family_reference(family, request):
     """(read_config dict, float32 HF state dict) of the family's tiny random model."""
     if family == "llama":
         return request.getfixturevalue("tiny_reference")
-    from engine.build.checkpoint import load_state_dict, read_config, resolve_model
+    from engine.checkpoint import load_state_dict, read_config, resolve_model
 
     source = resolve_model(tiny_name(family))
     return read_config(source), load_state_dict(source)
@@ -102,7 +102,7 @@ def transformers_model(cfg: dict, state: dict):
     import transformers
 
     from engine.arch import family as family_of
-    from engine.build.checkpoint.tiny import transformers_config
+    from engine.checkpoint.tiny import transformers_config
 
     model = getattr(transformers, family_of(cfg["model_type"]).hf_class)(transformers_config(cfg)).eval()
     missing, unexpected = model.load_state_dict(state, strict=False)

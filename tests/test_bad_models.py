@@ -23,7 +23,7 @@ from conftest import ROOT, TINY_SETTINGS
 import engine.build.artefacts as artefacts
 from engine.build.artefacts import MANIFEST, artefact_dir, ensure_artefacts, file_digest, read_manifest
 from engine.config import BuildSettings
-from engine.build.checkpoint import load_state_dict, read_config, resolve_model, save_tokenizer
+from engine.checkpoint import load_state_dict, read_config, resolve_model, save_tokenizer
 from engine.errors import ArtefactError, BuildCancelled, EddyError, ModelError
 from engine.loader import open_folder, open_model
 from engine.run.session import ChatSettings
@@ -125,7 +125,7 @@ def test_bad_models_through_the_cli_exit_non_zero_with_one_line(bad_models):
 
 
 def test_pickles_are_never_unpickled_even_when_asked_for_weights(bad_models, monkeypatch):
-    from engine.build.checkpoint import ModelSource
+    from engine.checkpoint import ModelSource
 
     def forbidden(*a, **k):
         raise AssertionError("pickle loading must never be called")

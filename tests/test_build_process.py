@@ -33,7 +33,7 @@ CANCEL_AT = {"exporting": r"", "saving weights": r"tensor [1-9]", "compiling": r
 @pytest.mark.parametrize("stage", list(CANCEL_AT))
 def test_cancel_stops_the_build_at_once_in_any_stage(tmp_path: Path, monkeypatch, stage: str) -> None:
     from engine.build.artefacts import artefact_dir, ensure_artefacts
-    from engine.build.checkpoint import resolve_model
+    from engine.checkpoint import resolve_model
 
     monkeypatch.setenv("EDDY_CACHE_DIR", str(tmp_path))
     source = resolve_model("tiny-random")
@@ -59,7 +59,7 @@ def test_builds_that_differ_only_in_the_cpu_share_one_export(tmp_path: Path, mon
     """The package builds the default model for two CPU levels, and the suite builds it for this one: one export
     (minutes for a real model) serves them all, and each build still compiles for its own CPU."""
     from engine.build.artefacts import ensure_artefacts, read_manifest
-    from engine.build.checkpoint import resolve_model
+    from engine.checkpoint import resolve_model
     from engine.build.progress import REUSED_EXPORT
 
     monkeypatch.setenv("EDDY_CACHE_DIR", str(tmp_path))
@@ -87,7 +87,7 @@ def test_builds_that_differ_only_in_the_cpu_share_one_export(tmp_path: Path, mon
 
 def test_an_engine_error_in_the_child_arrives_as_the_same_class(tmp_path: Path) -> None:
     from engine.build.process import build_in_child
-    from engine.build.checkpoint import ModelSource
+    from engine.checkpoint import ModelSource
 
     with pytest.raises(ModelError, match="unknown checkpoint kind"):
         build_in_child(ModelSource("nonsense", "no-such-kind", None), SETTINGS, tmp_path)
@@ -99,7 +99,7 @@ def test_the_process_that_asks_for_a_build_never_imports_torch(tmp_path: Path) -
     code = (
         "import json, sys\n"
         "from engine.build.artefacts import ensure_artefacts\n"
-        "from engine.build.checkpoint import resolve_model\n"
+        "from engine.checkpoint import resolve_model\n"
         "from engine.config import BuildSettings\n"
         "reports = []\n"
         "ensure_artefacts(resolve_model('tiny-random'), BuildSettings(sinks=2, window=22, dtype='f32', max_chunk=8),\n"

@@ -23,13 +23,13 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # plain `pytest` only puts tests/ on sys.path
     sys.path.insert(0, str(REPO))
 
-import engine.build.checkpoint.chat as ck_chat  # noqa: E402
-import engine.build.checkpoint.fingerprint as ck_fingerprint  # noqa: E402
-import engine.build.checkpoint.gguf as ck_gguf  # noqa: E402
-import engine.build.checkpoint.bundled as ck_bundled  # noqa: E402
+import engine.checkpoint.chat as ck_chat  # noqa: E402
+import engine.checkpoint.fingerprint as ck_fingerprint  # noqa: E402
+import engine.checkpoint.gguf as ck_gguf  # noqa: E402
+import engine.checkpoint.bundled as ck_bundled  # noqa: E402
 import engine.arch as families  # noqa: E402
-from engine.build.checkpoint.tiny import transformers_config  # noqa: E402
-from engine.build.checkpoint import (  # noqa: E402
+from engine.checkpoint.tiny import transformers_config  # noqa: E402
+from engine.checkpoint import (  # noqa: E402
     ModelSource,
     load_state_dict,
     read_config,
@@ -197,7 +197,7 @@ def test_import_and_warm_start_do_not_load_torch(tmp_path):
         """
         import sys, time
         t0 = time.perf_counter()
-        import engine.build.checkpoint as c
+        import engine.checkpoint as c
         assert "torch" not in sys.modules and "transformers" not in sys.modules
         src = c.resolve_model(None)
         c.read_config(src)
@@ -660,7 +660,7 @@ def test_gguf_of_every_common_weight_type_loads(tmp_path):
     import gguf
     import torch
 
-    from engine.build.checkpoint.tiny import tiny_state_dict
+    from engine.checkpoint.tiny import tiny_state_dict
 
     base = read_config(resolve_model("tiny-random"))
     # Rows of 256: the K-quants' super-block.

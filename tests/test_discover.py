@@ -228,7 +228,7 @@ def test_eddy_models_json_lists_them_without_torch(env, home):
 RUNNABLE_PROBE = """
 import contextlib, io, json, sys
 from engine import cli
-from engine.build.checkpoint import resolve_model
+from engine.checkpoint import resolve_model
 out = io.StringIO()
 with contextlib.redirect_stdout(out):
     assert cli.main(["models", "--json"]) == 0

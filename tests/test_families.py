@@ -31,8 +31,8 @@ def _hf_folder(folder, family_model, cfg, state):
 def test_gguf_and_safetensors_folder_give_the_same_logits(family, family_model, family_reference, tmp_path):
     import transformers
 
-    from engine.build.checkpoint import load_state_dict, read_config, resolve_model
-    from engine.build.checkpoint.tiny import transformers_config
+    from engine.checkpoint import load_state_dict, read_config, resolve_model
+    from engine.checkpoint.tiny import transformers_config
 
     cfg, state = family_reference
     folder = _hf_folder(tmp_path / f"{family}-hf", family_model, cfg, state)
@@ -81,7 +81,7 @@ def test_each_family_builds_its_own_features(family, family_model):
 
 
 def test_a_window_wider_than_the_models_sliding_window_is_refused(tmp_path, tiny):
-    from engine.build.checkpoint import load_state_dict, read_config, resolve_model
+    from engine.checkpoint import load_state_dict, read_config, resolve_model
     from engine.errors import ModelError
     from engine.loader import open_model
 
@@ -107,7 +107,7 @@ def test_unsupported_rope_variant_is_refused_before_a_build():
 def test_local_layers_keep_their_own_ring_and_leave_the_cache_to_the_global_ones():
     """Gemma 3's five local layers in six keep a ring of their window (8 slots here); the StreamingLLM cache holds
     the global layer alone. A window narrower than the local one shares the cache again (see the next test)."""
-    from engine.build.checkpoint import read_config, resolve_model
+    from engine.checkpoint import read_config, resolve_model
     from engine.build.model import StreamingLlama
     from engine.config import BuildSettings, ModelConfig
 
@@ -127,7 +127,7 @@ def test_local_layers_keep_their_own_ring_and_leave_the_cache_to_the_global_ones
 def test_local_layers_in_a_narrow_window_read_the_shared_cache_with_their_own_rope():
     """A window narrower than Gemma 3's local one: local layers read the StreamingLLM cache masked to their window,
     their sinks re-rotated with the local RoPE table; the torch reference agrees through eviction."""
-    from engine.build.checkpoint import load_state_dict, read_config, resolve_model
+    from engine.checkpoint import load_state_dict, read_config, resolve_model
     from engine.config import BuildSettings
     from engine.loader import open_model
     from streaming_reference import StreamingReference
@@ -154,7 +154,7 @@ def test_a_gemma3_whose_layers_are_all_local_or_all_global_builds_and_matches_tr
     import torch
 
     from conftest import transformers_model
-    from engine.build.checkpoint import load_state_dict, read_config, resolve_model
+    from engine.checkpoint import load_state_dict, read_config, resolve_model
     from engine.loader import open_model
 
     source = resolve_model("tiny-random-gemma3")

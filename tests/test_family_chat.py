@@ -78,7 +78,7 @@ def family_folder(name: str, tiny, tmp_path):
     from tokenizers import AddedToken
     from tokenizers import Tokenizer as RustTokenizer
 
-    from engine.build.checkpoint import ModelSource, save_tokenizer
+    from engine.checkpoint import ModelSource, save_tokenizer
 
     template, bos, eos, added, _, gen_stop, _, _ = CASES[name]
     folder = tmp_path / name
@@ -169,7 +169,7 @@ def play(fast, full, opening: list[dict], turns: int = 30) -> list[dict]:
 
 @pytest.mark.parametrize("name", [*CASES, "smollm2", "chatml"])
 def test_tail_render_gives_the_full_renders_tokens_over_a_long_chat(name, tiny, tmp_path):
-    from engine.build.checkpoint.chat import _CHATML_TEMPLATE
+    from engine.checkpoint.chat import _CHATML_TEMPLATE
 
     if name in CASES:
         out, system_ok = family_folder(name, tiny, tmp_path)[1], CASES[name][-1]

@@ -16,7 +16,7 @@ def hf_folder_with_generation_config(tmp_path_factory, tiny_reference):
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-    from engine.build.checkpoint import resolve_model, save_tokenizer
+    from engine.checkpoint import resolve_model, save_tokenizer
 
     cfg, sd = tiny_reference
     folder = tmp_path_factory.mktemp("tiny-hf")
@@ -37,7 +37,7 @@ def hf_folder_with_generation_config(tmp_path_factory, tiny_reference):
 
 
 def test_defaults_come_from_the_checkpoints_generation_config(tiny, hf_folder_with_generation_config):
-    from engine.build.checkpoint import resolve_model
+    from engine.checkpoint import resolve_model
     from engine.loader import open_folder
 
     source = resolve_model(str(hf_folder_with_generation_config))
@@ -84,7 +84,7 @@ def test_defaults_come_from_gguf_sampling_metadata(tmp_path):
     assert origin == "GGUF metadata"
     assert recommended == {"temperature": 0.8, "top_k": 30, "min_p": 0.1, "repeat_penalty": 1.15}
     # The shipped default model recommends nothing: Eddy's defaults apply.
-    from engine.build.checkpoint import resolve_model
+    from engine.checkpoint import resolve_model
 
     default = resolve_model(None)
     assert read_recommended(default.kind, default.path)[0] == {}

@@ -1,4 +1,4 @@
-"""A GGUF's 4-bit blocks taken as q4 rows with their codes kept (engine/build/checkpoint/gguf_q4.py), held to the
+"""A GGUF's 4-bit blocks taken as q4 rows with their codes kept (engine/checkpoint/gguf_q4.py), held to the
 gguf package's own dequantisation of the same bytes: Q4_0 and Q4_1 exactly, Q4_K within float16's rounding of
 its scales. A whole build through them, q/k rows permuted back included, is tests/test_real_shapes.py's q4 case
 (a Q4_1 file at each family's real shape)."""
@@ -10,7 +10,7 @@ import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
-from engine.build.checkpoint.gguf_q4 import q4_rows
+from engine.checkpoint.gguf_q4 import q4_rows
 from engine.build.q4 import dequantise_q4, pack_q4, pair_q4, quantise_q4, tile_paired, tile_q4, unpack_q4, unpair_q4
 
 

@@ -178,7 +178,7 @@ def test_targets_and_table():
 def test_a_shaped_source_is_the_checkpoints_config_with_the_default_tokenizer(tmp_path):
     """The 1B and 8B variants build from a config and a tokenizer only (their weights come from the plan)."""
     from bench.gpu_check import LLAMA_8B, shaped_source
-    from engine.build.checkpoint import read_config
+    from engine.checkpoint import read_config
     from engine.config import ModelConfig
 
     source = shaped_source(LLAMA_8B, tmp_path)

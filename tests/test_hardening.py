@@ -23,7 +23,7 @@ KILL_SETTINGS = "BuildSettings(sinks=2, window=26, dtype='f32', max_chunk=8)"
 PARENT = (
     "import sys\n"
     "from engine.build.artefacts import ensure_artefacts\n"
-    "from engine.build.checkpoint import resolve_model\n"
+    "from engine.checkpoint import resolve_model\n"
     "from engine.config import BuildSettings\n"
     "def report(stage, fraction, detail=''):\n"
     "    print(stage, flush=True)\n"
@@ -222,7 +222,7 @@ def test_an_impossible_window_is_refused_before_anything_is_built(tmp_path: Path
     from engine.config import BuildSettings, ModelConfig
 
     # The defaults and what a pinning build takes stay within the default model's positions.
-    from engine.build.checkpoint import read_config, resolve_model
+    from engine.checkpoint import read_config, resolve_model
 
     cfg = ModelConfig.from_hf(read_config(resolve_model("smollm2-135m-instruct")))
     cfg.check_build(BuildSettings())

@@ -310,7 +310,7 @@ def test_each_product_form_is_the_codes_times_x_quantised_per_group(dtype, form,
 def test_prefill_rounds_x_once_from_1b_widths_and_twice_below():
     """The default model (576 wide) keeps x's rounding error as a second step; Llama 3.2 1B's width (2048) and
     wider round x once, as decode and llama.cpp do (engine/build/prefill_products.py: x_steps)."""
-    from engine.build.checkpoint.shapes import config
+    from engine.checkpoint.shapes import config
     from engine.build.prefill_products import x_steps
 
     assert x_steps(576) == STEPS == 2

@@ -1,5 +1,5 @@
 """Every family at the shapes people download: its smallest popular checkpoint's widths, heads, KV heads, head_dim,
-intermediate size, vocabulary, sliding window and RoPE settings (engine/build/checkpoint/shapes.py), cut to two
+intermediate size, vocabulary, sliding window and RoPE settings (engine/checkpoint/shapes.py), cut to two
 layers (a local and a global one where the family has both), random weights from transformers' own classes.
 
 Per family: the f32 build's logits of a prefill, decode steps and a second turn within 1e-4 of transformers' own
@@ -56,8 +56,8 @@ def real(request, tmp_path_factory, tiny) -> RealCase:
 
     from conftest import transformers_model
     from engine import arch
-    from engine.build.checkpoint import load_state_dict, read_config, resolve_model
-    from engine.build.checkpoint.shapes import SMALLEST, random_folder
+    from engine.checkpoint import load_state_dict, read_config, resolve_model
+    from engine.checkpoint.shapes import SMALLEST, random_folder
 
     family = request.param
     work = tmp_path_factory.mktemp(f"real-{family}")
@@ -105,7 +105,7 @@ def real(request, tmp_path_factory, tiny) -> RealCase:
 
 def _build(model: Path, dtype: str) -> Path:
     from engine.build.artefacts import ensure_artefacts
-    from engine.build.checkpoint import resolve_model
+    from engine.checkpoint import resolve_model
     from engine.config import BuildSettings
 
     return ensure_artefacts(resolve_model(str(model)), BuildSettings(dtype=dtype))
@@ -146,7 +146,7 @@ def test_f32_logits_match_transformers(real: RealCase) -> None:
 @pytest.mark.parametrize("dtype", ["q8", "q4"])
 def test_the_default_quantised_build_runs_a_turn(real: RealCase, dtype: str) -> None:
     """q8 is what a folder builds at by default, q4 what a 4-bit GGUF does."""
-    from engine.build.checkpoint import resolve_model
+    from engine.checkpoint import resolve_model
 
     model = real.folder if dtype == "q8" else real.gguf
     assert resolve_model(str(model)).auto_dtype() == dtype

@@ -15,7 +15,7 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 
 from conftest import ROOT
-from engine.build.checkpoint import resolve_model, save_tokenizer
+from engine.checkpoint import resolve_model, save_tokenizer
 from engine.errors import ModelError
 from engine.run.session import ChatSession, ChatSettings
 from engine.run.tokenizer import Tokenizer

@@ -31,7 +31,7 @@ def in_memory_archive(source, settings, path) -> None:
     """What the build wrote before it streamed: the model loaded whole, saved by turbine."""
     import iree.turbine.aot as aot
 
-    from engine.build.checkpoint import load_state_dict, read_config
+    from engine.checkpoint import load_state_dict, read_config
     from engine.build.export import build_model
     from engine.config import ModelConfig
 
@@ -40,7 +40,7 @@ def in_memory_archive(source, settings, path) -> None:
 
 
 def streamed_archive(source, settings, path) -> None:
-    from engine.build.checkpoint import open_tensors, read_config
+    from engine.checkpoint import open_tensors, read_config
     from engine.build.model import StreamingLlama
     from engine.build.weights_file import write_weights
     from engine.config import ModelConfig
@@ -67,7 +67,7 @@ def assert_same_archives(got, want) -> None:
     ("tiny-random-qwen2", ("q8", "q4")), ("tiny-random-gemma3", ("bf16", "q8")), ("tiny-random-phi3", ("f16",)),
 ])
 def test_streamed_weights_equal_the_in_memory_build(tmp_path, name, dtypes):
-    from engine.build.checkpoint import resolve_model
+    from engine.checkpoint import resolve_model
 
     source = resolve_model(name)
     for dtype in dtypes:
@@ -107,7 +107,7 @@ def test_a_bf16_folder_streams_what_its_float32_widening_builds(tmp_path):
 
     from safetensors.torch import save_file
 
-    from engine.build.checkpoint import load_state_dict, read_config, resolve_model, save_tokenizer
+    from engine.checkpoint import load_state_dict, read_config, resolve_model, save_tokenizer
 
     tiny, folder = resolve_model("tiny-random"), tmp_path / "bf16"
     save_tokenizer(resolve_model(None), folder)

@@ -26,7 +26,7 @@ from ..paths import artefacts_root
 from .export_code import export_code_hash
 
 if TYPE_CHECKING:
-    from .checkpoint import ModelSource
+    from ..checkpoint import ModelSource
     from .progress import Progress
 
 MANIFEST = "manifest.json"
@@ -322,7 +322,7 @@ def ensure_artefacts(source: "ModelSource", settings: BuildSettings,
         raise no_compiler_error(f'The model "{source.name}" with these settings (sinks {settings.sinks}, window '
                                 f"{settings.window}, {settings.dtype}, {settings.device})")
     from .process import build_in_child
-    from .checkpoint import read_config
+    from ..checkpoint import read_config
 
     from .room import check_room
 

@@ -30,7 +30,7 @@ from .model import StreamingLlama
 from .child import tied_to_me
 
 if TYPE_CHECKING:
-    from .checkpoint import ModelSource
+    from ..checkpoint import ModelSource
     from .progress import BuildClock
 
 Progress = Callable[[str, float], None]
@@ -191,7 +191,7 @@ def export_key(cfg: ModelConfig, settings: BuildSettings) -> str:
     the instructions the quantised types' hand-written decode products are written with and whether a GPU target
     takes fixed shapes. Builds that differ in just those share one export: the package's two CPU levels, a test
     suite's models of one shape."""
-    from .checkpoint.source import dist_version
+    from ..checkpoint.source import dist_version
 
     parts = {"config": cfg.to_dict(), "settings": replace(settings, target_cpu="host", gpu_target="").to_dict(),
              # q4's and q8's decode products are written for the target's instructions: CPUs that differ in them
@@ -351,7 +351,7 @@ def build(source: "ModelSource", cfg: ModelConfig, settings: BuildSettings, out_
     tensor at a time (engine/build/weights_file.py). progress is an engine.build.progress.Progress; `side`, the
     side job already started for this build (engine/build/process.py starts it before importing torch)."""
     from . import side_job
-    from .checkpoint import open_tensors
+    from ..checkpoint import open_tensors
     from .progress import REUSED_EXPORT, BuildClock, compile_detail, finished, ignore
 
     report = progress or ignore

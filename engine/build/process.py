@@ -35,7 +35,7 @@ from .child import answer, child_env, die_with_parent, error_from
 from .progress import Progress, ignore
 
 if TYPE_CHECKING:
-    from .checkpoint import ModelSource
+    from ..checkpoint import ModelSource
 
 POLL_S = 0.1
 
@@ -151,7 +151,7 @@ def _child(job: dict) -> None:
     # The other half of the build starts before this one imports torch: a second or two sooner.
     side = side_job.start(job)
     from . import export
-    from .checkpoint import ModelSource, read_config
+    from ..checkpoint import ModelSource, read_config
     from ..config import ModelConfig
 
     def work(say: Callable[[dict], None]) -> None:

@@ -47,7 +47,7 @@ def _run(job: dict, say) -> None:
     # One thread: the export holds the other core, and iree-compile wants both after it.
     torch.set_num_threads(1)
     from ..config import ModelConfig
-    from .checkpoint import ModelSource, open_tensors, read_config, save_tokenizer
+    from ..checkpoint import ModelSource, open_tensors, read_config, save_tokenizer
     from .model import StreamingLlama
     from .weights_file import write_weights
 

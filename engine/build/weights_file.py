@@ -20,7 +20,7 @@ from .irpa import ArchiveWriter, Entry
 from .model import StreamingLlama
 
 if TYPE_CHECKING:
-    from .checkpoint import CheckpointTensors
+    from ..checkpoint import CheckpointTensors
 
 
 def archive_entries(model: StreamingLlama) -> list[Entry]:

@@ -127,7 +127,7 @@ def _from_generation_config(path: Path) -> dict[str, Any]:
 def _from_gguf(path: Path) -> dict[str, Any]:
     # The checkpoint's own header walk (memoised, and already done by resolve): gguf.GGUFReader took 6.7 s of
     # a 7.4 s start here, building numpy views of every tokenizer string.
-    from ..build.checkpoint.gguf import read_gguf
+    from ..checkpoint.gguf import read_gguf
 
     try:
         fields = read_gguf(path).fields

@@ -447,7 +447,7 @@ def gguf_tensors(source: "ModelSource", cfg: dict[str, Any]
                             Callable[[str], "dict[str, torch.Tensor] | None"]]:
     """The weights' HF names and shapes from the header, a reader of one tensor by HF name (float32, with what
     llama.cpp's converter did to each family's tensors undone), and a reader of a matrix's 4-bit codes as q4
-    rows where its type keeps them (engine/build/checkpoint/gguf_q4.py; None otherwise). Each read opens the file
+    rows where its type keeps them (engine/checkpoint/gguf_q4.py; None otherwise). Each read opens the file
     and reads just that tensor's bytes (no mapping of the whole file that would stay resident)."""
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
