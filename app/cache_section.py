@@ -2,7 +2,7 @@
 
 Listing reads a few small files per entry, so it runs on the GUI thread; deleting a build of gigabytes can take
 a while, so it runs on a thread of its own and the list refreshes when it ends. The entry a running Eddy has
-loaded (this app's current model included) cannot be deleted: engine/build/cache.py tells by its lock.
+loaded (this app's current model included) cannot be deleted: engine/artefacts/cache.py tells by its lock.
 """
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (QAbstractItemView, QGroupBox, QHBoxLayout, QHeaderView, QLabel, QMessageBox,
                                QPushButton, QTreeWidget, QTreeWidgetItem, QVBoxLayout, QWidget)
 
-from engine.build.artefacts import artefacts_root
-from engine.build.cache import CacheEntry, CacheError, describe_total, list_entries, remove
-from engine.build.progress import megabytes
+from engine.artefacts.store import artefacts_root
+from engine.artefacts.cache import CacheEntry, CacheError, describe_total, list_entries, remove
+from engine.artefacts.progress import megabytes
 
 # Two lines a row (model over its settings, date over time): the section shares the dialog's width with the
 # generation column, too narrow for a column each.

@@ -94,7 +94,7 @@ def choices(recent: list[str], entries: list[Any], found: list[Any], current: st
 def built_specs(specs: list[str], settings: Any) -> set[str]:
     """Which of `specs` have their build for `settings` in the artefact cache (the key hashes a file's first
     and last MiB: cheap even for a large GGUF)."""
-    from engine.build.artefacts import artefact_dir
+    from engine.artefacts.store import artefact_dir
     from engine.checkpoint import resolve_model
 
     out = set()
@@ -146,7 +146,7 @@ class ModelCatalog(QObject):
         entries: list = []
         found: list = []
         try:
-            from engine.build.cache import list_entries
+            from engine.artefacts.cache import list_entries
 
             entries = list_entries()
         except Exception:  # an unreadable cache offers fewer models; the picker still works

@@ -12,7 +12,7 @@ import time
 from PySide6.QtCore import QTimer, Signal
 from PySide6.QtWidgets import QDialog, QDialogButtonBox, QLabel, QProgressBar, QVBoxLayout, QWidget
 
-from engine.build.progress import FINISHED, STAGES, time_left
+from engine.artefacts.progress import FINISHED, STAGES, time_left
 
 STAGE_TEXT = {
     "loading weights": "Checking the model's weights",

@@ -34,7 +34,7 @@ CONTEXT = 1000
 
 
 def main() -> int:
-    from engine.build.artefacts import ensure_artefacts
+    from engine.artefacts.store import ensure_artefacts
     from engine.checkpoint import resolve_model
     from engine.config import BuildSettings
     from engine.loader import open_folder

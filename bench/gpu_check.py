@@ -339,8 +339,8 @@ def _log(msg: str) -> None:
 
 
 def _write_manifest(folder: Path, model: str, cfg: dict, settings: Any, seconds: dict) -> None:
-    """The manifest ensure_artefacts writes (engine/build/artefacts.py), then sealed as a package's entries are."""
-    from engine.build.artefacts import BUILT_FILES, MANIFEST, file_digest, seal
+    """The manifest ensure_artefacts writes (engine/artefacts/store.py), then sealed as a package's entries are."""
+    from engine.artefacts.store import BUILT_FILES, MANIFEST, file_digest, seal
 
     manifest = {"model": model, "config": cfg, "settings": settings.to_dict(), "build_seconds": seconds,
                 "files": {n: {"size": (folder / n).stat().st_size, "digest": file_digest(folder / n)}
@@ -350,7 +350,7 @@ def _write_manifest(folder: Path, model: str, cfg: dict, settings: Any, seconds:
 
 
 def _valid(folder: Path) -> bool:
-    from engine.build.artefacts import read_manifest
+    from engine.artefacts.store import read_manifest
     from engine.errors import ArtefactError
 
     try:
@@ -540,12 +540,12 @@ def fetch_wheel(dest: Path) -> Path:
 
 def prepare(args: argparse.Namespace) -> int:
     os.environ.setdefault("EDDY_CACHE_DIR", "/tmp/gpucheck-cache")  # private: the builds never land in a user's cache
-    from engine.build.artefacts import export_code_hash
+    from engine.artefacts.store import export_code_hash
     from engine.loader import open_folder
     from engine.paths import cache_dir
 
     out = (ROOT / args.dir).resolve()
-    # One folder per version of the export code (engine/build/artefacts.py's hash): a rerun after the model, the
+    # One folder per version of the export code (engine/artefacts/store.py's hash): a rerun after the model, the
     # export or the compile flags changed builds afresh instead of reusing stale entries.
     work = Path(args.work) if args.work else cache_dir() / "gpu-check" / export_code_hash()
     work.mkdir(parents=True, exist_ok=True)
@@ -717,7 +717,7 @@ def lay_out(gpu_dir: Path, plan: dict, v: dict, dest: Path, mode: str) -> dict[s
     """One entry of the bundled-models root: the carried files (mode "gpu") or the CPU build of the same settings
     ("cpu"), and the weights, regenerated for random ones (once per group: its cuda and vulkan entries share the
     file); then checked in full as a package's entries are."""
-    from engine.build.artefacts import read_manifest
+    from engine.artefacts.store import read_manifest
 
     shutil.rmtree(dest, ignore_errors=True)
     dest.mkdir(parents=True)

@@ -601,7 +601,7 @@ def oneshot(kind: str, gate: Gate, dtype: str = "auto") -> dict:
 def token_ids(need: int) -> tuple[list[int], dict]:
     """The workload's ids: the docs' text through the default model's tokenizer (Eddy's runtime one, from the
     default build), once, for every peer."""
-    from engine.build.artefacts import ensure_artefacts
+    from engine.artefacts.store import ensure_artefacts
     from engine.checkpoint import resolve_model
     from engine.config import BuildSettings
     from engine.run.tokenizer import Tokenizer

@@ -53,7 +53,7 @@ from bandwidth import read_bandwidth  # noqa: E402  (bench/bandwidth.py, beside 
 from machine import cpu_info  # noqa: E402  (bench/machine.py, beside this script)
 
 from engine import arch  # noqa: E402
-from engine.build.artefacts import MANIFEST  # noqa: E402
+from engine.artefacts.store import MANIFEST  # noqa: E402
 from engine.checkpoint.shapes import config  # noqa: E402
 
 # config.json of each size (engine/checkpoint/shapes.py, from the models' cards).

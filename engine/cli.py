@@ -19,7 +19,7 @@ from .run.generation import EDDY_CHAT_DEFAULTS
 from .run.sampling import OPTIONS, SamplingParams
 
 if TYPE_CHECKING:
-    from .build.progress import Progress
+    from .artefacts.progress import Progress
 
 # What --json prints: docs/CONTRACT.md's lines, and a reasoning model's thinking beside its tokens (the other events
 # are for live displays).
@@ -47,7 +47,7 @@ def _progress_printer(quiet: bool) -> "Progress":
     the "building: STAGE N%" prefix."""
     import time
 
-    from .build.progress import FINISHED, time_left
+    from .artefacts.progress import FINISHED, time_left
 
     words: dict[str, str] = {}
     started = time.monotonic()
@@ -191,7 +191,7 @@ def _run(args: argparse.Namespace, json_events: bool) -> int:
 
             return serve(args, settings_from(args), _progress_printer(False))
         if args.command == "compile":
-            from .build.artefacts import ensure_artefacts
+            from .artefacts.store import ensure_artefacts
             from .checkpoint import resolve_model
 
             print(ensure_artefacts(resolve_model(args.model), settings_from(args), _progress_printer(False)))
@@ -230,9 +230,9 @@ def _when(seconds: float) -> str:
 
 
 def _cache(args: argparse.Namespace) -> int:
-    from .build.artefacts import artefacts_root
-    from .build.cache import CacheError, describe_total, find, list_entries, remove
-    from .build.progress import megabytes
+    from .artefacts.store import artefacts_root
+    from .artefacts.cache import CacheError, describe_total, find, list_entries, remove
+    from .artefacts.progress import megabytes
 
     root = artefacts_root()
     if args.cache_command == "list":
@@ -270,7 +270,7 @@ def _cache(args: argparse.Namespace) -> int:
 
 
 def _models(args: argparse.Namespace) -> int:
-    from .build.progress import megabytes
+    from .artefacts.progress import megabytes
     from .discover import scan
 
     found = scan(extra_folders=args.folder)

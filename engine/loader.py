@@ -6,11 +6,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Callable
 
-from .build.artefacts import (bundled_entries, check_cpu, compiler_available, ensure_artefacts, find_bundled,
+from .artefacts.store import (bundled_entries, check_cpu, compiler_available, ensure_artefacts, find_bundled,
                               no_compiler_error, read_manifest)
-from .build.cache import hold
+from .artefacts.cache import hold
 from .checkpoint import DEFAULT_MODEL, TINY_RANDOM, ModelSource, resolve_model
-from .build.progress import Progress
+from .artefacts.progress import Progress
 from .config import BuildSettings, ModelConfig
 from .errors import ArtefactError, ModelError
 from .gpu import resolve_target

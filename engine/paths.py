@@ -17,5 +17,5 @@ def cache_dir() -> Path:
 
 
 def artefacts_root() -> Path:
-    """The folder holding one folder per cached build (engine/build/cache.py lists and deletes them)."""
+    """The folder holding one folder per cached build (engine/artefacts/cache.py lists and deletes them)."""
     return cache_dir() / "artefacts"

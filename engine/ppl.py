@@ -180,7 +180,7 @@ def run_ppl(model: str | None, text_file: str | os.PathLike, mode: str, sinks: i
             build_progress: Callable[[str, float], None] | None = None,
             kv_dtype: str = BuildSettings.kv_dtype) -> dict:
     """Scores the text in one mode; returns the summary (and writes it with per-position losses to json_file)."""
-    from .build.artefacts import ensure_artefacts
+    from .artefacts.store import ensure_artefacts
     from .checkpoint import read_config, resolve_model
     from .loader import open_folder
 

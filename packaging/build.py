@@ -65,7 +65,7 @@ def du(path: Path) -> int:
 
 def build_model(target_cpu: str) -> Path:
     """The default model's artefacts for a portable CPU target (found in the cache, or built: ~2-4 min)."""
-    from engine.build.artefacts import ensure_artefacts
+    from engine.artefacts.store import ensure_artefacts
     from engine.checkpoint import resolve_model
     from engine.config import BuildSettings
 
@@ -110,7 +110,7 @@ def trim(bundle: Path) -> None:
 def add_models(bundle: Path, folders: list[Path]) -> Path:
     """Copies the entries into the bundle and seals them; files equal across entries (the weights are the
     same for every CPU target: only module.vmfb differs) are stored once, as hard links."""
-    from engine.build.artefacts import BUILT_FILES, MANIFEST, seal
+    from engine.artefacts.store import BUILT_FILES, MANIFEST, seal
 
     models = bundle / "_internal" / "models"
     shutil.rmtree(models, ignore_errors=True)

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, TINY_SETTINGS
-import engine.build.artefacts as artefacts
-from engine.build.artefacts import MANIFEST, artefact_dir, ensure_artefacts, file_digest, read_manifest
+import engine.artefacts.store as artefacts
+from engine.artefacts.store import MANIFEST, artefact_dir, ensure_artefacts, file_digest, read_manifest
 from engine.config import BuildSettings
 from engine.checkpoint import load_state_dict, read_config, resolve_model, save_tokenizer
 from engine.errors import ArtefactError, BuildCancelled, EddyError, ModelError

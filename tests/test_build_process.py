@@ -32,7 +32,7 @@ CANCEL_AT = {"exporting": r"", "saving weights": r"tensor [1-9]", "compiling": r
 
 @pytest.mark.parametrize("stage", list(CANCEL_AT))
 def test_cancel_stops_the_build_at_once_in_any_stage(tmp_path: Path, monkeypatch, stage: str) -> None:
-    from engine.build.artefacts import artefact_dir, ensure_artefacts
+    from engine.artefacts.store import artefact_dir, ensure_artefacts
     from engine.checkpoint import resolve_model
 
     monkeypatch.setenv("EDDY_CACHE_DIR", str(tmp_path))
@@ -58,9 +58,9 @@ def test_cancel_stops_the_build_at_once_in_any_stage(tmp_path: Path, monkeypatch
 def test_builds_that_differ_only_in_the_cpu_share_one_export(tmp_path: Path, monkeypatch) -> None:
     """The package builds the default model for two CPU levels, and the suite builds it for this one: one export
     (minutes for a real model) serves them all, and each build still compiles for its own CPU."""
-    from engine.build.artefacts import ensure_artefacts, read_manifest
+    from engine.artefacts.store import ensure_artefacts, read_manifest
     from engine.checkpoint import resolve_model
-    from engine.build.progress import REUSED_EXPORT
+    from engine.artefacts.progress import REUSED_EXPORT
 
     monkeypatch.setenv("EDDY_CACHE_DIR", str(tmp_path))
     source = resolve_model("tiny-random")
@@ -98,7 +98,7 @@ def test_the_process_that_asks_for_a_build_never_imports_torch(tmp_path: Path) -
     """One real build, watched from a process without torch: what it imports, and every progress report."""
     code = (
         "import json, sys\n"
-        "from engine.build.artefacts import ensure_artefacts\n"
+        "from engine.artefacts.store import ensure_artefacts\n"
         "from engine.checkpoint import resolve_model\n"
         "from engine.config import BuildSettings\n"
         "reports = []\n"
@@ -134,7 +134,7 @@ def test_the_process_that_asks_for_a_build_never_imports_torch(tmp_path: Path) -
 def test_the_build_clock_counts_the_longer_of_the_two_halves_and_each_part_s_own_rate() -> None:
     """The export and the compiler run beside the weights file: the time left is the longer path's, a part that
     reports its share (the weights' bytes) is timed by its own rate, and the fraction never goes back."""
-    from engine.build.progress import BuildClock, Expected, time_left
+    from engine.artefacts.progress import BuildClock, Expected, time_left
 
     now = [0.0]
     clock = BuildClock({"export": 10, "compile": 8, "save": 30, "tokenizer": 2}, now=lambda: now[0])
@@ -171,7 +171,7 @@ def test_a_gpu_builds_expected_time_counts_its_programs():
 
     from conftest import TINY_SETTINGS
 
-    from engine.build.progress import Expected, traced_layers
+    from engine.artefacts.progress import Expected, traced_layers
     from engine.config import ModelConfig
 
     config = ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,

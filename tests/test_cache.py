@@ -58,7 +58,7 @@ def test_cache_list_shows_each_build_with_its_size_and_rm_deletes_it(tiny, tmp_p
 
 
 def test_the_listing_names_a_kv_cache_type_only_when_it_is_not_the_weight_types_own():
-    from engine.build.cache import settings_summary
+    from engine.artefacts.cache import settings_summary
 
     assert settings_summary({"dtype": "q4", "kv_dtype": "f16"}) == "q4, 4 sinks + 1020 window, cpu"
     assert settings_summary({"dtype": "f32", "kv_dtype": "f32"}) == "f32, 4 sinks + 1020 window, cpu"
@@ -142,8 +142,8 @@ def test_a_build_the_disk_has_no_room_for_is_refused_before_anything_is_written(
 def test_the_room_estimate_is_the_weights_file_of_a_real_build(tiny, dtype):
     from dataclasses import replace
 
-    from engine.build.artefacts import read_manifest
-    from engine.build.room import build_size, weights_bytes
+    from engine.artefacts.store import read_manifest
+    from engine.artefacts.room import build_size, weights_bytes
     from engine.config import ModelConfig
     from engine.loader import open_model
 

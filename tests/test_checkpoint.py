@@ -738,7 +738,7 @@ def test_auto_dtype_takes_q4_for_a_4_bit_gguf_and_q8_for_anything_wider(tmp_path
 
 
 def test_the_default_model_builds_at_q4_by_default_and_other_checkpoints_at_q8():
-    from engine.build.artefacts import _as_built, artefact_dir, artefact_key
+    from engine.artefacts.store import _as_built, artefact_dir, artefact_key
     from engine.config import BuildSettings
 
     default, tiny = resolve_model(None), resolve_model("tiny-random")
@@ -758,7 +758,7 @@ def test_the_default_model_builds_at_q4_by_default_and_other_checkpoints_at_q8()
 def test_the_kv_cache_type_follows_the_weight_type_unless_named():
     """A quantised build keeps its cache in float16 (half the bytes decode reads over a long window); a float32
     build stays exact, the parity build; a named type is kept; "auto" and what it picks are one entry."""
-    from engine.build.artefacts import _as_built, artefact_key
+    from engine.artefacts.store import _as_built, artefact_key
     from engine.config import BuildSettings
 
     default, tiny = resolve_model(None), resolve_model("tiny-random")

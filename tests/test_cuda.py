@@ -57,7 +57,7 @@ def test_a_gpu_gets_the_newest_target_not_newer_than_itself():
 
 
 def test_gpu_target_is_a_checked_build_setting_in_the_key():
-    from engine.build.artefacts import artefact_key
+    from engine.artefacts.store import artefact_key
     from engine.checkpoint import resolve_model
 
     with pytest.raises(ValueError, match="sm_89 code"):
@@ -97,14 +97,14 @@ def test_a_cuda_build_without_a_target_takes_this_machines_gpu_or_says_how_to_na
 
 @pytest.fixture(scope="module")
 def cuda_tiny_folder():
-    from engine.build.artefacts import ensure_artefacts
+    from engine.artefacts.store import ensure_artefacts
     from engine.checkpoint import resolve_model
 
     return ensure_artefacts(resolve_model("tiny-random"), CUDA_TINY)
 
 
 def test_the_cuda_build_cross_compiles_for_the_named_target(cuda_tiny_folder):
-    from engine.build.artefacts import read_manifest
+    from engine.artefacts.store import read_manifest
 
     manifest = read_manifest(cuda_tiny_folder, full=True)
     assert manifest["settings"]["device"] == "cuda" and manifest["settings"]["gpu_target"] == "sm_89"
@@ -120,7 +120,7 @@ def test_the_cuda_programs_compiled_for_the_cpu_give_the_cpu_builds_logits(name,
     (tests/fixed_shapes.py). Only the CUDA code generation itself is left to a device (bench/gpu_check.py)."""
     import shutil
 
-    from engine.build.artefacts import ensure_artefacts, read_manifest
+    from engine.artefacts.store import ensure_artefacts, read_manifest
     from engine.checkpoint import resolve_model
     from engine.build.export import compile_mlir, kept_export
     from engine.config import ModelConfig

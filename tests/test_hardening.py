@@ -22,7 +22,7 @@ KILL_SETTINGS = "BuildSettings(sinks=2, window=26, dtype='f32', max_chunk=8)"
 
 PARENT = (
     "import sys\n"
-    "from engine.build.artefacts import ensure_artefacts\n"
+    "from engine.artefacts.store import ensure_artefacts\n"
     "from engine.checkpoint import resolve_model\n"
     "from engine.config import BuildSettings\n"
     "def report(stage, fraction, detail=''):\n"
@@ -75,7 +75,7 @@ def test_a_killed_parent_takes_its_build_and_compiler_with_it(tmp_path: Path, si
     if victim == "build":
         return  # the parent lived on to see its build fail and cleans up itself: no sweep to test here
 
-    from engine.build.cache import list_entries
+    from engine.artefacts.cache import list_entries
 
     root = tmp_path / "artefacts"
     staging = [p for p in root.iterdir() if ".building-" in p.name]
@@ -92,7 +92,7 @@ def _fake_entry(root: Path, name: str) -> Path:
 
 def test_a_dead_builds_staging_folder_is_swept_and_never_makes_a_key_ambiguous(tmp_path: Path, capsys,
                                                                               monkeypatch) -> None:
-    from engine.build.cache import find, list_entries
+    from engine.artefacts.cache import find, list_entries
     from engine.cli import main
 
     monkeypatch.setenv("EDDY_CACHE_DIR", str(tmp_path))

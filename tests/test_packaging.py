@@ -141,7 +141,7 @@ def test_deb_installs_into_a_fresh_root_and_answers(package, tmp_path):
 
 
 def test_target_cpu_is_a_checked_build_setting_in_the_key():
-    from engine.build.artefacts import artefact_key
+    from engine.artefacts.store import artefact_key
     from engine.checkpoint import resolve_model
     from engine.config import BuildSettings
     from engine.devices import compile_flags

@@ -104,7 +104,7 @@ def real(request, tmp_path_factory, tiny) -> RealCase:
 
 
 def _build(model: Path, dtype: str) -> Path:
-    from engine.build.artefacts import ensure_artefacts
+    from engine.artefacts.store import ensure_artefacts
     from engine.checkpoint import resolve_model
     from engine.config import BuildSettings
 

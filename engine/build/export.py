@@ -25,13 +25,13 @@ from ..errors import ArtefactError, BuildCancelled
 from ..paths import artefacts_root, cache_dir
 from ..shapes import score_name
 from . import kernels, prefill_products
-from .export_code import export_code_hash
+from ..artefacts.export_code import export_code_hash
 from .model import StreamingLlama
 from .child import tied_to_me
 
 if TYPE_CHECKING:
     from ..checkpoint import ModelSource
-    from .progress import BuildClock
+    from ..artefacts.progress import BuildClock
 
 Progress = Callable[[str, float], None]
 
@@ -266,7 +266,7 @@ def compile_mlir(mlir_path: Path, vmfb_path: Path, device: str, progress: Progre
 def expected_times(cfg: ModelConfig, settings: BuildSettings, weights_bytes: int,
                    reused_export: bool) -> dict[str, float]:
     """What each part of this build should take here, from the builds this machine has made."""
-    from .progress import Expected, traced_layers
+    from ..artefacts.progress import Expected, traced_layers
 
     manifests = []
     for f in artefacts_root().glob("*/manifest.json"):
@@ -293,7 +293,7 @@ class _SideJob:
 
     def _read(self) -> None:
         from .child import error_from
-        from .progress import finished, weights_detail
+        from ..artefacts.progress import finished, weights_detail
 
         assert self._proc.stdout is not None
         for raw in self._proc.stdout:
@@ -348,11 +348,11 @@ def build(source: "ModelSource", cfg: ModelConfig, settings: BuildSettings, out_
 
     Memory follows the largest tensor, not the model: the export traces a skeleton whose weights are never
     written (they are external parameters), and weights.irpa is written straight from the checkpoint one
-    tensor at a time (engine/build/weights_file.py). progress is an engine.build.progress.Progress; `side`, the
+    tensor at a time (engine/build/weights_file.py). progress is an engine.artefacts.progress.Progress; `side`, the
     side job already started for this build (engine/build/process.py starts it before importing torch)."""
     from . import side_job
     from ..checkpoint import open_tensors
-    from .progress import REUSED_EXPORT, BuildClock, compile_detail, finished, ignore
+    from ..artefacts.progress import REUSED_EXPORT, BuildClock, compile_detail, finished, ignore
 
     report = progress or ignore
     cancelled = should_cancel or (lambda: False)

@@ -6,7 +6,7 @@ app down; and the gigabyte or so that torch needs for the export goes back to th
 ends, so the app that asked for it never holds torch at all.
 
 The parent passes the model and settings as JSON on the command line; the child answers one JSON object
-per line on stdout: {"progress": [stage, fraction, detail]} (engine/build/progress.py; a two-item one, from an
+per line on stdout: {"progress": [stage, fraction, detail]} (engine/artefacts/progress.py; a two-item one, from an
 older child, has no detail), then {"done": {"config": ..., "seconds": ...}} or {"error": {"type": ...,
 "message": ...}}.
 
@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Callable
 from ..config import BuildSettings
 from ..errors import ArtefactError, BuildCancelled
 from .child import answer, child_env, die_with_parent, error_from
-from .progress import Progress, ignore
+from ..artefacts.progress import Progress, ignore
 
 if TYPE_CHECKING:
     from ..checkpoint import ModelSource

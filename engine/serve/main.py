@@ -11,7 +11,7 @@ from ..config import BuildSettings
 from ..errors import EddyError
 
 if TYPE_CHECKING:
-    from ..build.progress import Progress
+    from ..artefacts.progress import Progress
 
 
 def is_loopback(host: str) -> bool:

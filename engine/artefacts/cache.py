@@ -19,7 +19,7 @@ from typing import IO
 
 from ..config import AUTO_DTYPE, AUTO_KV_DTYPE, BuildSettings, auto_kv_dtype
 from ..errors import EddyError
-from .artefacts import BUILT_FILES, MANIFEST, artefacts_root, remove_stale_staging, staging_alive
+from .store import BUILT_FILES, MANIFEST, artefacts_root, remove_stale_staging, staging_alive
 from .progress import megabytes
 
 try:

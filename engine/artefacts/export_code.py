@@ -10,7 +10,7 @@ from pathlib import Path
 # weights_file.py how the weights file is laid out and filled.
 # What an export's result depends on: every source of the build (a kernel generator missing from a hand-kept list
 # once left its changes out of the key), the devices' flags, the families, the constants and the call shapes.
-EXPORT_SOURCES = ("build", "checkpoint", "devices.py", "arch.py", "config.py", "shapes.py")
+EXPORT_SOURCES = ("build", "checkpoint", "artefacts", "devices.py", "arch.py", "config.py", "shapes.py")
 
 
 def export_sources() -> list[Path]:
