@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """A quantised type's product alone, in each form this CPU runs: the generic one and the hand-written ones
-(engine/build/dot_products.py; prefill_products.py for many rows), alternated, as iree-benchmark-module times them.
+(engine/exporter/dot_products.py; prefill_products.py for many rows), alternated, as iree-benchmark-module times them.
 
     python bench/decode_product.py [--dtype q4|q8] [--rows 57344] [--cols 4096] [--tokens 1] [--rounds 3] [--json FILE]
 
@@ -37,7 +37,7 @@ TOOLS = Path(sys.executable).parent
 
 def weights(dtype: str, rows: int, cols: int) -> list:
     """The product's weight arguments, as Linear stores them (tiled), for their shapes and types."""
-    from engine.build.model import Linear
+    from engine.exporter.model import Linear
 
     lin = Linear(rows, cols, dtype)
     return list(lin.q4_tensors()) if dtype == "q4" else [lin.weight]
@@ -49,7 +49,7 @@ def compiled(dtype: str, form: str | None, rows: int, cols: int, folder: Path, t
     import iree.turbine.aot as aot
     import torch
 
-    from engine.build.kernels import i8_linear, lowering_for, q4_linear
+    from engine.exporter.kernels import i8_linear, lowering_for, q4_linear
 
     class Product(torch.nn.Module):
         def forward(self, x, *w):

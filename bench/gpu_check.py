@@ -123,7 +123,7 @@ def weight_plan(entries: list[dict[str, Any]], seed: int = 17) -> dict[str, Any]
     for i, e in enumerate(entries):
         spec = dict(e, seed=seed * 100_000 + i)
         name, dtype, shape = e["name"], e["dtype"], e["shape"]
-        # A tiled q4 matrix's numbers are 8-bit factors of float16 units (engine/build/q4.py, split_numbers): the
+        # A tiled q4 matrix's numbers are 8-bit factors of float16 units (engine/exporter/q4.py, split_numbers): the
         # same scales and offsets as the rows layout's, to within the factors' spread.
         # Units [tiles, supers, 3, 16] (scale's unit, offset's unit and base) are one per super-block: constant
         # numbers of the right size (scale ~q4_scale, offset ~-7.5 q4_scale), the factors random.
@@ -190,8 +190,8 @@ def _values(spec: dict[str, Any], raw: np.ndarray) -> np.ndarray:
 
 
 def write_irpa(plan: dict[str, Any], path: Path) -> str:
-    """Writes the plan's weights as an .irpa (engine/build/irpa.py's writer, torch-free); returns its sha256."""
-    from engine.build.irpa import ArchiveWriter, Entry
+    """Writes the plan's weights as an .irpa (engine/exporter/irpa.py's writer, torch-free); returns its sha256."""
+    from engine.exporter.irpa import ArchiveWriter, Entry
 
     entries = plan["entries"]
     with ArchiveWriter(path, [Entry(e["name"], e["length"], e["metadata"].encode()) for e in entries]) as archive:
@@ -382,7 +382,7 @@ def build_group(model: str, dtype: str, targets: list[tuple[str, str]], weights:
     """One model and weight type, built for the CPU and for each (device, target) of `targets`: {"cpu": folder,
     gpu_key(device, target): folder or an error string, "plan": random-weights manifest or None}. Folders already
     complete are kept (a rerun builds only what is missing). The export and iree-compile calls are the engine's own
-    (engine/build/export.py); the MLIR depends on the device but not on its target, so it is traced once per device,
+    (engine/exporter/export.py); the MLIR depends on the device but not on its target, so it is traced once per device,
     and the weights (the same entries for every device, checked) are written once."""
     from dataclasses import replace
 
@@ -409,9 +409,9 @@ def build_group(model: str, dtype: str, targets: list[tuple[str, str]], weights:
 
     import iree.turbine.aot as aot
 
-    from engine.build import export
-    from engine.build.model import StreamingLlama
-    from engine.build.weights_file import archive_entries, write_weights
+    from engine.exporter import export
+    from engine.exporter.model import StreamingLlama
+    from engine.exporter.weights_file import archive_entries, write_weights
 
     source = shaped_source(model, work) if model in SHAPED else resolve_model(model)
     cfg = ModelConfig.from_hf(read_config(source))

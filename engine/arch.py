@@ -1,5 +1,5 @@
 """The model families Eddy knows: one entry each, read by the checkpoint readers, the exportable model and
-ModelConfig. Adding a family is an entry here plus whatever is truly new in engine/build/model.py.
+ModelConfig. Adding a family is an entry here plus whatever is truly new in engine/exporter/model.py.
 
 Torch-free: read_config runs on the warm-start path.
 

@@ -17,7 +17,7 @@ class Device:
     default_target: str = ""  # "": a build must name one
     auto_kv: str = ""  # the KV cache type "auto" gives here; "": the weight type's (config.AUTO_KV_DTYPE)
     fixed_shapes: bool = False  # programs of fixed call shapes, calls padded to them (engine/shapes.py)
-    fused_attention: bool = False  # attention as IREE's attention op, one a layer (engine/build/model.py)
+    fused_attention: bool = False  # attention as IREE's attention op, one a layer (engine/exporter/model.py)
 
 
 # The CUDA targets iree-compile 3.13 knows by name: it has no sm_90 or sm_100 (their names give "missing GPU
@@ -84,7 +84,7 @@ TABLE: dict[str, Device] = {d.name: d for d in (
 DEVICES = tuple(TABLE)
 
 
-# The form of the hand-written decode products (engine/build/dot_products.py: q4's and q8's) each llvm-cpu target
+# The form of the hand-written decode products (engine/exporter/dot_products.py: q4's and q8's) each llvm-cpu target
 # guarantees the instructions for: "vnni" needs AVX-512 VNNI (and BW), "avx2" AVX2; None: the generic forms.
 # x86-64-v4 is AVX-512 F/BW/CD/DQ/VL, without VNNI. "host" takes the first row of HOST_DOT_FORMS whose flags this
 # CPU lists.

@@ -30,7 +30,7 @@ EXCLUDED = [
     "triton", "sympy", "networkx", "scipy", "pandas", "matplotlib", "PIL", "IPython",
     "pytest", "pytestqt", "hypothesis", "tkinter", "_tkinter",
     # The export half of the engine and what only benchmarks and tests use.
-    "engine.build.export", "engine.build.model",
+    "engine.exporter.export", "engine.exporter.model",
 ]
 # Paths (relative to the bundle) that must not exist: the check the smoke test repeats.
 FORBIDDEN = ("torch", "transformers", "iree/compiler", "iree/turbine", "libtorch", "libtorch_cpu.so",

@@ -1,4 +1,4 @@
-"""A plain torch StreamingLLM reference, written independently of engine/build/model.py.
+"""A plain torch StreamingLLM reference, written independently of engine/exporter/model.py.
 
 It keeps an explicit ordered list of cached entries per layer, stores keys *before* RoPE and rotates every
 key by its index in the cache at each step (the textbook formulation), on Hugging Face weights of the

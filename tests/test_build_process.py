@@ -86,7 +86,7 @@ def test_builds_that_differ_only_in_the_cpu_share_one_export(tmp_path: Path, mon
 
 
 def test_an_engine_error_in_the_child_arrives_as_the_same_class(tmp_path: Path) -> None:
-    from engine.build.process import build_in_child
+    from engine.exporter.process import build_in_child
     from engine.checkpoint import ModelSource
 
     with pytest.raises(ModelError, match="unknown checkpoint kind"):

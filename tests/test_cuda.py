@@ -122,7 +122,7 @@ def test_the_cuda_programs_compiled_for_the_cpu_give_the_cpu_builds_logits(name,
 
     from engine.artefacts.store import ensure_artefacts, read_manifest
     from engine.checkpoint import resolve_model
-    from engine.build.export import compile_mlir, kept_export
+    from engine.exporter.export import compile_mlir, kept_export
     from engine.config import ModelConfig
     from engine.loader import open_model
     from engine.run.runtime import CompiledModule, StreamingEngine

@@ -25,14 +25,14 @@ def test_one_device_table_feeds_config_cli_and_runtime():
 
 
 def test_export_code_hash_covers_model_export_and_compile_flags():
-    from engine.build import artefacts, export_code
+    from engine.artefacts import export_code
 
     sources = export_code.export_sources()
     assert all(p.is_file() for p in sources)
     covered = {p.relative_to(ROOT / "engine").as_posix() for p in sources}
-    assert {"build/model.py", "build/export.py", "devices.py"} <= covered
-    # Every engine module an export loads is in the key (build/prefill_products.py once was not).
-    run = subprocess.run([sys.executable, "-c", "import sys, engine.build.export, engine.build.model; "
+    assert {"exporter/model.py", "exporter/export.py", "devices.py"} <= covered
+    # Every engine module an export loads is in the key (exporter/prefill_products.py once was not).
+    run = subprocess.run([sys.executable, "-c", "import sys, engine.exporter.export, engine.exporter.model; "
                           "print('\\n'.join(m.__file__ for n, m in list(sys.modules.items()) "
                           "if n.startswith('engine') and getattr(m, '__file__', None)))"],
                          cwd=ROOT, capture_output=True, text=True)
@@ -41,5 +41,5 @@ def test_export_code_hash_covers_model_export_and_compile_flags():
     no_effect = {"__init__.py", "errors.py", "paths.py"}  # messages and cache locations, not what is compiled
     assert loaded - no_effect <= covered, loaded - no_effect - covered
     # Nothing the compiled module depends on hides in a module the hash does not read.
-    assert "COMPILE_FLAGS" not in (ROOT / "engine" / "build" / "export.py").read_text()
-    assert len(artefacts.export_code_hash()) == 16
+    assert "COMPILE_FLAGS" not in (ROOT / "engine" / "exporter" / "export.py").read_text()
+    assert len(export_code.export_code_hash()) == 16

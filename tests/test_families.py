@@ -108,7 +108,7 @@ def test_local_layers_keep_their_own_ring_and_leave_the_cache_to_the_global_ones
     """Gemma 3's five local layers in six keep a ring of their window (8 slots here); the StreamingLLM cache holds
     the global layer alone. A window narrower than the local one shares the cache again (see the next test)."""
     from engine.checkpoint import read_config, resolve_model
-    from engine.build.model import StreamingLlama
+    from engine.exporter.model import StreamingLlama
     from engine.config import BuildSettings, ModelConfig
 
     cfg = ModelConfig.from_hf(read_config(resolve_model("tiny-random-gemma3")))

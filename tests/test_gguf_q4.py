@@ -11,7 +11,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
 from engine.checkpoint.gguf_q4 import q4_rows
-from engine.build.q4 import dequantise_q4, pack_q4, pair_q4, quantise_q4, tile_paired, tile_q4, unpack_q4, unpair_q4
+from engine.exporter.q4 import dequantise_q4, pack_q4, pair_q4, quantise_q4, tile_paired, tile_q4, unpack_q4, unpair_q4
 
 
 def random_blocks(qtype: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:

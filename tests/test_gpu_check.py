@@ -14,7 +14,7 @@ from bench.gpu_check import (NOT_ON_DEVICE, compare, entry_spec, format_table, g
 
 
 def _meta(dtype: str, shape: list[int]) -> bytes:
-    # turbine's metadata for an entry, as engine/build/weights_file.py writes it (the fields gpu_check reads).
+    # turbine's metadata for an entry, as engine/exporter/weights_file.py writes it (the fields gpu_check reads).
     return ("PYTORCH:" + json.dumps({"type": "Tensor", "dtype": dtype, "shape": shape})).encode()
 
 

@@ -52,7 +52,7 @@ def test_a_killed_parent_takes_its_build_and_compiler_with_it(tmp_path: Path, si
         else:
             pytest.fail(f"the build ended before {stage}: {parent.wait()}")
         me = psutil.Process(parent.pid)
-        want = "iree-compile" if stage == "compiling" else "engine.build.process"
+        want = "iree-compile" if stage == "compiling" else "engine.exporter.process"
         deadline = time.monotonic() + 20
         while not any(want in " ".join(p.cmdline()) for p in _alive(me.children(recursive=True))):
             assert time.monotonic() < deadline, f"no {want} process appeared"
@@ -62,7 +62,7 @@ def test_a_killed_parent_takes_its_build_and_compiler_with_it(tmp_path: Path, si
             os.kill(parent.pid, sig)
             parent.wait(timeout=10)
         else:
-            child = next(p for p in build if "engine.build.process" in " ".join(p.cmdline()))
+            child = next(p for p in build if "engine.exporter.process" in " ".join(p.cmdline()))
             child.send_signal(sig)
         deadline = time.monotonic() + 5
         while _alive(build) and time.monotonic() < deadline:

@@ -1,6 +1,6 @@
 """The streamed weights file equals the in-memory one.
 
-The build writes weights.irpa from the checkpoint one tensor at a time (engine/build/weights_file.py) instead
+The build writes weights.irpa from the checkpoint one tensor at a time (engine/exporter/weights_file.py) instead
 of loading the whole model and handing it to turbine's save_module_parameters. These tests hold it to that
 old path: for every weight type, the file it writes is, tensor for tensor and byte for byte, what
 save_module_parameters writes for the model loaded in memory (export.build_model). No export or compile is
@@ -32,7 +32,7 @@ def in_memory_archive(source, settings, path) -> None:
     import iree.turbine.aot as aot
 
     from engine.checkpoint import load_state_dict, read_config
-    from engine.build.export import build_model
+    from engine.exporter.export import build_model
     from engine.config import ModelConfig
 
     cfg = ModelConfig.from_hf(read_config(source))
@@ -41,8 +41,8 @@ def in_memory_archive(source, settings, path) -> None:
 
 def streamed_archive(source, settings, path) -> None:
     from engine.checkpoint import open_tensors, read_config
-    from engine.build.model import StreamingLlama
-    from engine.build.weights_file import write_weights
+    from engine.exporter.model import StreamingLlama
+    from engine.exporter.weights_file import write_weights
     from engine.config import ModelConfig
 
     cfg = ModelConfig.from_hf(read_config(source))
@@ -85,7 +85,7 @@ def test_the_built_module_carries_the_in_memory_weights(tiny, tmp_path):
 
 def test_q8_by_row_blocks_equals_the_whole_matrix_at_once():
     """stored_matrix quantises a block of rows at a time; rows are independent, so that is exact."""
-    from engine.build.model import CONVERT_ROWS, stored_matrix
+    from engine.exporter.model import CONVERT_ROWS, stored_matrix
 
     w = torch.from_numpy(np.random.RandomState(0).standard_normal((2 * CONVERT_ROWS + 5, 24)).astype(np.float32))
     w[3] = 0.0  # an all-zero row keeps its floor scale
@@ -126,7 +126,7 @@ def test_a_bf16_folder_streams_what_its_float32_widening_builds(tmp_path):
 
 
 def test_archive_writer_refuses_a_wrong_length_and_a_missing_tensor(tmp_path):
-    from engine.build.irpa import ArchiveWriter, Entry
+    from engine.exporter.irpa import ArchiveWriter, Entry
 
     writer = ArchiveWriter(tmp_path / "w.irpa", [Entry("a", 8), Entry("b", 4)])
     with pytest.raises(ValueError, match="a: 4 bytes, but its entry holds 8"):

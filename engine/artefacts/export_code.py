@@ -1,5 +1,5 @@
 """Which sources decide what an export (and so a build) holds, and their hash: part of every artefact's key and
-of the kept exports' (engine/build/export.py). Torch-free: a warm start computes it."""
+of the kept exports' (engine/exporter/export.py). Torch-free: a warm start computes it."""
 from __future__ import annotations
 
 import hashlib
@@ -10,7 +10,7 @@ from pathlib import Path
 # weights_file.py how the weights file is laid out and filled.
 # What an export's result depends on: every source of the build (a kernel generator missing from a hand-kept list
 # once left its changes out of the key), the devices' flags, the families, the constants and the call shapes.
-EXPORT_SOURCES = ("build", "checkpoint", "artefacts", "devices.py", "arch.py", "config.py", "shapes.py")
+EXPORT_SOURCES = ("exporter", "checkpoint", "artefacts", "devices.py", "arch.py", "config.py", "shapes.py")
 
 
 def export_sources() -> list[Path]:

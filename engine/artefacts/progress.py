@@ -3,7 +3,7 @@
 A report is (stage, fraction, detail): the stage's name (STAGES, then "done"), the fraction of the whole build
 done so far, and a short line for people saying what the stage is at ("tensor 12 of 272", or "" when it has
 nothing to count; `finished(seconds)` once it is over). The weights are written while the export and the
-compiler run (engine/build/side_job.py), so reports of "saving weights" come between the others'; the fraction is
+compiler run (engine/exporter/side_job.py), so reports of "saving weights" come between the others'; the fraction is
 of the build's expected time (BuildClock), so a display can tell the time left from it and the time so far.
 Torch-free: the app and the terminal import it."""
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Callable, Iterable, Protocol
 from ..config import BuildSettings, ModelConfig
 from ..shapes import call_shapes
 
-# In the order a build starts them (engine.build.export.build reports these names); "saving weights" runs
+# In the order a build starts them (engine.exporter.export.build reports these names); "saving weights" runs
 # beside "exporting" and "compiling".
 STAGES = ("loading weights", "exporting", "saving weights", "compiling")
 FINISHED = "done in "
@@ -32,7 +32,7 @@ def ignore(stage: str, fraction: float, detail: str = "") -> None:
 
 
 # The exporting stage's detail when the build copies an export kept from a build of the same model shape and
-# settings (engine.build.export.kept_export): seconds instead of minutes.
+# settings (engine.exporter.export.kept_export): seconds instead of minutes.
 REUSED_EXPORT = "reusing the export of a model of the same shape"
 
 

@@ -37,7 +37,7 @@ class BuildSize:
 
 
 def matrix_bytes(rows: int, cols: int, dtype: str) -> int:
-    """One matrix as engine/build/model.py stores it (mirrored here without torch): q8 adds a float32 scale per
+    """One matrix as engine/exporter/model.py stores it (mirrored here without torch): q8 adds a float32 scale per
     row; q4 is half a byte per weight plus a float16 scale and offset per group of 32, and a matrix whose rows
     are not whole groups falls back to q8."""
     if dtype == "q4":

@@ -321,7 +321,7 @@ def ensure_artefacts(source: "ModelSource", settings: BuildSettings,
     if not compiler_available():
         raise no_compiler_error(f'The model "{source.name}" with these settings (sinks {settings.sinks}, window '
                                 f"{settings.window}, {settings.dtype}, {settings.device})")
-    from ..build.process import build_in_child
+    from ..exporter.process import build_in_child
     from ..checkpoint import read_config
 
     from .room import check_room

@@ -1,7 +1,7 @@
 """A GGUF's 4-bit blocks as Eddy's q4 rows, their codes kept (needs numpy).
 
 Q4_0, Q4_1 and Q4_K all store a weight as a 4-bit code times a scale plus an offset, per group of 32 along a row,
-which is exactly q4's numbers (engine/build/q4.py: w = code * scale + offset, float16 scale and offset). So a
+which is exactly q4's numbers (engine/exporter/q4.py: w = code * scale + offset, float16 scale and offset). So a
 build reads their codes and numbers as they are rather than dequantising to float32 and quantising again: no
 float32 copy of the matrix (a fifth of a 1B build's time went to making and filling them), and the codes are the
 file's own, where re-quantising moved them. In the rows layout Q4_0 and Q4_1 come back exactly; Q4_K's scale is

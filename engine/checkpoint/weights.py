@@ -73,7 +73,7 @@ class CheckpointTensors:
     The streamed build reads each tensor once, as stored, and lets it go, so memory follows the largest tensor."""
     shapes: dict[str, tuple[int, ...]]
     read_stored: Callable[[str], "torch.Tensor"]  # in the checkpoint's own floating type (bf16 stays bf16)
-    # A matrix's 4-bit codes ({"weight": q4.pair_q4's bytes, "scale", "offset"}, engine/build/q4.py) where the
+    # A matrix's 4-bit codes ({"weight": q4.pair_q4's bytes, "scale", "offset"}, engine/exporter/q4.py) where the
     # checkpoint keeps them (a GGUF's Q4_0, Q4_1 and Q4_K), else None: a q4 build takes them as they are.
     read_q4: Callable[[str], "dict[str, torch.Tensor] | None"] = lambda name: None
 

@@ -20,7 +20,7 @@ from ..errors import ArtefactError, DeviceError
 from ..gpu import check_runnable
 from ..shapes import call_shapes, decode_name, prefill_name, score_name
 
-EMPTY_SLOT = 2**62  # must equal engine.build.model.EMPTY_SLOT: later than every token, so always masked
+EMPTY_SLOT = 2**62  # must equal engine.exporter.model.EMPTY_SLOT: later than every token, so always masked
 
 
 class CompiledModule:
@@ -125,7 +125,7 @@ class CompiledModule:
 
     def score(self, tokens: np.ndarray, targets: np.ndarray, *rest: np.ndarray) -> np.ndarray:
         """prefill's arguments with the targets after the tokens: the log-probabilities of the targets. The module's
-        score reads the hidden rows its prefill keeps (engine/build/model.py), so this is those two calls."""
+        score reads the hidden rows its prefill keeps (engine/exporter/model.py), so this is those two calls."""
         self._program("prefill", (tokens, *rest))(tokens, *rest)
         if self.fixed:  # the targets padded as the tokens were
             n, padded = len(targets), np.zeros(len(tokens), targets.dtype)
@@ -256,7 +256,7 @@ class StreamingEngine:
         if self.shapes:
             return self.shapes.bucket_for(int(used[-1]) + 1 if used.size else 1)
         blocks = -(-(int(used[-1]) + 1 if used.size else 1) // ATTEND_STEP)
-        # At least 2 blocks, as the module was exported (engine/build/export.py); the cache has whole blocks.
+        # At least 2 blocks, as the module was exported (engine/exporter/export.py); the cache has whole blocks.
         return ATTEND_STEP * min(max(blocks, 2), len(self.slot_pos) // ATTEND_STEP)
 
     def slot_of(self, positions: np.ndarray) -> np.ndarray:

@@ -153,7 +153,7 @@ def values_block(r: int, d: int) -> int:
 
 def widen(value: str, e: str, out: str, lanes: int = 0) -> list[str]:
     """MLIR lines setting `out` to `value` (a scalar, or a vector of `lanes`) of KV cache type `e` (f16, or i16:
-    bfloat16's bits, engine/build/model.py's KV_STORAGE) as float32; none for f32, whose `value` is used as it is."""
+    bfloat16's bits, engine/exporter/model.py's KV_STORAGE) as float32; none for f32, whose `value` is used as it is."""
     def of(t: str) -> str:
         return f"vector<{lanes}x{t}>" if lanes else t
     if e == "f32":

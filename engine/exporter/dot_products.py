@@ -15,7 +15,7 @@ Each workgroup first quantises x (symmetric, per group: dx = max|x| / 127, llama
 extra dispatch per product (fewer, larger workgroups, which quantise x fewer times, were no faster on the default
 model).
 
-q4 (`q4_executable`). Layout (engine/build/q4.py, `tile_q4`): tiles of Q4_TILE_ROWS = 16 rows (one zmm of int32,
+q4 (`q4_executable`). Layout (engine/exporter/q4.py, `tile_q4`): tiles of Q4_TILE_ROWS = 16 rows (one zmm of int32,
 two ymm); per group of 32 positions four 64-byte blocks, block h's byte 4r + j holding row r's codes at positions
 4h + j (low nibble) and 4h + 16 + j (high nibble). One 64-byte load and two masks give two sets of 16 rows x 4
 positions, the shape of one `vpdpbusd` (u8 x s8, four products summed into each int32 lane); x's four int8 for
@@ -23,7 +23,7 @@ those positions are one int32 broadcast. Per group, one conversion and two fused
 times x's scale and the offset times x's scale times x's group sum: out = sum_g d_g dx_g sum(code q) +
 m_g dx_g sum(q).
 
-q8 (`q8_executable`). Layout (engine/build/kernels.py, `tile_q8`): tiles of TILE_ROWS = 32 rows, per 4 positions
+q8 (`q8_executable`). Layout (engine/exporter/kernels.py, `tile_q8`): tiles of TILE_ROWS = 32 rows, per 4 positions
 128 bytes, byte 4r + j holding row r's weight at position 4p + j: two `vpdpbusd` a load each. The weights are
 signed and `vpdpbusd` wants one side unsigned: w xor 0x80 = w + 128 is, and the 128 sum(q) it adds is the same
 for every row, so it is taken off once at the end: out = sum_g dx_g sum((w + 128) q) - 128 sum_g dx_g sum(q). The
@@ -62,7 +62,7 @@ def tiles_per_workgroup(tiles: int) -> int:
 def quantise_group(x_type: str) -> str:
     """Body that quantises group %c of %x (`x_type`, k floats) into %q32 (vector<8xi32>: its 32 int8), %dx (its
     scale, max|x| / 127) and %dxs (dx * sum q), rounding to nearest even: the one definition of x's rounding,
-    decode's and prefill's alike (engine/build/prefill_products.py). `maximumf`, not `maxnumf`: |x| holds no NaN
+    decode's and prefill's alike (engine/exporter/prefill_products.py). `maximumf`, not `maxnumf`: |x| holds no NaN
     that the latter's extra compares would skip, and without them the quantising dispatch of 512 rows x 576 took
     0.15 ms instead of 0.20."""
     return f"""
@@ -316,7 +316,7 @@ def index_constants() -> str:
     return "\n".join(lines)
 
 
-# The bindings of a q4 product's group numbers (engine/build/q4.py, split_numbers): the scale and offset factors,
+# The bindings of a q4 product's group numbers (engine/exporter/q4.py, split_numbers): the scale and offset factors,
 # and their super-blocks' units.
 Q4_NUMBER_BINDINGS = "%db: !stream.binding, %mb: !stream.binding, %ub: !stream.binding"
 

@@ -1,4 +1,4 @@
-"""What every build process shares (engine/build/process.py's build child, engine/build/side_job.py's weights
+"""What every build process shares (engine/exporter/process.py's build child, engine/exporter/side_job.py's weights
 writer): the environment it starts in, how it answers its parent, and dying with that parent."""
 from __future__ import annotations
 

@@ -22,12 +22,12 @@ from .child import answer, child_env, tied_to_me
 
 
 def start(job: dict) -> subprocess.Popen:
-    """Starts the side job for a build job ({"source", "settings", "out"}, engine/build/process.py's)."""
+    """Starts the side job for a build job ({"source", "settings", "out"}, engine/exporter/process.py's)."""
     env = child_env()
     # numpy asks for transparent huge pages for large arrays; where the kernel then compacts memory on each fault
     # (defrag=madvise, the common default) a fresh gigabyte took 6.7 s to fill instead of 0.5 s.
     env["NUMPY_MADVISE_HUGEPAGE"] = "0"
-    return subprocess.Popen([sys.executable, "-m", "engine.build.side_job", json.dumps(job)],
+    return subprocess.Popen([sys.executable, "-m", "engine.exporter.side_job", json.dumps(job)],
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, env=env, preexec_fn=tied_to_me())
 
 

@@ -241,7 +241,7 @@ def compile_mlir(mlir_path: Path, vmfb_path: Path, device: str, progress: Progre
 
     cmd = [find_tool("iree-compile"), str(mlir_path), "-o", str(vmfb_path), *compile_flags(device, target)]
     with tempfile.TemporaryFile() as log:
-        # The kernel ends the compiler with whoever started it (see engine/build/process.py): a build child that
+        # The kernel ends the compiler with whoever started it (see engine/exporter/process.py): a build child that
         # is killed outright cannot run the code that would end its compiler.
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=tied_to_me())
         start = time.perf_counter()
@@ -279,7 +279,7 @@ def expected_times(cfg: ModelConfig, settings: BuildSettings, weights_bytes: int
 
 
 class _SideJob:
-    """engine/build/side_job.py seen from the build child: its answers read on a thread into the clock and the
+    """engine/exporter/side_job.py seen from the build child: its answers read on a thread into the clock and the
     stage reports. An error there is raised here as the same class at the next check: after the export at the
     latest (which nothing interrupts; the weights used to start only after it), while compiling at once."""
 
@@ -342,14 +342,14 @@ def build(source: "ModelSource", cfg: ModelConfig, settings: BuildSettings, out_
           side: subprocess.Popen | None = None) -> dict[str, float]:
     """Writes module.vmfb, weights.irpa and the tokenizer files into out_dir; returns seconds per stage.
 
-    The export and then iree-compile run here while a second process (engine/build/side_job.py) writes the
+    The export and then iree-compile run here while a second process (engine/exporter/side_job.py) writes the
     weights file and the tokenizer: the two halves share nothing but the checkpoint's shape, and on two cores
     the build takes the longer of the two rather than their sum.
 
     Memory follows the largest tensor, not the model: the export traces a skeleton whose weights are never
     written (they are external parameters), and weights.irpa is written straight from the checkpoint one
-    tensor at a time (engine/build/weights_file.py). progress is an engine.artefacts.progress.Progress; `side`, the
-    side job already started for this build (engine/build/process.py starts it before importing torch)."""
+    tensor at a time (engine/exporter/weights_file.py). progress is an engine.artefacts.progress.Progress; `side`, the
+    side job already started for this build (engine/exporter/process.py starts it before importing torch)."""
     from . import side_job
     from ..checkpoint import open_tensors
     from ..artefacts.progress import REUSED_EXPORT, BuildClock, compile_detail, finished, ignore

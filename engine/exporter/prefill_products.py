@@ -1,5 +1,5 @@
 """Prefill's and scoring's q4 matrix products (many rows of x) written by hand for x86, as decode's are
-(engine/build/dot_products.py): integer dot products of the 4-bit codes with x quantised to int8 per group of 32,
+(engine/exporter/dot_products.py): integer dot products of the 4-bit codes with x quantised to int8 per group of 32,
 llama.cpp's way of multiplying a 4-bit matrix by a batch, but in two steps: x, then x's rounding error.
 
 Why. IREE's own path for a product of many rows widens every weight to float32 (and packs it for its data-tiled

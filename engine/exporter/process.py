@@ -55,7 +55,7 @@ def build_in_child(source: "ModelSource", settings: BuildSettings, out_dir: Path
     with tempfile.TemporaryFile() as log:
         # A session of its own, so Cancel can end the child and the iree-compile it started in one go.
         # stdin is the lifeline (see _watch_parent): nothing is ever written to it, it only closes.
-        child = subprocess.Popen([sys.executable, "-m", "engine.build.process", json.dumps(job)],
+        child = subprocess.Popen([sys.executable, "-m", "engine.exporter.process", json.dumps(job)],
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env,
                                  start_new_session=True)
         lines: queue.Queue[str | None] = queue.Queue()

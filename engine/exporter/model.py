@@ -74,12 +74,12 @@ class RMSNorm(nn.Module):
 
 class Linear(nn.Module):
     """A weight matrix [out, in] stored in the build's type: f32, f16, bf16, q8 (int8 with a per-row scale) or q4
-    (4-bit codes in groups with a scale and an offset each: engine/build/q4.py).
+    (4-bit codes in groups with a scale and an offset each: engine/exporter/q4.py).
 
     Stored weights are widened inside the graph: IREE fuses the widening into the matrix-vector products, so
     decode reads 2 (16-bit), 1 (q8) or about 0.59 (q4: half a byte, 2 bytes per 32 and 6 per 256) bytes per weight while
     activations and accumulation stay float32. A quantised matrix that is multiplied is stored in tiles of rows
-    and multiplied by a custom op (engine/build/kernels.py) whose decode form keeps a row per vector lane. The
+    and multiplied by a custom op (engine/exporter/kernels.py) whose decode form keeps a row per vector lane. The
     parameters have their stored type from the start, so a skeleton that never receives its weights
     (StreamingLlama.skeleton) exports exactly as one holding them.
     """
@@ -99,7 +99,7 @@ class Linear(nn.Module):
                 self.scale = _frozen(torch.empty(out_features, groups, dtype=torch.float16))
                 self.offset = _frozen(torch.empty(out_features, groups, dtype=torch.float16))
             else:
-                # Two-level group numbers (engine/build/q4.py, split_numbers): 8-bit factors, float16 units.
+                # Two-level group numbers (engine/exporter/q4.py, split_numbers): 8-bit factors, float16 units.
                 tiles, supers = out_features // Q4_TILE_ROWS, groups // super_groups(groups)
                 self.weight = _frozen(torch.empty(tiles, groups, Q4_TILE_ROWS * Q4_GROUP // 2, dtype=torch.int8))
                 self.scale = _frozen(torch.empty(tiles, groups, Q4_TILE_ROWS, dtype=torch.int8))
@@ -173,7 +173,7 @@ CONVERT_ROWS = 4096
 def stored_matrix(w: torch.Tensor, dtype: str, tiled: bool = False) -> dict[str, torch.Tensor]:
     """A weight matrix (float32, or the checkpoint's own 16-bit type) as Linear stores it: {"weight"} in the build's
     type, plus a per-row float32 {"scale"} for q8 (symmetric: the row's largest magnitude maps to 127), or the
-    packed codes with group {"scale", "offset"} for q4 (engine/build/q4.py).
+    packed codes with group {"scale", "offset"} for q4 (engine/exporter/q4.py).
 
     Each block of rows is widened to float32 and converted on its own: a 16-bit matrix is never widened whole,
     and since rows are independent (and widening 16-bit floats is exact) the bytes are those of converting the
@@ -211,7 +211,7 @@ def _paired(rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 class Piece:
     """One module's parameters and the checkpoint tensors (Hugging Face names) they are made from: the unit
     in which weights are converted, into a model in memory (StreamingLlama.load_hf) or straight into the .irpa
-    (engine/build/weights_file.py)."""
+    (engine/exporter/weights_file.py)."""
     module: str  # its name in the model, e.g. "layers.0.attention.wqkv"
     sources: tuple[str, ...]  # concatenated along the rows (q|k|v, gate|up)
     kind: str  # "matrix": a Linear's weight (and scale); "bias" or "norm": one float32 vector
@@ -535,7 +535,7 @@ class StreamingLlama(nn.Module):
     @classmethod
     def skeleton(cls, cfg: ModelConfig, settings: BuildSettings) -> "StreamingLlama":
         """The model with its weights allocated and never written: what the export traces (the weights are
-        external parameters, so the graph is the one a loaded model gives) while engine/build/weights_file.py writes
+        external parameters, so the graph is the one a loaded model gives) while engine/exporter/weights_file.py writes
         the weights from the checkpoint one tensor at a time.
 
         Linear's parameters come from torch.empty, whose pages the kernel maps only when first written: an 8B
