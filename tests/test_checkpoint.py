@@ -625,17 +625,17 @@ def test_save_tokenizer_without_template_falls_back_to_chatml(
 def test_bos_probe_renders_in_the_runtime_sandbox_with_its_work_budget():
     """The export-time probe (does the template write BOS itself?) runs untrusted templates in the same hardened
     sandbox as the runtime: a hostile template ends at the work budget instead of hanging the build."""
-    from engine.run import tokenizer
+    from engine.run.template_sandbox import render_template
 
     hostile = "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}{{ bos_token }}"
     t0 = time.perf_counter()
     assert ck_chat._template_emits_bos(hostile, "<s>", None) is True  # judged by its text
     assert time.perf_counter() - t0 < 10
     with pytest.raises(ModelError, match="loops more than"):
-        tokenizer.render_template(hostile, [], add_generation_prompt=True, bos_token="<s>")
+        render_template(hostile, [], add_generation_prompt=True, bos_token="<s>")
     escape = "{{ bos_token.__class__.__mro__ }}"
     with pytest.raises(ModelError, match="unsafe"):
-        tokenizer.render_template(escape, [], add_generation_prompt=True, bos_token="<s>")
+        render_template(escape, [], add_generation_prompt=True, bos_token="<s>")
     assert ck_chat._template_emits_bos("{{ bos_token }}{{ messages[0]['content'] }}", "<s>", None) is True
     assert ck_chat._template_emits_bos("{{ messages[0]['content'] }}", "<s>", None) is False
 

@@ -160,7 +160,7 @@ def _fails_fast_and_small(template: str) -> None:
     import tracemalloc
 
     from engine.errors import ModelError
-    from engine.run.tokenizer import render_template
+    from engine.run.template_sandbox import render_template
 
     tracemalloc.start()
     start = time.perf_counter()
@@ -188,7 +188,7 @@ def test_one_huge_value_is_refused_before_it_is_made(template: str) -> None:
 def test_a_template_that_accumulates_its_prompt_still_renders_a_long_chat() -> None:
     """The budget counts what is built, so a template that builds its prompt in a namespace (as some real ones
     build their system block) is well inside it for a long chat."""
-    from engine.run.tokenizer import render_template
+    from engine.run.template_sandbox import render_template
 
     template = ("{% set ns = namespace(s='') %}{% for m in messages %}{% set ns.s = ns.s ~ '<|' ~ m['role'] ~ '|>' "
                 "~ m['content'] | trim ~ '\\n' %}{% endfor %}{{ ns.s }}{{ '%s' % 'end' }}{{ messages|tojson(indent=2) }}")

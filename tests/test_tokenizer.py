@@ -15,7 +15,8 @@ if str(ROOT) not in sys.path:
 from conftest_tokenizer_helper import build_tokenizer_dir  # noqa: E402
 
 from engine.errors import ModelError  # noqa: E402
-from engine.run.tokenizer import StreamDecoder, Tokenizer  # noqa: E402
+from engine.run.stream_decoder import StreamDecoder  # noqa: E402
+from engine.run.tokenizer import Tokenizer  # noqa: E402
 
 MIXED = "Hello 👋🏽 世界! 🇫🇷 naïve café — 日本語のテキスト 😀😀"
 
@@ -293,9 +294,9 @@ NOT_LOCAL_TEMPLATES = [
 
 @pytest.mark.parametrize("template", LOCAL_TEMPLATES + NOT_LOCAL_TEMPLATES)
 def test_template_locality(template):
-    from engine.run.tokenizer import _locality
+    from engine.run.template_sandbox import template_locality
 
-    assert (_locality(template) is not None) == (template in LOCAL_TEMPLATES)
+    assert (template_locality(template) is not None) == (template in LOCAL_TEMPLATES)
 
 
 def tail_and_full(built, tmp_path, template):

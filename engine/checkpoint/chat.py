@@ -200,7 +200,7 @@ def _template_emits_bos(template: str, bos: str, eos: str | None) -> bool:
     """Whether rendering the template already produces the BOS string (so adding it again would double it).
     Rendered for real, in the runtime's hardened sandbox with its work budget, because templates usually
     write {{ bos_token }}; a template that cannot be rendered is judged by its text."""
-    from engine.run.tokenizer import render_template
+    from engine.run.template_sandbox import render_template
 
     try:
         rendered = render_template(template, [{"role": "user", "content": "Hi"}], add_generation_prompt=True,
