@@ -19,7 +19,7 @@ from typing import Any, Callable
 from PySide6.QtCore import QSettings
 
 from engine.config import PIN_SLOTS, BuildSettings
-from engine.run.generation import SAMPLING_FIELDS, ChatDefaults, SamplingOverrides, sampling_params
+from engine.run.generation import SAMPLING_FIELDS, ChatDefaults, SamplingOverrides
 from engine.run.sampling import OPTIONS
 from engine.run.session import ChatSettings
 
@@ -101,10 +101,9 @@ class AppSettings:
 
     def chat_settings(self, defaults: ChatDefaults | None = None) -> ChatSettings:
         c = self.chat
-        seed = None if c.seed < 0 else c.seed
-        sampling = sampling_params(defaults or ChatDefaults(), self.sampling_overrides(), seed)
-        return ChatSettings(system_prompt=c.system_prompt.strip() or None, max_new_tokens=c.max_new_tokens,
-                            sampling=sampling, pin_system=c.pin_system)
+        return ChatSettings.make(defaults, self.sampling_overrides(), None if c.seed < 0 else c.seed,
+                                 system_prompt=c.system_prompt.strip(), max_new_tokens=c.max_new_tokens,
+                                 pin_system=c.pin_system)
 
     def chat_dict(self) -> dict[str, Any]:
         """What the worker needs to make ChatSettings once it knows the model's defaults (plain data: it

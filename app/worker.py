@@ -23,7 +23,8 @@ from PySide6.QtCore import QObject, QThread, Signal, Slot
 
 from engine.errors import BuildCancelled, EddyError, PromptTooLongError
 from engine.events import Context, DecodeProgress, Done, Event, Prefill, PrefillProgress, Reasoning, Token
-from engine.run.generation import ChatDefaults, sampling_params
+from engine.run.chat_settings import DEFAULT_MAX_NEW_TOKENS
+from engine.run.generation import ChatDefaults
 from engine.run.session import ChatSession, ChatSettings, EventSink
 from engine.remote import is_remote, open_remote
 from engine.run.tools import Choice, ToolError, ToolPlan
@@ -371,10 +372,9 @@ class EngineWorker(QObject):
 
 def _chat_settings(chat: dict, defaults: ChatDefaults | None) -> ChatSettings:
     """AppSettings.chat_dict() over the loaded model's sampling defaults (Eddy's own before a model loads)."""
-    sampling = sampling_params(defaults or ChatDefaults(), chat.get("overrides"), chat.get("seed"))
-    return ChatSettings(system_prompt=chat.get("system_prompt") or None,
-                        max_new_tokens=int(chat.get("max_new_tokens", 512)), sampling=sampling,
-                        pin_system=bool(chat.get("pin_system")))
+    return ChatSettings.make(defaults, chat.get("overrides"), chat.get("seed"), system_prompt=chat.get("system_prompt"),
+                             max_new_tokens=chat.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS),
+                             pin_system=chat.get("pin_system", False))
 
 
 class EngineHost(QObject):

@@ -335,9 +335,8 @@ def _chat(args: argparse.Namespace) -> int:
         model = open_model(args.model, settings_from(args), _progress_printer(args.json))
         where = None
     base = model.chat_defaults if args.chat_defaults else ChatDefaults(greedy)
-    sampling = sampling_params(base, given, args.seed)
-    session = model.chat(ChatSettings(system_prompt=args.system, max_new_tokens=args.max_new_tokens, sampling=sampling,
-                                      pin_system=args.pin_system))
+    session = model.chat(ChatSettings.make(base, given, args.seed, system_prompt=args.system,
+                                           max_new_tokens=args.max_new_tokens, pin_system=args.pin_system))
 
     live = _live(sys.stderr)
 

@@ -13,35 +13,24 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
 
 from ..errors import EddyError, PromptTooLongError
 from ..events import Context, DecodeProgress, Done, Event, Prefill, PrefillProgress, Reasoning, Token
-from .constraint import Constraint, Grammar
+from .chat_settings import ChatSettings
+from .constraint import Constraint
 from .reasoning import ThinkSplitter
 from .runtime import CacheSnapshot, StreamingEngine
-from .sampling import Sampler, SamplingParams
+from .sampling import Sampler
 from .tokenizer import Tokenizer, common_prefix, valid_text
 
 EventSink = Callable[[Event], None]
 
 # How often a reply in progress reports its speed (DecodeProgress): often enough for a live figure.
 RATE_EVERY_S = 0.1
-
-
-@dataclass
-class ChatSettings:
-    system_prompt: str | None = None
-    max_new_tokens: int = 512
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    pin_system: bool = False  # the system prompt's tokens stay in the cache as sinks (StreamingEngine.pin)
-    # What the chat template is given besides the messages: `tools` (OpenAI's function list), `enable_thinking`.
-    template_extras: dict | None = None
-    grammar: Grammar | None = None  # the reply is held to it (engine/run/constraint.py)
-    split_thinking: bool = True  # a <think> block becomes Reasoning events and TurnResult.reasoning
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from starlette.routing import Route
 from ..errors import PromptTooLongError
 from ..events import Done, Prefill, Reasoning, Token
 from ..run.constraint import Grammar, GrammarError
-from ..run.generation import ChatDefaults, sampling_params
+from ..run.generation import ChatDefaults
 from ..run.reasoning import partial_end
 from ..run.session import ChatSettings, TurnResult
 from ..run.tokenizer import Tokenizer
@@ -134,11 +134,10 @@ def create_app(engine: JobRunner, settings: ServerSettings) -> Starlette:
 
     def chat_settings(req: Sampling, system: str | None, limit: int | None, **more: Any) -> ChatSettings:
         try:
-            sampling = sampling_params(s.defaults, req.overrides(), req.seed)
+            return ChatSettings.make(s.defaults, req.overrides(), req.seed, system_prompt=system,
+                                     max_new_tokens=limit or s.max_tokens, pin_system=s.pin_system, **more)
         except ValueError as e:
             raise APIError(422, str(e)) from None
-        return ChatSettings(system_prompt=system, max_new_tokens=limit or s.max_tokens, sampling=sampling,
-                            pin_system=s.pin_system, **more)
 
     async def start(request: Request, work) -> Job:
         """The job, submitted and started; a client that goes away meanwhile drops it from the queue."""
