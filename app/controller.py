@@ -29,6 +29,7 @@ from .tool_cards import MCP_FILE, ToolCards, load_servers
 from .store import ConversationRow, MessageRow, SearchHit, Store, StoreError, TurnRow
 from .transcript import to_json, to_markdown
 from .worker import TURN_ERRORS, EngineHost, Origin
+from .worker_payloads import ChatConfig, ModelInfo
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ class InFlight:
 class ChatController(QObject):
     busy_changed = Signal()  # read .busy (no bool argument: PySide6 6.12.0 loses a reference to True per emit)
     model_state_changed = Signal(str)  # "none" | "loading" | "ready" | "failed"
-    model_info_changed = Signal(object)
+    model_info_changed = Signal(object)  # ModelInfo (app/worker_payloads.py): a model has loaded
     load_progress = Signal(str, float)
     notice = Signal(str, str, str)     # level ("info" | "warning" | "error"), text, action ("" | "retry_load" | "settings" | "retry_save")
     cache_changed = Signal(object)     # CacheStats
@@ -84,7 +85,7 @@ class ChatController(QObject):
         self.draft = DraftModel(self)
         self._count_seq = 0
         self.model_state = "none"
-        self.model_info: dict = {}
+        self.model_info: ModelInfo | None = None  # the model loaded last (None: none yet)
         self.cache = CacheStats(0, 0, 0, 0, 0, 0)
         self._turn: InFlight | None = None
         self._after_idle: list[Callable[[], None]] = []
@@ -207,7 +208,7 @@ class ChatController(QObject):
     def _on_tools_changed(self) -> None:
         self.tools_changed.emit()
         if self.model_state == "ready":
-            self.host.configure(self._chat_dict())  # the model is told of the tools there are now
+            self.host.configure(self._chat_config())  # the model is told of the tools there are now
 
     def tool_action(self, index: int, action: str) -> None:
         """A tool card's button: "run", "always", "deny" or "stop"."""
@@ -261,17 +262,16 @@ class ChatController(QObject):
             self.host.cancel_load()  # a load for older settings would only be thrown away
         self._set_model_state("loading")
         s = self.settings
-        self.host.load(self.model_spec, s.build_settings().to_dict(), self._chat_dict())
+        self.host.load(self.model_spec, s.build_settings(), self._chat_config())
 
     def cancel_load(self) -> None:
         self.host.cancel_load()
 
-    def _chat_dict(self) -> dict:
+    def _chat_config(self) -> ChatConfig:
         # The open chat's own system prompt, else Settings': what the engine is given for this chat; and the
         # tools of the MCP servers running now.
-        return {**self.settings.chat_dict(), "system_prompt": self.prompts.effective.strip() or None,
-                "tools": self.tools.tools(), "tool_choice": self.tool_choice, "api_key": self.settings.api_key,
-                "context": self.settings.context}
+        return replace(self.settings.chat_config(), system_prompt=self.prompts.effective.strip() or None,
+                       tools=tuple(self.tools.tools()), tool_choice=self.tool_choice)
 
     def _on_chat_prompt(self) -> None:
         # The chat's beginning changed: rebuild its cache with the new prompt, after the reply in progress ends.
@@ -280,30 +280,30 @@ class ChatController(QObject):
     @property
     def chat_defaults(self) -> ChatDefaults:
         """The loaded model's sampling defaults (Eddy's own until a model has loaded)."""
-        return ChatDefaults.from_dict(self.model_info.get("chat_defaults") or {})
+        return self.model_info.chat_defaults if self.model_info is not None else ChatDefaults()
 
     def _set_model_state(self, state: str) -> None:
         self.model_state = state
         self.model_state_changed.emit(state)
         self._sync_server()  # it serves the loaded model only: off while another loads, back once ready
 
-    def _on_loaded(self, info: dict) -> None:
+    def _on_loaded(self, info: ModelInfo) -> None:
         self.model_info = info
         self.model_state = "ready"
         # Queue the open chat's rebuild before anyone can react to "ready" with a send.
         self._sync_engine()
         self._set_model_state("ready")
         self.model_info_changed.emit(info)
-        self._on_cache(info["cache"])
-        self.draft.set_window(int(info["settings"].get("window", 0)))
-        if info.get("built"):
-            self.notice.emit("info", f"{info['model']} is compiled and ready ({info['seconds']:.0f} s). "
+        self._on_cache(info.cache)
+        self.draft.set_window(info.window)
+        if info.built:
+            self.notice.emit("info", f"{info.model} is compiled and ready ({info.seconds:.0f} s). "
                              "Later starts reuse it.", "")
 
     def _sync_engine(self) -> None:
         """Puts the open chat into the model's cache (a rebuild; its prefill shows up as a ↻ turn)."""
         if self.model_state == "ready" and not self._closing and not self.busy:
-            self.host.configure(self._chat_dict())  # this chat's system prompt; queued before the switch
+            self.host.configure(self._chat_config())  # this chat's system prompt; queued before the switch
             self.host.switch_chat(self.chat.history())
 
     # --- settings ------------------------------------------------------------------------------------------
@@ -321,7 +321,7 @@ class ChatController(QObject):
             self.load_model()
             return
         self.tools.allowed = {t for t in new.tools.allowed_tools.split(",") if t}
-        self.host.configure(self._chat_dict())
+        self.host.configure(self._chat_config())
         self._sync_server()
         if old.system_prompt != new.system_prompt:
             self.prompts.default_changed(old.system_prompt)  # a chat on the default rebuilds (_on_chat_prompt)
@@ -677,8 +677,8 @@ class ChatController(QObject):
         meta = {"tokens": ev.tokens, "tok_s": ev.tok_s, "stop_reason": ev.stop_reason,
                 "prefill_tokens": prefill.new_tokens, "prefill_ms": prefill.ms}
         reply = self.chat.messages[turn.reply_index]
-        if self.model_info.get("model"):
-            reply.extra = {**reply.extra, "model": self.model_info["model"]}  # which model wrote it (hover, export)
+        if self.model_info is not None and self.model_info.model:
+            reply.extra = {**reply.extra, "model": self.model_info.model}  # which model wrote it (hover, export)
         if turn.thinking[0]:
             # Stored with the message: how long it thought, from its first thinking token to its last.
             reply.extra = {**reply.extra, "thinking_ms": round((turn.thinking[1] - turn.thinking[0]) * 1e3)}
@@ -857,7 +857,8 @@ class ChatController(QObject):
         if fmt == "json":
             conv_id = self.chat.conversation_id
             turns = self._read(lambda: self.store.turns(conv_id), []) if conv_id is not None and conv_id >= 0 else []
-            text = to_json(self.chat.title, self._pairs(), turns, self.model_info.get("model"), self._tree_rows())
+            model = self.model_info.model if self.model_info is not None else None
+            text = to_json(self.chat.title, self._pairs(), turns, model, self._tree_rows())
         else:
             text = self.chat_markdown()
         Path(path).write_text(text, encoding="utf-8")
@@ -904,11 +905,12 @@ class ChatController(QObject):
     def _server_config(self) -> ServerConfig | None:
         """What the server should be running with now; None: it should be off."""
         s = self.settings
-        if not s.server.serve or self.model_state != "ready" or self._closing or not self.model_info:
+        info = self.model_info
+        if not s.server.serve or self.model_state != "ready" or self._closing or info is None:
             return None
-        if self.model_info.get("remote"):
+        if info.remote:
             return None  # a remote model's server is already a server: clients can use it directly
-        return ServerConfig(s.server.server_port, s.server.server_key, str(self.model_info.get("model")),
+        return ServerConfig(s.server.server_port, s.server.server_key, str(info.model),
                             self.chat_defaults, s.chat.pin_system, s.chat.max_new_tokens)
 
     def _sync_server(self) -> None:

@@ -28,6 +28,7 @@ from .settings_dialog import DEFAULT_MODEL_NAME, SettingsDialog
 from .stats_panel import StatsPanel
 from .model_picker import ModelCatalog, ModelPicker, choices
 from .system_prompt_bar import SystemPromptBar
+from .worker_payloads import ModelInfo
 
 UI_STATE_FILE = "ui.ini"
 
@@ -553,7 +554,7 @@ class MainWindow(QMainWindow):
             self.status_label.setText("No model loaded")
         self._update_controls()
 
-    def _on_model_info(self, info: dict) -> None:
+    def _on_model_info(self, info: ModelInfo) -> None:
         self._show_status()
         self.stats.show_remote(info)
         self.refresh_models()  # a build just made is "built" now
@@ -561,17 +562,16 @@ class MainWindow(QMainWindow):
     def _show_status(self, *_: object) -> None:
         """The model and its cache: the sinks in force in this chat (more when a system prompt is pinned)."""
         info, cache = self.controller.model_info, self.controller.cache
-        if self.controller.model_state != "ready" or not info:
+        if self.controller.model_state != "ready" or info is None:
             return
-        s = info["settings"]
-        if info.get("remote"):
-            self.status_label.setText(f"{info['model']} · {info['device']} · context {s['window']:,} tokens · "
-                                      f"connected in {info['seconds']:.1f} s")
+        if info.build is None:  # a model on a server
+            self.status_label.setText(f"{info.model} · {info.device} · context {info.window:,} tokens · "
+                                      f"connected in {info.seconds:.1f} s")
             return
-        sinks = cache.sinks or s["sinks"]
+        sinks = cache.sinks or info.build.sinks
         pinned = f" ({cache.pinned} pinned)" if cache.pinned else ""
-        self.status_label.setText(f"{info['model']} · {s['dtype']} · {info.get('device', s['device'])} · cache {sinks} sinks{pinned} + "
-                                  f"{s['window']} window · loaded in {info['seconds']:.1f} s")
+        self.status_label.setText(f"{info.model} · {info.build.dtype} · {info.device} · cache {sinks} sinks{pinned} + "
+                                  f"{info.window} window · loaded in {info.seconds:.1f} s")
 
     def _update_controls(self, *_: object) -> None:
         c = self.controller

@@ -266,7 +266,7 @@ def document(out: Path, model: str | None, window_size: int | None) -> int:
             if s != "ready" or getattr(drive, "done", False):
                 return
             drive.done = True
-            w = c.model_info["settings"]["window"]
+            w = c.model_info.window
             lines = [f"{i + 1}. Step {i + 1} of the procedure: check the valve, note the pressure, and log it."
                      for i in range(max(20, w * 6 // 20))]
             path = folder / "procedure.md"
@@ -372,7 +372,7 @@ def local_server(out: Path, model: str | None, build: dict[str, object]) -> int:
             import openai
 
             client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
-            client.chat.completions.create(model=c.model_info["model"], max_tokens=40, messages=[
+            client.chat.completions.create(model=c.model_info.model, max_tokens=40, messages=[
                 {"role": "system", "content": "You are a coding assistant in an editor."},
                 {"role": "user", "content": "Write a one-line docstring for a function that adds two numbers."}])
 
@@ -596,7 +596,7 @@ def tools(out: Path, model: str | None) -> int:
         def ask() -> None:
             name = next(t["function"]["name"] for t in c.tools.tools() if t["function"]["name"].endswith("add"))
             c.tool_choice = {"type": "function", "function": {"name": name}}
-            c.host.configure(c._chat_dict())
+            c.host.configure(c._chat_config())
             c.send("What is 17 + 25? Use the add tool.")
 
         def finished(_row) -> None:
@@ -609,7 +609,7 @@ def tools(out: Path, model: str | None) -> int:
             last = c.chat.messages[-1] if c.chat.messages else None
             if last is not None and last.role == "tool" and last.extra.get("state") == "asking":
                 c.tool_choice = "auto"
-                c.host.configure(c._chat_dict())
+                c.host.configure(c._chat_config())
                 window.chat_view.flush()
                 _save(_snapshot(window), out.with_name(out.stem + "-card.png"))
                 c.tool_action(len(c.chat.messages) - 1, "run")

@@ -23,6 +23,8 @@ from engine.run.generation import SAMPLING_FIELDS, ChatDefaults, SamplingOverrid
 from engine.run.sampling import OPTIONS
 from engine.run.session import ChatSettings
 
+from .worker_payloads import ChatConfig
+
 SETTINGS_FILE = "settings.ini"
 # 1: every field saved, sampling greedy by default. 2: only the fields the user set.
 SETTINGS_VERSION = 2
@@ -32,7 +34,7 @@ VERSION_KEY = "settings_version"
 @dataclass(frozen=True)
 class ChatOptions:
     """How replies are generated. The engine's ChatSettings is made from these once the model's sampling
-    defaults are known (chat_settings; the worker does the same from chat_dict)."""
+    defaults are known (chat_settings; the worker does the same from chat_config)."""
 
     system_prompt: str = ""
     pin_system: bool = ChatSettings.pin_system  # the system prompt stays in the cache as sinks (a build choice too)
@@ -100,18 +102,15 @@ class AppSettings:
         return self.chat.sampling.chosen()
 
     def chat_settings(self, defaults: ChatDefaults | None = None) -> ChatSettings:
-        c = self.chat
-        return ChatSettings.make(defaults, self.sampling_overrides(), None if c.seed < 0 else c.seed,
-                                 system_prompt=c.system_prompt.strip(), max_new_tokens=c.max_new_tokens,
-                                 pin_system=c.pin_system)
+        return self.chat_config().chat_settings(defaults)
 
-    def chat_dict(self) -> dict[str, Any]:
-        """What the worker needs to make ChatSettings once it knows the model's defaults (plain data: it
-        crosses threads in a queued signal)."""
+    def chat_config(self) -> ChatConfig:
+        """What the worker makes ChatSettings from once it knows the model's defaults (the controller adds the
+        open chat's own prompt and the tools)."""
         c = self.chat
-        return {"system_prompt": c.system_prompt.strip() or None, "pin_system": c.pin_system,
-                "max_new_tokens": c.max_new_tokens,
-                "overrides": self.sampling_overrides(), "seed": None if c.seed < 0 else c.seed}
+        return ChatConfig(system_prompt=c.system_prompt.strip() or None, pin_system=c.pin_system,
+                          max_new_tokens=c.max_new_tokens, overrides=self.sampling_overrides(),
+                          seed=None if c.seed < 0 else c.seed, api_key=self.api_key, context=self.context)
 
     def validate(self) -> None:
         """Raises ValueError with a message for the user if any value is out of range."""

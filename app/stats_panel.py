@@ -10,6 +10,7 @@ from engine.events import CacheStats, Prefill
 from .cache_bar import CacheBar
 from .models import TurnStatsModel
 from .ttft_chart import TtftChart
+from .worker_payloads import ModelInfo
 
 
 def _heading(text: str) -> QLabel:
@@ -107,9 +108,9 @@ class StatsPanel(QFrame):
 
     # --- fed by the controller's signals -------------------------------------------------------------------
 
-    def show_remote(self, info: dict) -> None:
+    def show_remote(self, info: ModelInfo) -> None:
         """Says, for a model on a server, which figures come from it and which Eddy cannot know."""
-        remote = bool(info.get("remote"))
+        remote = info.remote
         self.remote_label.setVisible(remote)
         if remote:
             self.remote_label.setText(

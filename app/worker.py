@@ -8,7 +8,7 @@ directly from the GUI thread because the worker is busy inside the engine when t
 (the session's stop flag is thread-safe) and cancel_load() (a flag the build polls).
 
 Events (worker -> GUI): the session's own typed events (engine/events.py), one signal per kind, each with
-the Origin of the request it answers; plus progress(stage, fraction) and loaded(info) for model loads and
+the Origin of the request it answers; plus progress(stage, fraction) and loaded(ModelInfo) for model loads and
 error(kind, message); progress_detail(stage, detail) follows each progress with the stage's own words ("tensor 12
 of 272"). The worker computes nothing about the cache: the session says it all.
 """
@@ -23,11 +23,12 @@ from PySide6.QtCore import QObject, QThread, Signal, Slot
 
 from engine.errors import BuildCancelled, EddyError, PromptTooLongError
 from engine.events import Context, DecodeProgress, Done, Event, Prefill, PrefillProgress, Reasoning, Token
-from engine.run.chat_settings import DEFAULT_MAX_NEW_TOKENS
-from engine.run.generation import ChatDefaults
+from engine.config import BuildSettings
 from engine.run.session import ChatSession, ChatSettings, EventSink
 from engine.remote import is_remote, open_remote
 from engine.run.tools import Choice, ToolError, ToolPlan
+
+from .worker_payloads import ChatConfig, ModelInfo
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ class Origin:
 class EngineWorker(QObject):
     progress = Signal(str, float)
     progress_detail = Signal(str, str)  # stage, what it is at: right after each progress (the dialog shows it)
-    loaded = Signal(object)            # {"model", "folder", "settings", "device", "seconds", "built", "cache", "chat_defaults"}
+    loaded = Signal(object)            # ModelInfo (app/worker_payloads.py)
     prefill = Signal(object, object)   # each engine event kind with its Origin
     prefill_progress = Signal(object, object)
     token = Signal(object, object)
@@ -97,7 +98,7 @@ class EngineWorker(QObject):
         self._model: Any = None
         self._session: ChatSession | None = None
         self._chat_settings = ChatSettings()
-        self._chat: dict = {}  # the last chat dict (its tools and tool_choice are applied per turn)
+        self._chat = ChatConfig()  # the last one told (its tools and tool_choice are applied per turn)
         # Loads are numbered; a cancel covers every load up to the one current when it was asked for, so
         # it can neither be lost (load not started yet) nor leak into a later load.
         self._cancelled_through = 0
@@ -135,8 +136,7 @@ class EngineWorker(QObject):
     # --- requests (run on the worker thread) ---------------------------------------------------------------
 
     @Slot(int, str, object, object)
-    def load(self, seq: int, model: str, build: dict, chat: dict) -> None:
-        from engine.config import BuildSettings
+    def load(self, seq: int, model: str, build: BuildSettings, chat: ChatConfig) -> None:
         from engine.gpu import device_name, runnable
         from engine.loader import open_model
 
@@ -160,11 +160,11 @@ class EngineWorker(QObject):
             self._load_remote(model, chat, start)
             return
         try:
-            _chat_settings(chat, None)  # a bad value fails before a long build
-            settings, device_note = runnable(BuildSettings(**build))
+            chat.chat_settings()  # a bad value fails before a long build
+            settings, device_note = runnable(build)
             self._model = open_model(model or None, settings, progress, cancelled)
-            self._chat_settings = _chat_settings(chat, self._model.chat_defaults)
-            self._chat = dict(chat)
+            self._chat_settings = chat.chat_settings(self._model.chat_defaults)
+            self._chat = chat
             self._session = self._model.chat(self._chat_settings)
             self._session.settings = self._with_tools()
         except EddyError as e:
@@ -180,45 +180,44 @@ class EngineWorker(QObject):
             return
         yield_to_gui()  # the new module's device brought its own worker threads
         engine = self._model.engine
-        self.loaded.emit({
-            "model": self._model.source.name if self._model.source else model,
-            "folder": str(self._model.folder),
-            "settings": engine.settings.to_dict(),
-            # What the status bar names: the GPU, or why a cuda choice runs on the CPU.
-            "device": device_name(engine.settings) + (f" ({device_note})" if device_note else ""),
-            "seconds": round(time.perf_counter() - start, 2),
-            "built": built,
-            "cache": engine.stats,
-            "chat_defaults": self._model.chat_defaults.to_dict(),
-        })
+        self.loaded.emit(ModelInfo(
+            model=self._model.source.name if self._model.source else model,
+            folder=str(self._model.folder),
+            build=engine.settings,
+            window=engine.settings.window,
+            device=device_name(engine.settings) + (f" ({device_note})" if device_note else ""),
+            seconds=round(time.perf_counter() - start, 2),
+            built=built,
+            cache=engine.stats,
+            chat_defaults=self._model.chat_defaults,
+        ))
 
-    def _load_remote(self, url: str, chat: dict, start: float) -> None:
+    def _load_remote(self, url: str, chat: ChatConfig, start: float) -> None:
         """A model on an OpenAI-compatible server (engine/remote.py): nothing to build, its context is the window."""
         try:
-            self._model = open_remote(url, chat.get("api_key") or None, chat.get("context") or None)
-            self._chat_settings = _chat_settings(chat, self._model.chat_defaults)
-            self._chat = dict(chat)
+            self._model = open_remote(url, chat.api_key or None, chat.context or None)
+            self._chat_settings = chat.chat_settings(self._model.chat_defaults)
+            self._chat = chat
             self._session = self._model.chat(self._chat_settings)
         except (EddyError, ValueError) as e:
             self.error.emit("load", str(e))
             return
         info = self._model.info
-        self.loaded.emit({
-            "model": info.model, "folder": url, "remote": True,
-            "settings": {"sinks": 0, "window": info.context, "dtype": "remote", "device": "remote"},
-            "device": f"remote · {self._model.source.url}" + ("" if info.context_known else " (context assumed)"),
-            "seconds": round(time.perf_counter() - start, 2), "built": False, "cache": self._session.stats,
-            "chat_defaults": self._model.chat_defaults.to_dict(),
-        })
+        self.loaded.emit(ModelInfo(
+            model=info.model, folder=url, build=None, window=info.context,
+            device=f"remote · {self._model.source.url}" + ("" if info.context_known else " (context assumed)"),
+            seconds=round(time.perf_counter() - start, 2), built=False, cache=self._session.stats,
+            chat_defaults=self._model.chat_defaults,
+        ))
 
     @Slot(object)
-    def configure(self, chat: dict) -> None:
+    def configure(self, chat: ChatConfig) -> None:
         try:
-            self._chat_settings = _chat_settings(chat, self._model.chat_defaults if self._model else None)
+            self._chat_settings = chat.chat_settings(self._model.chat_defaults if self._model else None)
         except ValueError as e:
             self.error.emit("settings", str(e))
             return
-        self._chat = dict(chat)
+        self._chat = chat
         if self._session is not None:
             self._session.settings = self._with_tools()
 
@@ -227,7 +226,7 @@ class EngineWorker(QObject):
         # tool_choice "required" (or a named function) forces a call in the reply to the user's message, not
         # in the ones after its results (or the loop would never end).
         self._turn(ticket, lambda session, on_event: session.answer(text, on_event),
-                   force=self._chat.get("tool_choice", "auto") != "auto")
+                   force=self._chat.tool_choice != "auto")
 
     @Slot(int, object)
     def send_tool_results(self, ticket: int, results: list) -> None:
@@ -298,7 +297,7 @@ class EngineWorker(QObject):
 
     def _plan(self) -> ToolPlan:
         """The window's tools (from its MCP servers) as this model's template takes them."""
-        tools = list(self._chat.get("tools") or [])
+        tools = list(self._chat.tools)
         tokenizer = self._session.model_tokenizer if self._session is not None else None
         if tokenizer is None:  # a remote model: no tools through Eddy's templates (the server's are its own)
             return ToolPlan.make("", [], Choice("none"))
@@ -315,7 +314,7 @@ class EngineWorker(QObject):
         grammar = None
         if force:
             try:
-                plan.choice = Choice.read(self._chat.get("tool_choice"), plan.tools)
+                plan.choice = Choice.read(self._chat.tool_choice, plan.tools)
             except ToolError:
                 plan.choice = Choice("required")  # a named tool that has gone: any of the others
             grammar = plan.grammar(self._session.tokenizer.special_id)
@@ -370,18 +369,11 @@ class EngineWorker(QObject):
         self._signals[type(event)].emit(event, origin)
 
 
-def _chat_settings(chat: dict, defaults: ChatDefaults | None) -> ChatSettings:
-    """AppSettings.chat_dict() over the loaded model's sampling defaults (Eddy's own before a model loads)."""
-    return ChatSettings.make(defaults, chat.get("overrides"), chat.get("seed"), system_prompt=chat.get("system_prompt"),
-                             max_new_tokens=chat.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS),
-                             pin_system=chat.get("pin_system", False))
-
-
 class EngineHost(QObject):
     """Owns the worker thread; the GUI side's handle on the engine (every method returns at once)."""
 
-    _load = Signal(int, str, object, object)
-    _configure = Signal(object)
+    _load = Signal(int, str, object, object)  # seq, model, BuildSettings, ChatConfig (app/worker_payloads.py)
+    _configure = Signal(object)  # ChatConfig
     _send = Signal(int, str)
     _regenerate = Signal(int)
     _answer_from = Signal(int, object, str)
@@ -427,11 +419,11 @@ class EngineHost(QObject):
     def running(self) -> bool:
         return self.thread.isRunning()
 
-    def load(self, model: str, build: dict, chat: dict) -> None:
+    def load(self, model: str, build: BuildSettings, chat: ChatConfig) -> None:
         self._loads += 1
         self._load.emit(self._loads, model, build, chat)
 
-    def configure(self, chat: dict) -> None:
+    def configure(self, chat: ChatConfig) -> None:
         self._configure.emit(chat)
 
     def send(self, text: str) -> int:

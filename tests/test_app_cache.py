@@ -64,7 +64,7 @@ def test_settings_lists_the_model_cache_and_deletes_a_build_but_not_the_one_in_u
     data = tmp_path / "data"
     write_settings(data)
     window = open_window(qtbot, data)  # loads the tiny entry: the one in use
-    in_use = window.controller.model_info["folder"]
+    in_use = window.controller.model_info.folder
     spare = tiny.folder.parent / f"tiny-random-f32-4+60-{FAKE_KEY}"
     shutil.copytree(tiny.folder, spare)
     dialog = SettingsDialog(window.controller.settings, window)

@@ -299,7 +299,7 @@ def test_a_cuda_choice_runs_on_the_gpu_or_on_the_cpu_saying_why(qtbot, tmp_path,
     else:
         # The tests' CPU build answers; the status bar names the CPU and why the GPU was not used.
         assert " · cpu (cuda chosen, but " in status, status
-        assert window.controller.model_info["settings"]["device"] == "cpu"
+        assert window.controller.model_info.build.device == "cpu"
         send_text(qtbot, window, "Hello")
         assert last_reply(window)
     dialog = SettingsDialog(window.controller.settings, window)

@@ -76,7 +76,7 @@ def test_a_document_five_windows_long_streams_through_and_is_answered(qtbot, win
     qtbot.keyClicks(window.compose, "Which line comes last?")
     # Before sending: the engine counted the draft, and the bar says how much of it the model will see.
     qtbot.waitUntil(lambda: c.draft.tokens is not None and c.draft.tokens > 0, timeout=TURN_TIMEOUT_MS)
-    window_size = c.model_info["settings"]["window"]
+    window_size = c.model_info.window
     assert c.draft.tokens >= 5 * window_size
     summary = window.draft_bar.summary.text()
     assert f"Draft: {c.draft.tokens:,} tokens" in summary and f"only its last {window_size} tokens" in summary

@@ -59,7 +59,7 @@ def test_the_picker_lists_built_found_and_refused_models_and_a_switch_keeps_the_
     send_text(qtbot, window, "Remember the word apple.")
     assert len(c.chat.messages) == 2
     c.switch_model(server)  # a model that needs no build: the chat stays and goes on with it
-    qtbot.waitUntil(lambda: c.model_state == "ready" and c.model_info.get("remote"), timeout=LOAD_TIMEOUT_MS)
+    qtbot.waitUntil(lambda: c.model_state == "ready" and c.model_info is not None and c.model_info.remote, timeout=LOAD_TIMEOUT_MS)
     assert [m.role for m in c.chat.messages] == ["user", "assistant"]
     send_text(qtbot, window, "Which word?")
     assert len(c.chat.messages) == 4 and c.chat.messages[-1].extra["model"] == "tiny-random"

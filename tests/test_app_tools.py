@@ -41,7 +41,7 @@ def test_a_forced_call_shows_its_card_runs_when_approved_and_the_reply_follows(q
     window, c = _window(qtbot, tmp_path)
     add = _tool(c, "add")
     c.tool_choice = {"type": "function", "function": {"name": add}}
-    c.host.configure(c._chat_dict())
+    c.host.configure(c._chat_config())
     _send(qtbot, window, "Add two numbers with the tool.")
     qtbot.waitUntil(lambda: c.chat.messages[-1].role == "tool", timeout=TURN_TIMEOUT_MS)
     reply, card = c.chat.messages[-2], c.chat.messages[-1]
@@ -60,7 +60,7 @@ def test_a_forced_call_shows_its_card_runs_when_approved_and_the_reply_follows(q
     assert add in bubble.call.text()
 
     c.tool_choice = "auto"  # the reply after the result is the model's own
-    c.host.configure(c._chat_dict())
+    c.host.configure(c._chat_config())
     with qtbot.waitSignal(c.turn_finished, timeout=TURN_TIMEOUT_MS):
         bubble.tool_buttons["always"].click()  # run it, and never ask again for this tool
     assert card.extra["state"] == "done" and card.content == str(args["a"] + args["b"])
@@ -87,7 +87,7 @@ def test_a_call_to_a_server_that_hangs_times_out_with_a_notice_and_the_chat_goes
     c.tools.allowed.add(hang)  # "Always allow": it runs without asking
     c.tools.timeout = 1.0
     c.tool_choice = {"type": "function", "function": {"name": hang}}
-    c.host.configure(c._chat_dict())
+    c.host.configure(c._chat_config())
     notices = []
     c.notice.connect(lambda kind, text, action: notices.append(text))
     _send(qtbot, window, "Call the tool that hangs.")
@@ -122,7 +122,7 @@ def test_calls_past_the_bound_are_not_run_and_the_loop_ends(qtbot, tmp_path):
     window, c = _window(qtbot, tmp_path)
     c.tools.limit = 0  # the bound (8 by default) already reached
     c.tool_choice = {"type": "function", "function": {"name": _tool(c, "add")}}
-    c.host.configure(c._chat_dict())
+    c.host.configure(c._chat_config())
     notices = []
     c.notice.connect(lambda kind, text, action: notices.append(text))
     _send(qtbot, window, "Add numbers.")
@@ -137,7 +137,7 @@ def test_calls_past_the_bound_are_not_run_and_the_loop_ends(qtbot, tmp_path):
 def test_a_running_call_can_be_stopped_and_the_model_is_told(qtbot, tmp_path):
     window, c = _window(qtbot, tmp_path)
     c.tool_choice = {"type": "function", "function": {"name": _tool(c, "hang")}}
-    c.host.configure(c._chat_dict())
+    c.host.configure(c._chat_config())
     _send(qtbot, window, "Call the tool that hangs.")
     qtbot.waitUntil(lambda: c.chat.messages[-1].role == "tool", timeout=TURN_TIMEOUT_MS)
     index = len(c.chat.messages) - 1

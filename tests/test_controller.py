@@ -8,6 +8,8 @@ from PySide6.QtCore import QObject, Signal
 
 from app.controller import ChatController
 from app.worker import EngineWorker, Origin
+from app.worker_payloads import ChatConfig, ModelInfo
+from engine.config import BuildSettings
 from engine.events import CacheStats, Context, DecodeProgress, Done, Prefill, Token
 
 
@@ -34,7 +36,7 @@ class RecordingHost(QObject):
     def load(self, *args: object) -> None:
         self.requests.append(("load",))
 
-    def configure(self, chat: dict) -> None:
+    def configure(self, chat: ChatConfig) -> None:
         self.requests.append(("configure",))
 
     def send(self, text: str) -> int:
@@ -76,8 +78,8 @@ def ready(qtbot, tmp_path) -> tuple[ChatController, RecordingHost]:
     host = RecordingHost()
     c = ChatController(tmp_path, host=host)
     c.start()
-    host.worker.loaded.emit({"model": "stand-in", "folder": "", "settings": {}, "seconds": 0.0, "built": False,
-                             "cache": cache(0), "chat_defaults": {}})
+    host.worker.loaded.emit(ModelInfo("stand-in", "", BuildSettings(), window=0, device="cpu", seconds=0.0,
+                                      built=False, cache=cache(0)))
     assert c.model_state == "ready" and host.requests[-1] == ("switch", 0)
     return c, host
 

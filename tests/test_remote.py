@@ -104,7 +104,7 @@ def test_the_window_chats_with_a_remote_model_and_marks_what_left_its_context(se
     write_settings(data, api_key=KEY, max_new_tokens=6)
     window = open_window(qtbot, data, model=server)
     c = window.controller
-    assert c.model_info["remote"] and "remote" in window.status_label.text()
+    assert c.model_info.remote and "remote" in window.status_label.text()
     assert window.stats.remote_label.isVisible() and "server's own counts" in window.stats.remote_label.text()
     for turn in range(12):
         row = send_text(qtbot, window, f"Question {turn}: say something short.")
