@@ -8,7 +8,7 @@ from PySide6.QtWidgets import QSizePolicy, QWidget
 
 from engine.events import CacheStats
 
-from .chat_view import blend
+from .colours import blend
 
 SINK_COLOUR = QColor("#e0803a")    # warm: kept forever
 PIN_COLOUR = QColor("#9b51e0")     # the sinks that hold the pinned system prompt

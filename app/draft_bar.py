@@ -6,7 +6,7 @@ from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QPalette
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QToolButton, QWidget
 
-from .chat_view import blend
+from .colours import blend
 from .documents import size_text
 from .icons import icon
 from .models import DraftModel

@@ -5,7 +5,7 @@ from PySide6.QtCore import QRectF, Qt, Signal
 from PySide6.QtGui import QColor, QPainter, QPainterPath, QPalette
 from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QPushButton, QToolButton, QWidget
 
-from .chat_view import blend
+from .colours import blend
 from .icons import icon
 
 LEVEL_COLOURS = {"info": QColor("#2f80ed"), "warning": QColor("#e0a030"), "error": QColor("#d9453d")}

@@ -6,7 +6,7 @@ from PySide6.QtCore import QPointF, QRectF, QSize, Qt
 from PySide6.QtGui import QColor, QFontMetrics, QMouseEvent, QPainter, QPalette
 from PySide6.QtWidgets import QSizePolicy, QToolTip, QWidget
 
-from .chat_view import blend
+from .colours import blend
 from .models import TurnStatsModel
 
 TURN_COLOUR = QColor("#2f80ed")

@@ -69,7 +69,7 @@ def test_code_blocks_have_a_copy_button_that_copies_exactly_their_code(qtbot, tm
 
 
 def test_code_blocks_are_read_as_commonmark_fences():
-    from app.chat_view import code_blocks
+    from app.markdown_view import code_blocks
 
     assert code_blocks("Look:\n```js\nlet a = 1;\n") == [("js", "let a = 1;")]  # still open: runs to the end
     assert code_blocks("````\n```\ninner\n```\n````") == [("", "```\ninner\n```")]
@@ -158,7 +158,7 @@ def test_message_time_and_reply_speed_on_hover(qtbot, tmp_path, tiny):
 
 
 def test_short_time_shows_the_date_when_it_is_not_today():
-    from app.chat_view import short_time
+    from app.message_meta import short_time
 
     now = time.mktime((2026, 6, 15, 12, 0, 0, 0, 0, -1))
     assert short_time(time.mktime((2026, 6, 15, 9, 5, 0, 0, 0, -1)), now) == "09:05"
