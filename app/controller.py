@@ -3,55 +3,45 @@
 Every user action arrives as a method call; everything the views show lives in the models (ChatModel,
 ConversationListModel, TurnStatsModel) or comes out as a signal. What the cache holds is the engine's to
 say (its typed events); saving that fails is retried by the SaveQueue (app/saving.py).
+
+ChatController holds the state and its signals, the model's loading, the settings, opening and searching chats,
+the draft, export and closing. Its other jobs are mixed in, one module each: the turns and the engine's events
+(controller_turns.py), alternatives and branches (controller_branches.py), tool calls (controller_tools.py),
+the Local server (controller_server.py) and saving (controller_saving.py).
 """
 from __future__ import annotations
 
-import logging
 import threading
-import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Sequence
 
 from PySide6.QtCore import QObject, Signal
 
-from engine.events import CacheStats, Context, DecodeProgress, Done, Prefill, PrefillProgress, Reasoning, Token
+from engine.events import CacheStats
 from engine.run.generation import ChatDefaults
 
-from .branches import ChatTree, Node
-from .documents import Document, DocumentError, as_message, read_document
-from .local_server import LocalServer, ServedTurn, ServerConfig
+from .branches import ChatTree
+from .controller_branches import BranchHandling
+from .controller_saving import NEW_CHAT_TITLE, ChatSaving
+from .controller_server import LocalServerHandling
+from .controller_tools import ToolCallHandling
+from .controller_turns import InFlight, TurnHandling
+from .documents import DocumentError, as_message, read_document
+from .local_server import LocalServer
 from .models import ChatModel, ConversationListModel, DraftModel, Message, TurnStatsModel
 from .saving import SaveQueue
 from .settings import AppSettings, load_settings, save_settings
 from .system_prompts import SystemPrompts
-from .tool_cards import MCP_FILE, ToolCards, load_servers
-from .store import ConversationRow, MessageRow, SearchHit, Store, StoreError, TurnRow
+from .tool_cards import ToolCards
+from .store import MessageRow, SearchHit, Store, StoreError, TurnRow
 from .transcript import to_json, to_markdown
-from .worker import TURN_ERRORS, EngineHost, Origin
+from .worker import EngineHost
 from .worker_payloads import ChatConfig, ModelInfo
 
-log = logging.getLogger(__name__)
 
-NEW_CHAT_TITLE = "New chat"
-
-
-@dataclass
-class InFlight:
-    """The reply being generated."""
-    ticket: int
-    conversation_id: int
-    user_index: int
-    reply_index: int
-    user_text: str
-    documents: tuple[Document, ...] = ()  # attached to the message: back into the draft if the turn fails
-    new_from: int = -1  # the first message the turn added (its user message, or a regenerated reply's index)
-    stat_row: int = -1
-    prefill: Prefill | None = None
-    thinking: tuple[float, float] = (0.0, 0.0)  # monotonic times of its first and last thinking token
-
-
-class ChatController(QObject):
+# The mixins come before QObject: their methods are found first, and QObject's __init__ is the one super() reaches.
+class ChatController(TurnHandling, BranchHandling, ToolCallHandling, LocalServerHandling, ChatSaving, QObject):
     busy_changed = Signal()  # read .busy (no bool argument: PySide6 6.12.0 loses a reference to True per emit)
     model_state_changed = Signal(str)  # "none" | "loading" | "ready" | "failed"
     model_info_changed = Signal(object)  # ModelInfo (app/worker_payloads.py): a model has loaded
@@ -168,76 +158,6 @@ class ChatController(QObject):
         self.model_override = None
         self.apply_settings(new)
 
-    # --- tools ---------------------------------------------------------------------------------------------
-
-    def start_tools(self) -> None:
-        """(Re)starts the MCP servers of the data folder's mcp.json; a problem with the file is a notice."""
-        specs, self.tools_problem = load_servers(self.data_dir)
-        if self.tools_problem:
-            self.notice.emit("warning", f"No tools from MCP servers: {self.tools_problem}", "")
-        self.tools.start(specs)
-
-    def mcp_servers(self) -> tuple[str, list]:
-        """(the data folder's mcp.json text, the servers' statuses) for the settings dialog."""
-        try:
-            text = (self.data_dir / MCP_FILE).read_text(encoding="utf-8")
-        except OSError:
-            text = ""
-        return text, self.tools.host.status()
-
-    def set_mcp_servers(self, text: str) -> None:
-        """Keeps `text` (checked JSON, or "" for none) as mcp.json and restarts the servers if it changed."""
-        path = self.data_dir / MCP_FILE
-        if text.strip() == self.mcp_servers()[0].strip():
-            return
-        try:
-            if text.strip():
-                path.write_text(text.strip() + "\n", encoding="utf-8")
-            else:
-                path.unlink(missing_ok=True)
-        except OSError as e:
-            self.notice.emit("error", f"Could not save the MCP servers to {path}: {e.strerror or e}", "")
-            return
-        self.start_tools()
-
-    def _keep_allowed_tools(self) -> None:
-        tools = replace(self.settings.tools, allowed_tools=",".join(sorted(self.tools.allowed)))
-        self.settings = replace(self.settings, tools=tools)
-        save_settings(self.data_dir, self.settings)
-
-    def _on_tools_changed(self) -> None:
-        self.tools_changed.emit()
-        if self.model_state == "ready":
-            self.host.configure(self._chat_config())  # the model is told of the tools there are now
-
-    def tool_action(self, index: int, action: str) -> None:
-        """A tool card's button: "run", "always", "deny" or "stop"."""
-        self.tools.act(index, action)
-        self.busy_changed.emit()
-
-    def _on_tool_calls(self, ticket: int, calls: list) -> None:
-        index = self._last_reply
-        if self._closing or not 0 <= index < len(self.chat.messages):
-            return
-        reply = self.chat.messages[index]
-        reply.extra = {**reply.extra, "tool_calls": list(calls)}
-        self.chat.changed.emit(index)
-        self._save_card(reply)
-        self.tools.offer(list(calls))
-        self.busy_changed.emit()
-
-    def _save_card(self, message: Message) -> None:
-        """Writes a message's new text and extra (a card's result, a reply's calls) once it is on disk."""
-        conv_id = self.chat.conversation_id
-        if conv_id is None or message.id is None:
-            return  # not on disk yet: it is written whole, as it is by then
-        self._write(conv_id, lambda: self.store.update_message(message.id, message.content, message.extra))
-
-    def _send_tool_results(self, results: list) -> None:
-        if self._closing or self.model_state != "ready" or self.busy:
-            return
-        last = len(self.chat.messages) - 1
-        self._start_turn(self.host.send_tool_results(results), last, "", after_tools=True)
     @property
     def model_spec(self) -> str:
         return self.model_override if self.model_override is not None else self.settings.model
@@ -430,24 +350,6 @@ class ChatController(QObject):
             else:
                 self._show_new_chat()
 
-    # --- turns ---------------------------------------------------------------------------------------------
-
-    def send(self, text: str) -> bool:
-        """Sends a user message, with the draft's documents before it; False (and nothing changes) if that
-        is not possible right now."""
-        question = text.strip()
-        documents = tuple(self.draft.documents)
-        if not (question or documents) or not self.can_send:
-            return False
-        message = as_message(list(documents), question) if documents else question
-        self._ensure_conversation(question or ", ".join(d.name for d in documents))
-        user = self.chat.append(Message("user", message, pending=True))
-        self._save_message(user)
-        self.tools.new_user_turn()
-        self._start_turn(self.host.send(message), user, question, documents)
-        self.draft.set_documents([])
-        return True
-
     # --- the draft -----------------------------------------------------------------------------------------
 
     def attach(self, path: Path) -> bool:
@@ -476,362 +378,6 @@ class ChatController(QObject):
     def _on_counted(self, seq: int, tokens: int) -> None:
         if seq == self._count_seq:
             self.draft.set_tokens(tokens)
-
-    def regenerate(self, index: int | None = None) -> bool:
-        """Answers the user message before reply `index` (default: the last reply) again: the new reply is
-        shown, the earlier ones stay as its alternatives, each with the branch that went on from it."""
-        msgs = self.chat.messages
-        index = len(msgs) - 1 if index is None else index
-        if (not self.can_send or not 1 <= index < len(msgs) or msgs[index].role != "assistant"
-                or msgs[index - 1].role != "user"):
-            return False
-        user = index - 1
-        text = msgs[user].content
-        # The last reply is decoded again from the cache as it is; an earlier one first takes the cache back
-        # to its user message (a rewind when the cache still holds it, else a rebuild, as a branch switch).
-        ticket = self.host.regenerate() if index == len(msgs) - 1 else self.host.answer_from(self.chat.history(user), text)
-        self.chat.update(user, pending=True)
-        self._start_turn(ticket, user, text, regenerate=True)
-        return True
-
-    def last_user_text(self) -> str | None:
-        i = self.last_user_index()
-        return None if i is None else self.chat.messages[i].content
-
-    def last_user_index(self) -> int | None:
-        return next((i for i in range(len(self.chat.messages) - 1, -1, -1) if self.chat.messages[i].role == "user"), None)
-
-    def edit_resend(self, new_text: str) -> bool:
-        """Edits the last user message (see edit_message)."""
-        user = self.last_user_index()
-        return user is not None and self.edit_message(user, new_text)
-
-    def edit_message(self, index: int, new_text: str) -> bool:
-        """Sends `new_text` in place of user message `index` and answers it: a new branch from there. The
-        branch it replaces stays in the chat, one switch away. False (and nothing changes) if not possible."""
-        new_text = new_text.strip()
-        msgs = self.chat.messages
-        if not new_text or not self.can_send or not 0 <= index < len(msgs) or msgs[index].role != "user":
-            return False
-        history = self.chat.history(index)
-        self._ensure_conversation(new_text)
-        user = self.chat.branch(index, Message("user", new_text, pending=True))
-        self._save_message(user)
-        self._start_turn(self.host.answer_from(history, new_text), user, new_text)
-        return True
-
-    # --- branches ------------------------------------------------------------------------------------------
-
-    def switch_alternative(self, index: int, step: int) -> bool:
-        """Shows the alternative `step` places from message `index` (-1: the previous one) and the branch
-        under it, and puts that branch into the model's cache. Refused while a reply is being written."""
-        if self.busy or self._closing:
-            self.notice.emit("info", "Wait for the reply to finish, or stop it, before switching to another "
-                             "alternative.", "")
-            return False
-        if not 0 <= index < len(self.chat.messages):
-            return False
-        node = self.chat.switch(index, step)
-        if node is None:
-            return False
-        self._save_choice(node)
-        self._sync_engine()
-        return True
-
-    def delete_alternative(self, index: int) -> bool:
-        """Deletes message `index`, one of several alternatives, and the branch that went on from it; the
-        alternative chosen before it is shown and put into the model's cache. Refused while a reply is being
-        written, and for a message without alternatives (nothing would be left to show in its place)."""
-        if self.busy or self._closing:
-            self.notice.emit("info", "Wait for the reply to finish, or stop it, before deleting an alternative.", "")
-            return False
-        if not 0 <= index < len(self.chat.messages) or self.chat.alternatives(index)[1] < 2:
-            return False
-        conv_id, message = self.chat.conversation_id, self.chat.messages[index]
-        self.chat.remove(index)
-        if conv_id is not None and message.id is not None:
-            # The rows under it go with it (parent_id ON DELETE CASCADE), and so do their search entries.
-            self._write(conv_id, lambda: self.store.delete_message(message.id))
-        self._sync_engine()
-        return True
-
-    def fork_chat(self, index: int) -> bool:
-        """Copies the chat as shown, up to and with message `index`, into a new chat, and opens it."""
-        if self.busy or self._closing:
-            self.notice.emit("info", "Wait for the reply to finish, or stop it, before forking the chat.", "")
-            return False
-        if not 0 <= index < len(self.chat.messages):
-            return False
-        copies = [Message(m.role, m.content, meta=dict(m.meta), extra=dict(m.extra))
-                  for m in self.chat.messages[: index + 1]]
-        title = _title_from(f"{self.chat.title} (fork)")
-        prompt = self.prompts.chat_prompt  # the fork keeps the chat's own system prompt (None: the default)
-        self._leave_current()
-        self.chat.load(None, title, copies)
-        self.turns.set_rows([])
-        self._ensure_conversation(title)
-        conv_id = self.chat.conversation_id
-
-        def write() -> None:
-            rows = [(m.role, m.content, i - 1 if i else None, 0, m.extra) for i, m in enumerate(copies)]
-            for message, mid in zip(copies, self.store.replace_tree(conv_id, title, rows)):
-                message.id = mid
-
-        self._write(conv_id, write)
-        self.conversation_opened.emit()
-        before = self.prompts.effective
-        if prompt is not None:
-            self.prompts.set_chat_prompt(prompt)
-        if self.prompts.effective == before:  # else the prompt's change has put the chat into the cache already
-            self._sync_engine()
-        return True
-
-    def _save_choice(self, node: Node[Message]) -> None:
-        conv_id, message = self.chat.conversation_id, node.item
-        if conv_id is not None and message.id is not None:
-            self._write(conv_id, lambda: self.store.choose_message(message.id, node.rank))
-
-    def stop(self) -> None:
-        if self._turn is not None:
-            self.host.stop(self._turn.ticket)
-
-    def _start_turn(self, ticket: int, user_index: int, text: str, documents: tuple[Document, ...] = (),
-                    regenerate: bool = False, after_tools: bool = False) -> None:
-        """`after_tools`: the reply to tools' results (`user_index` is the last card): a failure takes only it."""
-        message = Message("assistant", "", streaming=True, pending=True)
-        reply = self.chat.branch(user_index + 1, message) if regenerate else self.chat.append(message)
-        self._turn = InFlight(ticket, self.chat.conversation_id, user_index, reply, text, documents,
-                              new_from=reply if regenerate or after_tools else user_index)
-        self.busy_changed.emit()
-
-    def _end_turn(self) -> None:
-        self._turn = None
-        self.busy_changed.emit()
-        pending, self._after_idle = self._after_idle, []
-        for action in pending:
-            action()
-
-    def _when_idle(self, action: Callable[[], None], stop: bool = True) -> None:
-        """Runs `action` once the reply in progress ends (asking it to stop, unless `stop` is False)."""
-        if not self.busy:
-            action()
-            return
-        self._after_idle.append(action)
-        if stop:
-            self.stop()
-
-    # --- engine events (typed, from engine/events.py; the engine says where everything is) -------------
-
-    def _current(self, origin: Origin) -> bool:
-        """Whether an event answers the request in progress, or the latest chat switch (not an older one)."""
-        if origin.rebuild:
-            return origin.switch == self.host.latest_switch
-        return self._turn is not None and origin.ticket == self._turn.ticket
-
-    def _on_prefill(self, ev: Prefill, origin: Origin) -> None:
-        if not self._current(origin):
-            return
-        if origin.rebuild:
-            if ev.new_tokens:
-                row = TurnRow("rebuild", ev.new_tokens, ev.ms, cache=ev.cache.to_dict())
-                self.turns.append(row)
-                conv_id = self.chat.conversation_id
-                if conv_id is not None:
-                    self._write(conv_id, lambda: self.store.add_turn(conv_id, row), stats_only=True)
-                self.rebuilt.emit(ev)
-            return
-        turn = self._turn
-        turn.prefill = ev
-        turn.stat_row = self.turns.append(TurnRow("turn", ev.new_tokens, ev.ms), live=True)
-        self.turn_prefilled.emit(ev)
-
-    def _on_prefill_progress(self, ev: PrefillProgress, origin: Origin) -> None:
-        self._on_cache(ev.cache)
-        if not origin.rebuild and self._current(origin):
-            self.reading.emit(ev.done, ev.total)
-
-    def _on_token(self, ev: Token, origin: Origin) -> None:
-        if self._current(origin):
-            self.chat.add_text(self._turn.reply_index, ev.text)
-
-    def _on_reasoning(self, ev: Reasoning, origin: Origin) -> None:
-        if not self._current(origin):
-            return
-        turn = self._turn
-        now = time.monotonic()
-        turn.thinking = (turn.thinking[0] or now, now)
-        self.chat.add_reasoning(turn.reply_index, ev.text)
-
-    def _on_decode_progress(self, ev: DecodeProgress, origin: Origin) -> None:
-        if not self._current(origin):
-            return
-        self.live_rate.emit(ev.tok_s, ev.tokens)
-        if self._turn.stat_row >= 0:
-            self.turns.update(self._turn.stat_row, tokens=ev.tokens, tok_s=ev.tok_s)
-
-    def _on_done(self, ev: Done, origin: Origin) -> None:
-        if not self._current(origin):
-            return
-        turn = self._turn
-        prefill = turn.prefill or Prefill(0, 0.0, ev.cache)
-        meta = {"tokens": ev.tokens, "tok_s": ev.tok_s, "stop_reason": ev.stop_reason,
-                "prefill_tokens": prefill.new_tokens, "prefill_ms": prefill.ms}
-        reply = self.chat.messages[turn.reply_index]
-        if self.model_info is not None and self.model_info.model:
-            reply.extra = {**reply.extra, "model": self.model_info.model}  # which model wrote it (hover, export)
-        if turn.thinking[0]:
-            # Stored with the message: how long it thought, from its first thinking token to its last.
-            reply.extra = {**reply.extra, "thinking_ms": round((turn.thinking[1] - turn.thinking[0]) * 1e3)}
-        self.chat.update(turn.reply_index, streaming=False, pending=False, meta=meta)
-        if turn.stat_row >= 0:
-            self.turns.update(turn.stat_row, tokens=ev.tokens, decode_ms=ev.ms, tok_s=ev.tok_s,
-                              stop_reason=ev.stop_reason, live=False)
-        conv_id = turn.conversation_id
-        saved = self._save_message(turn.reply_index)
-        message_id = self.chat.messages[turn.reply_index].id if saved else None
-        row = TurnRow("turn", prefill.new_tokens, prefill.ms, ev.tokens, ev.ms, ev.tok_s, ev.stop_reason,
-                      ev.cache.to_dict(), message_id)
-        self._write(conv_id, lambda: self.store.add_turn(conv_id, row), stats_only=True)
-        self.live_rate.emit(ev.tok_s, ev.tokens)
-        self.turn_finished.emit(row)
-        self._last_reply = turn.reply_index
-        self._end_turn()
-
-    def _on_cache(self, cache: CacheStats) -> None:
-        self.cache = cache
-        self.cache_changed.emit(cache)
-
-    def _on_context(self, ctx: Context, origin: Origin) -> None:
-        if self._current(origin):  # not a rebuild for a chat that is no longer open
-            self.chat.apply_context(ctx)
-            self._on_cache(ctx.cache)
-
-    def _on_error(self, kind: str, message: str) -> None:
-        if kind in TURN_ERRORS:
-            turn = self._turn
-            if turn is None:
-                return
-            # Nothing of the failed turn stays in the model's session, so what it added leaves the chat too (what
-            # was shown before, an earlier alternative, is shown again) and a message it sent goes back to the
-            # input box to be edited or sent again.
-            if turn.stat_row >= 0:
-                self.turns.update(turn.stat_row, live=False, stop_reason="error")
-            added = self.chat.messages[turn.new_from]
-            self.chat.remove(turn.new_from)
-            conv_id = turn.conversation_id
-            if added.id is not None:
-                self._write(conv_id, lambda: self.store.delete_message(added.id))
-            if not self.chat.messages:
-                self._forget_empty_chat()
-            if turn.documents and not self.draft.documents:
-                self.draft.set_documents(list(turn.documents))
-            if turn.new_from == turn.user_index:
-                self.restore_input.emit(turn.user_text)
-            self.notice.emit("error", message, "")
-            # The session went back to before the turn; an earlier alternative shown again must be put back.
-            shown_again = len(self.chat.messages) > turn.new_from
-            self._end_turn()
-            if shown_again:
-                self._sync_engine()
-        elif kind == "load":
-            self._set_model_state("failed")
-            self.notice.emit("error", f"The model could not be loaded: {message}", "settings")
-        elif kind == "cancelled":
-            self._set_model_state("failed")
-            self.notice.emit("warning", "Building the model was cancelled. Eddy needs the compiled model to chat.",
-                             "retry_load")
-        else:
-            self.notice.emit("warning", message, "")
-
-    def _forget_empty_chat(self) -> None:
-        """A new chat whose first message failed is not kept as an empty chat in the list."""
-        conv_id = self.chat.conversation_id
-        if conv_id is None:
-            return
-        try:
-            if conv_id >= 0:
-                self.store.delete_conversation(conv_id)
-        except StoreError:
-            return  # it stays in the list, empty: harmless
-        self.saves.forget(conv_id)
-        self.conversations.remove(conv_id)
-        self.chat.conversation_id, self.chat.title = None, NEW_CHAT_TITLE
-        self.current_changed.emit()
-
-    # --- saving --------------------------------------------------------------------------------------------
-
-    def _read(self, fn: Callable, fallback):
-        try:
-            return fn()
-        except StoreError as e:
-            self.notice.emit("error", str(e), "")
-            return fallback
-
-    def _ensure_conversation(self, first_text: str) -> None:
-        if self.chat.conversation_id is not None:
-            row = self.conversations.rows[self.conversations.row_of(self.chat.conversation_id)] \
-                if self.conversations.row_of(self.chat.conversation_id) >= 0 else None
-            if row is not None:
-                self.conversations.upsert(replace(row, updated=time.time()))
-            return
-        title = _title_from(first_text)
-        self.chat.title = title
-        try:
-            conv_id = self.store.create_conversation(title)
-        except StoreError as e:
-            conv_id = self._next_temp_id  # not on disk yet: saved under a real id once the store works
-            self._next_temp_id -= 1
-            self.saves.mark(conv_id, e)
-        self.chat.conversation_id = conv_id
-        now = time.time()
-        self.conversations.upsert(ConversationRow(conv_id, title, now, now))
-        self.current_changed.emit()
-
-    def _save_message(self, index: int) -> bool:
-        conv_id = self.chat.conversation_id
-        node = self.chat.nodes[index]
-        message = node.item
-
-        def write() -> None:
-            parent = node.parent.item.id if node.parent is not None else None
-            if node.parent is not None and parent is None:
-                # Its parent never reached the disk: the whole chat is written, in order, once it can be.
-                raise StoreError("Could not save the message: the one before it is not saved yet.")
-            message.id = self.store.add_message(conv_id, parent, index, message.role, message.content, node.rank,
-                                                message.extra)
-
-        return self._write(conv_id, write)
-
-    def _write(self, conv_id: int, fn: Callable[[], object], stats_only: bool = False) -> bool:
-        """One store write for a chat; if the chat is already behind on disk, writes it whole instead."""
-        if conv_id in self.saves:
-            return False if stats_only else self.saves.flush(conv_id)
-        try:
-            fn()
-            return True
-        except StoreError as e:
-            # Statistics are not worth a retry, and a chat that is not open has nothing unsaved in memory
-            # (a failed rename just keeps the old title); the open conversation is kept and retried.
-            if stats_only or conv_id != self.chat.conversation_id:
-                self.notice.emit("warning", str(e), "")
-            else:
-                self.saves.mark(conv_id, e)
-            return False
-
-    def _on_saved_under(self, temp_id: int, real_id: int) -> None:
-        """A chat first kept under a temporary id is on disk now: everything that names it follows."""
-        if self._turn is not None and self._turn.conversation_id == temp_id:
-            self._turn.conversation_id = real_id
-        i = self.conversations.row_of(temp_id)
-        if i >= 0:
-            self.conversations.upsert(replace(self.conversations.rows[i], id=real_id), to_top=False)
-        if self.chat.conversation_id == temp_id:
-            self.chat.conversation_id = real_id
-            self.current_changed.emit()
-
-    def retry_saves(self) -> bool:
-        """Tries to write every unsaved chat now; True if none is left."""
-        return self.saves.retry()
 
     # --- export --------------------------------------------------------------------------------------------
 
@@ -889,86 +435,6 @@ class ChatController(QObject):
         """closed follows once both the engine thread and the local server's thread (its port freed) ended."""
         if self._closing and self._engine_stopped and not self.local_server.running:
             self.closed.emit()
-
-    # --- the local server ----------------------------------------------------------------------------------
-
-    @property
-    def server_address(self) -> str | None:
-        """Where the local server answers, while it is on."""
-        return self.local_server.address
-
-    @property
-    def waiting_for_server(self) -> bool:
-        """A window turn is queued behind a server request (its message waits, the window is not frozen)."""
-        return self.server_busy and self._turn is not None and self._turn.prefill is None
-
-    def _server_config(self) -> ServerConfig | None:
-        """What the server should be running with now; None: it should be off."""
-        s = self.settings
-        info = self.model_info
-        if not s.server.serve or self.model_state != "ready" or self._closing or info is None:
-            return None
-        if info.remote:
-            return None  # a remote model's server is already a server: clients can use it directly
-        return ServerConfig(s.server.server_port, s.server.server_key, str(info.model),
-                            self.chat_defaults, s.chat.pin_system, s.chat.max_new_tokens)
-
-    def _sync_server(self) -> None:
-        """Starts, stops or restarts the local server to match the settings and the model."""
-        want, server = self._server_config(), self.local_server
-        if server.running:
-            if server.config != want:
-                server.stop()  # stopped follows once the port is free; then this runs again
-                self.server_changed.emit()
-            return
-        session = self.host.worker.session
-        if want is None or session is None:
-            return
-        try:
-            server.start(session, want)
-        except OSError as e:
-            # Refused clearly, and the switch goes off: it would fail the same way at every start.
-            self.notice.emit("error", f"The local server could not start: {e.strerror or e}. Choose another port "
-                             "in Settings.", "settings")
-            self.settings = replace(self.settings, server=replace(self.settings.server, serve=False))
-            try:
-                save_settings(self.data_dir, self.settings)
-            except Exception as e2:  # QSettings reports no errors; be safe anyway
-                log.warning("could not save the settings: %s", e2)
-        self.server_changed.emit()
-
-    def _on_server_request(self) -> None:
-        self.server_busy = True
-        self.server_changed.emit()
-
-    def _on_served(self, served: ServedTurn) -> None:
-        self.server_busy = False
-        p, d = served.prefill, served.done
-        if p is not None:
-            # Its own kind of row: the request's prefill beside what its conversation's cache already held.
-            row = TurnRow("server", p.new_tokens, p.ms, d.tokens if d else 0, d.ms if d else 0.0,
-                          d.tok_s if d else 0.0, d.stop_reason if d else "stopped", (d or p).cache.to_dict(),
-                          reused=p.cache.position - p.new_tokens)
-            self.turns.append(row)
-            self.server_turn.emit(row)
-        self._on_cache(served.window_cache)  # the window's conversation is back in the cache: the bar shows it
-        self.server_changed.emit()
-
-    def _on_server_stopped(self, problem: str) -> None:
-        self.server_busy = False
-        if problem and not self._closing:
-            self.notice.emit("warning", f"{problem[:1].upper()}{problem[1:]}.", "")
-        self.server_changed.emit()
-        if self._closing:
-            self._close_when_done()
-        elif not problem:
-            self._sync_server()  # a restart (new port, key or model) starts once the old one has let go
-
-
-def _title_from(text: str) -> str:
-    line = " ".join(text.split())
-    return line if len(line) <= 48 else line[:47].rstrip() + "…"
-
 
 def _tree_of(rows: list[MessageRow], turns: Sequence[TurnRow] = ()) -> ChatTree[Message]:
     # A stored reply gets back the stats its turn saved (the same meta _on_done gives a reply just written).
