@@ -19,7 +19,8 @@ from typing import Callable
 
 from PySide6.QtCore import QObject, Signal
 
-from .mcp_host import McpConfigError, McpHost, ServerSpec, ToolResult, parse_servers
+from .mcp_config import McpConfigError, ServerSpec, parse_servers
+from .mcp_host import McpHost, ToolResult
 from .models import ChatModel, Message
 
 MCP_FILE = "mcp.json"  # the data folder's MCP servers, in the `mcpServers` JSON other clients use

@@ -12,7 +12,8 @@ from pathlib import Path
 from PySide6.QtWidgets import (QDialog, QDialogButtonBox, QFileDialog, QGroupBox, QHBoxLayout, QLabel, QPlainTextEdit,
                                QPushButton, QVBoxLayout, QWidget)
 
-from .mcp_host import McpConfigError, ServerStatus, parse_servers
+from .mcp_config import McpConfigError, parse_servers
+from .mcp_host import ServerStatus
 
 EXAMPLE = json.dumps({"mcpServers": {"files": {"command": "npx", "args": ["-y", "@modelcontextprotocol/server-filesystem",
                                                                           "/home/me/notes"]},

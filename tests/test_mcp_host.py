@@ -11,16 +11,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from app.mcp_host import (
-    TOOL_NAME_RE,
-    McpConfigError,
-    McpHost,
-    ServerSpec,
-    ToolResult,
-    dump_servers,
-    openai_tool_name,
-    parse_servers,
-)
+from app.mcp_config import McpConfigError, ServerSpec, dump_servers, parse_servers
+from app.mcp_host import TOOL_NAME_RE, McpHost, ToolResult, openai_tool_name
 
 SERVER = str(Path(__file__).with_name("mcp_echo_server.py"))
 ECHO_TOOLS = {"add", "echo", "slow", "hang", "freeze", "big", "fail", "grow", "picture"}
