@@ -15,7 +15,8 @@ from engine.events import Context
 
 from .branches import ChatTree, Node
 from .documents import Document
-from .store import MARK_END, MARK_START, ConversationRow, SearchHit, TurnRow
+from .store import ConversationRow, SearchHit, TurnRow
+from .store_search import MARK_END, MARK_START
 
 Index = QModelIndex | QPersistentModelIndex
 

@@ -14,7 +14,8 @@ from PySide6.QtWidgets import (QDialog, QLabel, QLineEdit, QListView, QStyle, QS
                                QStyleOptionViewItem, QVBoxLayout, QWidget)
 
 from .models import SearchResultsModel
-from .store import MARK_END, MARK_START, SearchHit
+from .store import SearchHit
+from .store_search import MARK_END, MARK_START
 
 SEARCH_DELAY_MS = 150  # typing pauses this long before a search runs: one query per word, not per key
 

@@ -11,7 +11,7 @@ from conftest_app import TURN_TIMEOUT_MS, last_reply, open_window, send_text, wa
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QMenu
 
-import app.store as store_module
+import app.store_migrations as store_migrations
 from app.store import DB_FILE, Store
 from app.transcript import to_markdown
 from engine.run.session import ChatSession, ChatSettings
@@ -310,9 +310,9 @@ def version_2_database(data) -> None:
     them (two messages at one seq, as a crash between two writes could leave, included)."""
     data.mkdir(parents=True, exist_ok=True)
     conn = sqlite3.connect(str(data / DB_FILE), isolation_level=None)
-    for version, step in store_module.MIGRATIONS[:2]:
+    for version, step in store_migrations.MIGRATIONS[:2]:
         assert version <= 2
-        for statement in store_module._statements(step):
+        for statement in store_migrations.statements(step):
             conn.execute(statement)
     conn.execute("PRAGMA user_version=2")
     chats = {"Old one": ["u a", "r a", "u b", "r b"], "Old two": ["u c", "r c", "u d"]}
@@ -330,7 +330,7 @@ def test_a_database_from_before_branches_keeps_every_chat_in_order(qtbot, tmp_pa
     version_2_database(data)
     store = Store.open(data)
     # Migrated through every later step (branches' parents are step 3).
-    assert store.conn.execute("PRAGMA user_version").fetchone()[0] == store_module.SCHEMA_VERSION >= 3
+    assert store.conn.execute("PRAGMA user_version").fetchone()[0] == store_migrations.SCHEMA_VERSION >= 3
     convs = {r.title: r.id for r in store.conversations()}
     assert list(convs) == ["Old two", "Old one"]
     assert [m.content for m in store.messages(convs["Old one"])] == ["u a", "r a", "u b", "r b"]

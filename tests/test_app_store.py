@@ -11,7 +11,7 @@ import pytest
 
 import conftest_app  # noqa: F401  (headless Qt platform; skips without PySide6)
 
-import app.store as store_module
+import app.store_migrations as store_migrations
 from app.settings import AppSettings, load_settings, save_settings
 from app.store import DB_FILE, Store, StoreError, TurnRow
 from app.transcript import to_json, to_markdown
@@ -65,8 +65,8 @@ def test_disk_full_is_a_clear_error(tmp_path):
 
 # --- schema versions ---------------------------------------------------------------------------------------
 
-# The schema exactly as release 1 (schema version 1) wrote it; a copy, so that a later edit of app.store cannot
-# change what "an old database" means here.
+# The schema exactly as release 1 (schema version 1) wrote it; a copy, so that a later edit of
+# app.store_migrations cannot change what "an old database" means here.
 V1_SCHEMA = """
 CREATE TABLE IF NOT EXISTS conversations (
     id INTEGER PRIMARY KEY,
@@ -158,18 +158,18 @@ def columns(db: Path, table: str) -> list[str]:
 
 def with_steps(monkeypatch, *steps) -> int:
     """Appends test-only steps after the real ones, as a later Eddy would; returns the new version."""
-    migrations = list(store_module.MIGRATIONS)
+    migrations = list(store_migrations.MIGRATIONS)
     for step in steps:
         migrations.append((len(migrations) + 1, step))
-    monkeypatch.setattr(store_module, "MIGRATIONS", migrations)
-    monkeypatch.setattr(store_module, "SCHEMA_VERSION", len(migrations))
+    monkeypatch.setattr(store_migrations, "MIGRATIONS", migrations)
+    monkeypatch.setattr(store_migrations, "SCHEMA_VERSION", len(migrations))
     return len(migrations)
 
 
 def test_a_fresh_database_is_at_the_current_version(tmp_path):
     store = Store.open(tmp_path)
-    assert store.conn.execute("PRAGMA user_version").fetchone()[0] == store_module.SCHEMA_VERSION
-    assert store_module.SCHEMA_VERSION == store_module.MIGRATIONS[-1][0]
+    assert store.conn.execute("PRAGMA user_version").fetchone()[0] == store_migrations.SCHEMA_VERSION
+    assert store_migrations.SCHEMA_VERSION == store_migrations.MIGRATIONS[-1][0]
     assert store.conn.execute("PRAGMA foreign_keys").fetchone()[0] == 1
     store.create_conversation("works")
     store.close()
@@ -183,10 +183,10 @@ def test_a_version_1_database_opens_with_its_chats(tmp_path, version):
     store = Store.open(tmp_path)
     assert store.recovered_from is None
     assert_v1_chats(store)
-    assert store.conn.execute("PRAGMA user_version").fetchone()[0] == store_module.SCHEMA_VERSION
+    assert store.conn.execute("PRAGMA user_version").fetchone()[0] == store_migrations.SCHEMA_VERSION
     store.close()
     assert not list(tmp_path.glob(f"{DB_FILE}.damaged-*"))
-    assert user_version(db) == store_module.SCHEMA_VERSION
+    assert user_version(db) == store_migrations.SCHEMA_VERSION
 
 
 def test_an_old_database_is_migrated_once_keeping_its_chats(tmp_path, monkeypatch):
@@ -268,18 +268,18 @@ def _files(folder: Path) -> dict[str, bytes]:
 
 @pytest.mark.parametrize("journal", ["wal", "delete"])
 def test_a_database_from_a_newer_eddy_is_refused_and_left_untouched(tmp_path, journal):
-    newer = store_module.SCHEMA_VERSION + 1
+    newer = store_migrations.SCHEMA_VERSION + 1
     v1_database(tmp_path, user_version=newer, journal=journal)
     before = _files(tmp_path)
     for _ in range(2):
         with pytest.raises(StoreError, match=rf"newer version of Eddy \(schema version {newer};.* up to "
-                                             rf"{store_module.SCHEMA_VERSION}\)"):
+                                             rf"{store_migrations.SCHEMA_VERSION}\)"):
             Store.open(tmp_path)
     assert _files(tmp_path) == before  # byte for byte, and nothing moved aside or left next to it
 
 
 def test_the_app_says_why_it_cannot_open_a_newer_database(tmp_path):
-    newer = store_module.SCHEMA_VERSION + 1
+    newer = store_migrations.SCHEMA_VERSION + 1
     v1_database(tmp_path, user_version=newer)
     before = _files(tmp_path)
     out = subprocess.run([sys.executable, "-m", "app", "--ask", "hi", "--data-dir", str(tmp_path)], cwd=ROOT,

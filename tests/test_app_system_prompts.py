@@ -9,7 +9,7 @@ from pathlib import Path
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QLabel
 
-import app.store as store_module
+import app.store_migrations as store_migrations
 from app.store import DB_FILE, Store
 from app.system_prompts import CUSTOM_CHOICE, DEFAULT_CHOICE
 from conftest_app import open_window, send_text, wait_idle, write_settings
@@ -24,8 +24,8 @@ def step_3_database(data: Path, monkeypatch) -> None:
     steps 1 to 3, with an alternative reply added by that release's Store."""
     v1_database(data)
     with monkeypatch.context() as m:
-        m.setattr(store_module, "MIGRATIONS", store_module.MIGRATIONS[:3])
-        m.setattr(store_module, "SCHEMA_VERSION", 3)
+        m.setattr(store_migrations, "MIGRATIONS", store_migrations.MIGRATIONS[:3])
+        m.setattr(store_migrations, "SCHEMA_VERSION", 3)
         store = Store.open(data)
         maths = next(c for c in store.conversations() if c.title == "Maths")
         # As that release wrote it: today's Store writes columns a version 3 file does not have yet.
@@ -47,7 +47,7 @@ def test_a_step_3_database_keeps_every_chat_and_gains_system_prompts(tmp_path, m
     step_3_database(tmp_path, monkeypatch)
     store = Store.open(tmp_path)
     try:
-        assert store.conn.execute("PRAGMA user_version").fetchone()[0] == store_module.SCHEMA_VERSION >= 4
+        assert store.conn.execute("PRAGMA user_version").fetchone()[0] == store_migrations.SCHEMA_VERSION >= 4
         convs = store.conversations()
         assert sorted(c.title for c in convs) == sorted(V1_CHATS)
         for conv in convs:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import conftest_app  # noqa: F401  (headless Qt platform; skips without PySide6)
 
-import app.store as store_module
-from app.store import MARK_END, MARK_START, Store, fts_query
+import app.store_migrations as store_migrations
+from app.store import Store
+from app.store_search import MARK_END, MARK_START, fts_query
 from test_app_store import V1_CHATS, assert_v1_chats, user_version, v1_database
 
 
@@ -64,7 +65,7 @@ def test_an_old_database_keeps_every_chat_and_becomes_searchable(tmp_path):
     db = v1_database(tmp_path)
     store = Store.open(tmp_path)
     assert_v1_chats(store)
-    assert user_version(db) == store_module.SCHEMA_VERSION >= 2
+    assert user_version(db) == store_migrations.SCHEMA_VERSION >= 2
     poem = next(c.id for c in store.conversations() if c.title.startswith("Poem"))
     assert [(h.conversation_id, h.seq) for h in store.search("roses")] == [(poem, 1)]
     assert [h.message_id for h in store.search("quotes")] == [None]  # the title

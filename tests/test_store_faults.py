@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from app.store import DB_FILE, SCHEMA_VERSION, Store, StoreError
+from app.store import DB_FILE, Store, StoreError
+from app.store_migrations import SCHEMA_VERSION
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -233,6 +234,7 @@ MIGRATOR = textwrap.dedent("""
     sys.path.insert(0, {root!r})
     from pathlib import Path
     import app.store as store
+    import app.store_migrations as migrations
 
     def step(conn):
         conn.execute("CREATE TABLE runs (pid INTEGER NOT NULL)")
@@ -240,8 +242,8 @@ MIGRATOR = textwrap.dedent("""
         print("migrating", flush=True)
         time.sleep(float(sys.argv[2]))
 
-    store.MIGRATIONS = [*store.MIGRATIONS, (store.SCHEMA_VERSION + 1, step)]
-    store.SCHEMA_VERSION += 1
+    migrations.MIGRATIONS = [*migrations.MIGRATIONS, (migrations.SCHEMA_VERSION + 1, step)]
+    migrations.SCHEMA_VERSION += 1
     s = store.Store.open(Path(sys.argv[1]))
     print("opened", len(s.conversations()), flush=True)
 """).format(root=str(ROOT))
