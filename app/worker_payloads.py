@@ -23,7 +23,7 @@ class ChatConfig:
     system_prompt: str | None = None  # the open chat's own, else Settings' (None: no system prompt)
     pin_system: bool = False
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
-    overrides: Mapping[str, Any] = field(default_factory=dict)  # the sampling values the user chose; the model's for the rest
+    overrides: Mapping[str, Any] = field(default_factory=dict)  # the sampling values chosen (the model's for the rest)
     seed: int | None = None  # None: a fresh seed every reply
     tools: tuple[dict, ...] = ()  # the MCP servers' tools, in OpenAI's format
     # "auto"; "required" or a named function ({"type": "function", ...}): a user's message is answered with calls.
