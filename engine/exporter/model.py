@@ -599,14 +599,19 @@ class StreamingLlama(nn.Module):
         # Each layer's table [layers or 1 for all, 2, D/2], by slices: a tensor of the indices was a constant that
         # IREE lost in compiling (Gemma 3, "resource does not exist").
         rot = shift[tables[0]].unsqueeze(0) if len(set(tables)) == 1 else torch.stack([shift[t] for t in tables])
-        # rotate()'s products for [layers, sinks, heads, 2 halves, D/2].
+        # rotate()'s products for [layers, sinks, heads, 2 halves, D/2], as a sum over the halves of each times its
+        # factor (cos and +-sin, [layers, 2, 2, D/2]). IREE fuses an elementwise producer into the scatter and holds
+        # its tile on the stack: with the halves swapped by flip() (a gather) that passed the 32 kB limit for a
+        # float32 cache of head_dim 128 (an 8B's 32 layers, or many sink slots); the sum is not fused that way.
+        # Scattered in the cache's order: in the keys' own order the cache's other scatters changed shape in IREE
+        # and decode took 4 % longer.
         cos, sin = rot[:, 0], rot[:, 1]
-        c, s = cos.view(-1, 1, 1, 1, d // 2), torch.stack([-sin, sin], dim=1).view(-1, 1, 1, 2, d // 2)
-        halves = from_kv(self.sink_keys[:, :sinks]).view(layers, sinks, heads, 2, d // 2)
-        shifted = (halves * c + halves.flip(3) * s).view(layers, sinks, heads, d).transpose(1, 2)
+        factors = torch.stack([torch.stack([cos, -sin], dim=1), torch.stack([sin, cos], dim=1)], dim=1)
+        halves = from_kv(self.sink_keys[:, :sinks]).view(layers, sinks, heads, 1, 2, d // 2)
+        shifted = (halves * factors.view(-1, 1, 1, 2, 2, d // 2)).sum(4).view(layers, sinks, heads, d)
         self.cache.index_put_((torch.arange(layers).view(-1, 1, 1), torch.zeros((1, 1, 1), dtype=torch.int64),
                                torch.arange(heads).view(1, -1, 1), torch.arange(sinks).view(1, 1, -1)),
-                              to_kv(shifted, self.cache))
+                              to_kv(shifted.transpose(1, 2), self.cache))
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         logits = (self.tok_embeddings if self.output is None else self.output)(x)
