@@ -429,9 +429,9 @@ util.func private @{name}(%a: tensor<?x{k}xf32>, %w: tensor<{nb}x{quads}x{qb}xi8
 }}
 """
 
-# int8, decode (one row), the generic form: out[b, r] = sum over positions of w * x, a lane per row of the tile.
-# As in _MV_Q4, a row's 4 bytes of a step are read as one int32 and weight j taken out with two shifts (which
-# sign-extend it); math.fma as there.
+# int8, decode (one row), the generic form of CPUs (GPUs: _MV_I8_BYTES): out[b, r] = sum over positions of w * x,
+# a lane per row of the tile. As in _MV_Q4, a row's 4 bytes of a step are read as one int32 and weight j taken out
+# with two shifts (which sign-extend it); math.fma as there.
 _MV_I8 = r"""
 module {{
 util.func private @{name}(%a: tensor<1x{k}xf32>, %w: tensor<{nb}x{quads}x{qb}xi8>) -> tensor<1x{n}xf32> {{
@@ -468,6 +468,35 @@ util.func private @{name}(%a: tensor<1x{k}xf32>, %w: tensor<{nb}x{quads}x{qb}xi8
 }}
 """
 
+
+# int8, decode (one row), off the CPU: as _MV_I8, but each weight read as its own byte (sign-extended by sitofp),
+# no linalg.index, which IREE's SPIR-V lowering of such a reduction kept in workgroup memory (as _MV_Q4_BYTES).
+_MV_I8_BYTES = r"""
+module {{
+util.func private @{name}(%a: tensor<1x{k}xf32>, %w: tensor<{nb}x{quads}x{qb}xi8>) -> tensor<1x{n}xf32> {{
+  %a1 = tensor.collapse_shape %a [[0, 1]] : tensor<1x{k}xf32> into tensor<{k}xf32>
+  %a2 = tensor.expand_shape %a1 [[0, 1]] output_shape [{quads}, 4] : tensor<{k}xf32> into tensor<{quads}x4xf32>
+  %w4 = tensor.expand_shape %w [[0], [1], [2, 3]] output_shape [{nb}, {quads}, {t}, 4] : tensor<{nb}x{quads}x{qb}xi8> into tensor<{nb}x{quads}x{t}x4xi8>
+  %zero = arith.constant 0.000000e+00 : f32
+  %oe = tensor.empty() : tensor<{nb}x{t}xf32>
+  %acc = linalg.fill ins(%zero : f32) outs(%oe : tensor<{nb}x{t}xf32>) -> tensor<{nb}x{t}xf32>
+  %r = linalg.generic {{
+      indexing_maps = [affine_map<(b, r, p, j) -> (p, j)>, affine_map<(b, r, p, j) -> (b, p, r, j)>,
+                       affine_map<(b, r, p, j) -> (b, r)>],
+      iterator_types = ["parallel", "parallel", "reduction", "reduction"]}}
+      ins(%a2, %w4 : tensor<{quads}x4xf32>, tensor<{nb}x{quads}x{t}x4xi8>) outs(%acc : tensor<{nb}x{t}xf32>) {{
+  ^bb0(%x: f32, %q: i8, %o: f32):
+    %0 = arith.sitofp %q : i8 to f32
+    %1 = arith.mulf %0, %x : f32
+    %2 = arith.addf %1, %o : f32
+    linalg.yield %2 : f32
+  }} -> tensor<{nb}x{t}xf32>
+  %r1 = tensor.collapse_shape %r [[0, 1]] : tensor<{nb}x{t}xf32> into tensor<{n}xf32>
+  %r2 = tensor.expand_shape %r1 [[0, 1]] output_shape [1, {n}] : tensor<{n}xf32> into tensor<1x{n}xf32>
+  util.return %r2 : tensor<1x{n}xf32>
+}}
+}}
+"""
 
 # Decode's attention. Scores: out[h, r, i] = mask[i] + sum over j of q[h, r, j] * keys[h, i, j] (a local ring's
 # keys; the cache's come as blocks: _QUERY_BLOCKS). Output rows: out[h, r, i] = sum over j of probs[h, r, j] *
@@ -957,9 +986,12 @@ def _register() -> dict:
                     name=name, args="%w: tensor<{nb}x{quads}x{qb}xi8>".format(**sizes),
                     executable=dot_products.q8_executable(_dot_form, exe, nb, k),
                     call=dot_products.q8_call(exe, nb, k, "%a1", "%w", "%r"), **sizes))
+            elif rows == 1 and _cpu_tuned:
+                name = f"eddy_mv_i8_{tag}_cpu"
+                emit(kb, name, _MV_I8.format(name=name, attrs=_cpu_lowering(nb, 2), **sizes))
             elif rows == 1:
-                name = f"eddy_mv_i8_{tag}{'_cpu' if _cpu_tuned else ''}"
-                emit(kb, name, _MV_I8.format(name=name, attrs=_cpu_lowering(nb, 2) if _cpu_tuned else "", **sizes))
+                name = f"eddy_mv_i8_{tag}"
+                emit(kb, name, _MV_I8_BYTES.format(name=name, **sizes))
             else:
                 name = f"eddy_mm_i8_{tag}"
                 emit(kb, name, _MM_I8.format(name=name, **sizes))
