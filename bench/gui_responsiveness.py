@@ -412,7 +412,7 @@ def run_long_chat(model: str | None, max_new_tokens: int, idle_s: float, profile
 
         # 4. A document of doc_windows x the window, attached as a drop attaches it, counted, sent, answered.
         def attach_doc(chars: int | None = None) -> None:
-            win = int(c.model_info["settings"]["window"])
+            win = int(c.model_info.window)
             chars = chars or int(doc_windows * win * 4.1)  # about 4 characters a token in English
             path = data / "notes-from-the-devils-dictionary.txt"
             path.write_text(document_text(chars), encoding="utf-8")

@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 from app.store import Store  # noqa: E402
 from app.worker import EngineHost  # noqa: E402
+from app.worker_payloads import ChatConfig  # noqa: E402
 from engine.config import BuildSettings  # noqa: E402
 
 PROMPTS = ["Hi! Who are you?", "What is the capital of France?", "Tell me a short joke.", "Why is the sky blue?",
@@ -85,8 +86,8 @@ def main() -> int:
     conv = store.create_conversation("soak")
     host = EngineHost()
     settings = BuildSettings(sinks=a.sinks, window=a.window, dtype=a.dtype)
-    chat = {"max_new_tokens": a.max_new_tokens, "overrides": {"temperature": 0.7, "top_p": 0.9}, "seed": 0}
-    host.load(a.model, settings.to_dict(), chat)
+    chat = ChatConfig(max_new_tokens=a.max_new_tokens, overrides={"temperature": 0.7, "top_p": 0.9}, seed=0)
+    host.load(a.model, settings, chat)
     name, info = wait_for([("loaded", host.worker.loaded), ("error", host.worker.error)], 900)
     if name != "loaded":
         print(f"load failed: {info}", file=sys.stderr)
@@ -97,22 +98,30 @@ def main() -> int:
     print(f"{'turn':>5} {'position':>9} {'evicted':>8} {'turn s':>7} {'RSS MB':>8}", flush=True)
 
     rows, seq, errors = [], 0, []
+    # The reply's text comes as Token events and its prompt's size as a Prefill, before the turn's Done.
+    reply: list[str] = []
+    prefilled: list[int] = []
+    host.worker.token.connect(lambda ev, origin: reply.append(ev.text))
+    host.worker.prefill.connect(lambda ev, origin: prefilled.append(ev.new_tokens))
     t0 = time.perf_counter()
     for turn in range(1, a.turns + 1):
         text = f"{PROMPTS[turn % len(PROMPTS)]} (turn {turn})"
         store.append_message(conv, seq, "user", text)
         seq += 1
+        reply.clear()
+        prefilled.clear()
         start = time.perf_counter()
         host.send(text)
         name, ev = wait_for([("done", host.worker.done), ("error", host.worker.error)], 600)
         secs = time.perf_counter() - start
         if name != "done":
-            errors.append({"turn": turn, "error": list(ev)})
+            errors.append({"turn": turn, "error": [str(e) for e in ev]})
             continue
-        store.append_message(conv, seq, "assistant", ev["reply"])
+        done = ev[0]  # (the Done event, its Origin)
+        store.append_message(conv, seq, "assistant", "".join(reply))
         seq += 1
-        row = {"turn": turn, "position": ev["cache"]["position"], "evicted": ev["cache"]["evicted"],
-               "tokens": ev["tokens"], "prefill_tokens": ev["prefill_tokens"], "turn_s": round(secs, 3),
+        row = {"turn": turn, "position": done.cache.position, "evicted": done.cache.evicted,
+               "tokens": done.tokens, "prefill_tokens": sum(prefilled), "turn_s": round(secs, 3),
                "rss_mb": round(rss_mb(), 1)}
         rows.append(row)
         if turn % 50 == 0 or turn == 1:
