@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """A quantised type's product alone, in each form this CPU runs: the generic one and the hand-written ones
-(engine/exporter/dot_products.py; prefill_products.py for many rows), alternated, as iree-benchmark-module times them.
+(engine/exporter/kernels/dot_products.py; prefill_products.py for many rows), alternated, as iree-benchmark-module times them.
 
     python bench/decode_product.py [--dtype q4|q8] [--rows 57344] [--cols 4096] [--tokens 1] [--rounds 3] [--json FILE]
 

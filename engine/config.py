@@ -9,7 +9,7 @@ from .devices import DEVICES, GPU_TARGETS, TABLE
 from .errors import ModelError
 
 DTYPES = ("f32", "f16", "bf16", "q8", "q4")
-# The types whose decode products are written by hand on x86 (engine/exporter/dot_products.py).
+# The types whose decode products are written by hand on x86 (engine/exporter/kernels/dot_products.py).
 QUANTISED = ("q8", "q4")
 # The weight type a build takes when none is named: the checkpoint's own choice (ModelSource.auto_dtype), so a
 # 4-bit GGUF builds at q4 and everything else at q8. Resolved before anything is keyed or built (for_source).
@@ -26,11 +26,11 @@ KV_CHOICES = (AUTO_DTYPE, *KV_DTYPES)
 # q4's group: weights per scale and offset along a row (GGUF Q4_0/Q4_1's block, so their codes pass through).
 Q4_GROUP = 32
 # q8 matrices that are multiplied are stored in tiles of this many rows, a tile's 4 positions at a time
-# (engine/exporter/kernels.py, tile_q8): decode's product keeps one output row per vector lane, with no horizontal
-# sums, and its hand-written form (engine/exporter/dot_products.py) takes 16 rows x 4 positions a load.
+# (engine/exporter/kernels/, tile_q8): decode's product keeps one output row per vector lane, with no horizontal
+# sums, and its hand-written form (engine/exporter/kernels/dot_products.py) takes 16 rows x 4 positions a load.
 TILE_ROWS = 32
 # q4's tiles are of 16 rows: one AVX-512 register of int32 sums in its hand-written decode product
-# (engine/exporter/dot_products.py), whose layout groups a tile's codes in blocks of 16 rows x 4 positions.
+# (engine/exporter/kernels/dot_products.py), whose layout groups a tile's codes in blocks of 16 rows x 4 positions.
 Q4_TILE_ROWS = 16
 # A multiplied q4 matrix's group numbers are 8-bit factors of a float16 pair per super-block of at most this many
 # groups along a row (Q4_K's 256 weights): 4.625 bits a weight instead of float16 numbers' 5 (engine/exporter/q4.py).

@@ -84,7 +84,7 @@ TABLE: dict[str, Device] = {d.name: d for d in (
 DEVICES = tuple(TABLE)
 
 
-# The form of the hand-written decode products (engine/exporter/dot_products.py: q4's and q8's) each llvm-cpu target
+# The form of the hand-written decode products (engine/exporter/kernels/dot_products.py: q4's and q8's) each llvm-cpu target
 # guarantees the instructions for: "vnni" needs AVX-512 VNNI (and BW), "avx2" AVX2; None: the generic forms.
 # x86-64-v4 is AVX-512 F/BW/CD/DQ/VL, without VNNI. "host" takes the first row of HOST_DOT_FORMS whose flags this
 # CPU lists.

@@ -31,7 +31,7 @@ def test_export_code_hash_covers_model_export_and_compile_flags():
     assert all(p.is_file() for p in sources)
     covered = {p.relative_to(ROOT / "engine").as_posix() for p in sources}
     assert {"exporter/model.py", "exporter/export.py", "devices.py"} <= covered
-    # Every engine module an export loads is in the key (exporter/prefill_products.py once was not).
+    # Every engine module an export loads is in the key (exporter/kernels/prefill_products.py once was not).
     run = subprocess.run([sys.executable, "-c", "import sys, engine.exporter.export, engine.exporter.model; "
                           "print('\\n'.join(m.__file__ for n, m in list(sys.modules.items()) "
                           "if n.startswith('engine') and getattr(m, '__file__', None)))"],

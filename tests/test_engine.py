@@ -187,7 +187,7 @@ def test_narrow_weight_builds_stay_close(hf_model, dtype, tol):
 
 @pytest.mark.parametrize("dtype", ["q4", "q8"])
 def test_quantised_module_computes_exactly_its_dequantised_weights(tiny_reference, dtype):
-    """The quantised kernels (engine/exporter/kernels.py: q4's fused product, q8's tiled one, the tied embedding
+    """The quantised kernels (engine/exporter/kernels/: q4's fused product, q8's tiled one, the tied embedding
     looked up in its tiles) against transformers on the weights the build stores, dequantised: float32 parity in
     prefill, decode and scoring (each product's one-row and many-row forms), so any error left is the
     quantiser's, never the kernels' or the tiling's; but for one-row products on x86, which round x to 8 bits."""

@@ -1,6 +1,6 @@
 """Eddy's 4-bit weights (engine/exporter/q4.py) against GGUF's Q4_1, the layout the default model ships in: the
 quantiser, the tiled layout, and each product form this CPU runs compiled on its own (the generic ones and the
-hand-written ones of engine/exporter/dot_products.py and prefill_products.py). A whole model's q4 build is held to its dequantised weights in
+hand-written ones of engine/exporter/kernels/dot_products.py and prefill_products.py). A whole model's q4 build is held to its dequantised weights in
 test_engine.py."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.exporter.prefill_products import FEW_ROW_GROUPS, ROW_BLOCK, ROWS_PER_WORKGROUP, STEPS
+from engine.exporter.kernels.prefill_products import FEW_ROW_GROUPS, ROW_BLOCK, ROWS_PER_WORKGROUP, STEPS
 from engine.exporter.q4 import Q4_GROUP, dequantise_q4, quantise_q4, unpack_q4, untile_q4
 
 
@@ -60,7 +60,7 @@ def test_every_weight_lands_within_half_a_step_and_the_extremes_exactly():
 def test_a_multiplied_matrix_is_tiled_with_the_same_codes_and_its_numbers_split():
     """tile_q4 puts each group of a 16-row tile in four 64-byte blocks, block h's byte 4r + j holding row r's codes at
     positions 4h + j (low nibble) and 4h + 16 + j (high nibble): the operands of the x86 integer dot products that
-    decode's product takes (engine/exporter/dot_products.py). Its numbers are split_numbers' 8-bit factors and float16
+    decode's product takes (engine/exporter/kernels/dot_products.py). Its numbers are split_numbers' 8-bit factors and float16
     units, tiled the same way; untile_q4 gives back the codes exactly and the numbers as the products use them."""
     from engine.exporter.q4 import TILE, join_numbers, split_numbers, tile_q4, untile_q4
 
@@ -192,7 +192,7 @@ def _forms_and_steps() -> list[tuple[str, str | None, int]]:
 @pytest.mark.parametrize(("dtype", "form", "steps"), _forms_and_steps())
 def test_each_product_form_is_the_codes_times_x_quantised_per_group(dtype, form, steps, tmp_path):
     """Each product form this CPU runs, compiled, for q4 and q8, in one row (decode) and many (prefill): the generic
-    ones compute the dequantised weights times x (float32 parity); a hand-written one (engine/exporter/dot_products.py,
+    ones compute the dequantised weights times x (float32 parity); a hand-written one (engine/exporter/kernels/dot_products.py,
     prefill_products.py) x quantised to int8 per group of 32 (dx = max|x| / 127), exactly as llama.cpp's Q8_1
     activations, to float32 rounding: its only error against float32 is that rounding of x, about 0.5 % of the
     output here (prefill's in two steps also multiplies x's rounding error rounded in its turn, which leaves ~2e-5).
@@ -248,7 +248,7 @@ def test_each_product_form_is_the_codes_times_x_quantised_per_group(dtype, form,
     marks = {None: "compilation_info", "vnni": "llvm.x86.avx512.vpdpbusd.512",
              "avx2": "llvm.x86.avx2.pmadd.ub.sw" if dtype == "q4" else "llvm.x86.avx2.psign.b"}
     assert marks[form] in mlir
-    # The parts come from one hand-written product with three outputs where there is one (engine/exporter/kernels.py).
+    # The parts come from one hand-written product with three outputs where there is one (engine/exporter/kernels/).
     assert (f"eddy_q4_rows_{out_f}x{in_f}_{first}_{second}_" in mlir) == (form is not None and dtype == "q4")
     (tmp_path / "m.mlir").write_text(mlir)
     iree_compile = str(Path(sys.executable).with_name("iree-compile"))
@@ -280,7 +280,7 @@ def test_each_product_form_is_the_codes_times_x_quantised_per_group(dtype, form,
 
     def quantised_x(x: torch.Tensor, twice: bool) -> np.ndarray:
         """x's rows times the codes, x rounded to int8 per group of 32 (llama.cpp's Q8_1 activations); `twice`:
-        plus the rounding's error rounded in its turn (prefill's, engine/exporter/prefill_products.py)."""
+        plus the rounding's error rounded in its turn (prefill's, engine/exporter/kernels/prefill_products.py)."""
         q, dx = rounded(x)
         out = times_codes(q, dx)
         if twice:
@@ -296,7 +296,7 @@ def test_each_product_form_is_the_codes_times_x_quantised_per_group(dtype, form,
             got = np.concatenate(parts, axis=1)
         got = np.asarray(got)
         exact = (x @ dense.T).numpy()
-        # Only q4's many-row product has a hand-written form (engine/exporter/prefill_products.py) so far.
+        # Only q4's many-row product has a hand-written form (engine/exporter/kernels/prefill_products.py) so far.
         by_hand = form is not None and (program == "decode" or dtype == "q4")
         twice = program != "decode" and steps == 2
         want = quantised_x(x, twice) if by_hand else exact
@@ -309,9 +309,9 @@ def test_each_product_form_is_the_codes_times_x_quantised_per_group(dtype, form,
 
 def test_prefill_rounds_x_once_from_1b_widths_and_twice_below():
     """The default model (576 wide) keeps x's rounding error as a second step; Llama 3.2 1B's width (2048) and
-    wider round x once, as decode and llama.cpp do (engine/exporter/prefill_products.py: x_steps)."""
+    wider round x once, as decode and llama.cpp do (engine/exporter/kernels/prefill_products.py: x_steps)."""
     from engine.checkpoint.shapes import config
-    from engine.exporter.prefill_products import x_steps
+    from engine.exporter.kernels.prefill_products import x_steps
 
     assert x_steps(576) == STEPS == 2
     assert [x_steps(config(name)["hidden_size"]) for name in ("llama-3.2-1b", "llama-3.1-8b")] == [1, 1]

@@ -173,7 +173,7 @@ def test_prefill_attention_keeps_within_the_stack_limit_at_every_real_head_size(
     default model's head size at two vectors of queries and 16 staged slots as before."""
     import re
 
-    from engine.exporter.attention_rows import attend_plan, attend_rows_executable, attend_stack
+    from engine.exporter.kernels.attention_rows import attend_plan, attend_rows_executable, attend_stack
 
     plan = attend_plan(head_dim)
     assert plan is not None and attend_stack(head_dim, *plan) <= 32 << 10

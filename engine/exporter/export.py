@@ -24,7 +24,8 @@ from ..devices import TABLE, compile_flags, dot_form, fixed_shapes
 from ..errors import ArtefactError, BuildCancelled
 from ..paths import artefacts_root, cache_dir
 from ..shapes import score_name
-from . import kernels, prefill_products
+from . import kernels
+from .kernels import prefill_products
 from ..artefacts.export_code import export_code_hash
 from .model import StreamingLlama
 from .child import tied_to_me

@@ -45,7 +45,7 @@ from ..config import (ATTEND_STEP, Q4_TILE_ROWS, TILE_ROWS, BuildSettings, Model
                       super_groups)
 from ..devices import TABLE
 from ..shapes import call_shapes
-from .attention_rows import attend_plan
+from .kernels.attention_rows import attend_plan
 from .kernels import (attend_rows, first_blocks, first_slots, i8_linear, q4_linear, q4_linear_parts, query_keys,
                       query_keys_rows, softmax_over_slots, tile_q8, tileable, tiled_rows, weighted_values,
                       weighted_values_rows)
@@ -79,7 +79,7 @@ class Linear(nn.Module):
     Stored weights are widened inside the graph: IREE fuses the widening into the matrix-vector products, so
     decode reads 2 (16-bit), 1 (q8) or about 0.59 (q4: half a byte, 2 bytes per 32 and 6 per 256) bytes per weight while
     activations and accumulation stay float32. A quantised matrix that is multiplied is stored in tiles of rows
-    and multiplied by a custom op (engine/exporter/kernels.py) whose decode form keeps a row per vector lane. The
+    and multiplied by a custom op (engine/exporter/kernels/) whose decode form keeps a row per vector lane. The
     parameters have their stored type from the start, so a skeleton that never receives its weights
     (StreamingLlama.skeleton) exports exactly as one holding them.
     """
@@ -322,7 +322,7 @@ class Attention(nn.Module):
         if self.fused:
             return self.wo(self.fused_attention(q, keys, values, mask))
         if step.single:
-            # One query: custom ops read the cache in place (matmuls would re-pack it every step: kernels.py).
+            # One query: custom ops read the cache in place (matmuls would re-pack it every step: kernels).
             q1, mask1 = (q * self.scale).view(kvh, rep, d), mask.view(-1)
             if self.softcap is None:
                 scores = query_keys(q1, keys, mask1)  # [kvh, rep, C]

@@ -2,7 +2,7 @@
 scale and offset (w = code * scale + offset), GGUF's Q4_1 (needs torch): float16 numbers in the rows layout (a
 Q4_1 GGUF's come back exactly), two-level ones in a multiplied matrix's tiles (below).
 
-The matrix product is one custom op, written as MLIR (engine/exporter/kernels.py): the packed bytes are bitcast to i4
+The matrix product is one custom op, written as MLIR (engine/exporter/kernels/): the packed bytes are bitcast to i4
 and dequantised inside the op's dispatch, so a product reads the 4-bit codes (plus a group's numbers) and never a
 widened matrix. A torch formulation cannot get there: torch has no 4-bit type, and unpacking nibbles
 with shifts and masks makes the dequantisation a separate dispatch that writes the whole float32 matrix on every
@@ -13,7 +13,7 @@ and offsets [out, in/Q4_GROUP]; an embedding, which is looked up by row, stays s
 stored tiled (`tile_q4`), in tiles of Q4_TILE_ROWS (16) rows: codes [out/16, groups, 256], and per group of a tile
 four blocks of 64 bytes, block h's byte 4r + j holding row r's codes at positions 4h + j (low nibble) and
 4h + 16 + j (high nibble). That is the shape of the x86 integer dot products (`vpdpbusd`: 16 rows x 4 positions a
-register) that the hand-written products take (decode's, engine/exporter/dot_products.py, and prefill's,
+register) that the hand-written products take (decode's, engine/exporter/kernels/dot_products.py, and prefill's,
 prefill_products.py): one load and two masks feed two of them. The generic forms (other devices and CPUs) index
 the same bytes through a view.
 

@@ -1,5 +1,5 @@
 """Prefill's and scoring's q4 matrix products (many rows of x) written by hand for x86, as decode's are
-(engine/exporter/dot_products.py): integer dot products of the 4-bit codes with x quantised to int8 per group of 32,
+(engine/exporter/kernels/dot_products.py): integer dot products of the 4-bit codes with x quantised to int8 per group of 32,
 llama.cpp's way of multiplying a 4-bit matrix by a batch, but in two steps: x, then x's rounding error.
 
 Why. IREE's own path for a product of many rows widens every weight to float32 (and packs it for its data-tiled
@@ -41,8 +41,8 @@ The row count is dynamic (the function's `%rows`, the dispatch's workload): pref
 """
 from __future__ import annotations
 
-from ..config import Q4_GROUP
-from ..config import Q4_TILE_ROWS as Q4_TILE
+from ...config import Q4_GROUP
+from ...config import Q4_TILE_ROWS as Q4_TILE
 from .dot_products import (Q4_GROUP_BYTES, Q4_NUMBER_BINDINGS, index_constants, q4_group_numbers, q4_number_subspans,
                            q4_number_types, q4_prefetch, q4_prefetch_constants, q4_super_units, quantise_group,
                            quantise_vector)

@@ -20,7 +20,7 @@ a block of queries shares each load of a value row: 0.10 and 0.88 ms.
 """
 from __future__ import annotations
 
-from ..config import ATTEND_STEP
+from ...config import ATTEND_STEP
 
 # Rows of scores a workgroup of the softmax takes.
 ROWS_PER_WORKGROUP = 8

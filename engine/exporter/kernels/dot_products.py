@@ -23,7 +23,7 @@ those positions are one int32 broadcast. Per group, one conversion and two fused
 times x's scale and the offset times x's scale times x's group sum: out = sum_g d_g dx_g sum(code q) +
 m_g dx_g sum(q).
 
-q8 (`q8_executable`). Layout (engine/exporter/kernels.py, `tile_q8`): tiles of TILE_ROWS = 32 rows, per 4 positions
+q8 (`q8_executable`). Layout (engine/exporter/kernels/, `tile_q8`): tiles of TILE_ROWS = 32 rows, per 4 positions
 128 bytes, byte 4r + j holding row r's weight at position 4p + j: two `vpdpbusd` a load each. The weights are
 signed and `vpdpbusd` wants one side unsigned: w xor 0x80 = w + 128 is, and the 128 sum(q) it adds is the same
 for every row, so it is taken off once at the end: out = sum_g dx_g sum((w + 128) q) - 128 sum_g dx_g sum(q). The
@@ -37,9 +37,9 @@ saturates), so it takes |w| and q with w's sign (`vpsignb`), llama.cpp's trick, 
 """
 from __future__ import annotations
 
-from ..config import Q4_GROUP, super_groups
-from ..config import Q4_TILE_ROWS as Q4_TILE
-from ..config import TILE_ROWS as Q8_TILE
+from ...config import Q4_GROUP, super_groups
+from ...config import Q4_TILE_ROWS as Q4_TILE
+from ...config import TILE_ROWS as Q8_TILE
 
 # Bytes of one q4 tile's group: Q4_TILE rows x Q4_GROUP codes, half a byte each.
 Q4_GROUP_BYTES = Q4_TILE * Q4_GROUP // 2
@@ -62,7 +62,7 @@ def tiles_per_workgroup(tiles: int) -> int:
 def quantise_group(x_type: str) -> str:
     """Body that quantises group %c of %x (`x_type`, k floats) into %q32 (vector<8xi32>: its 32 int8), %dx (its
     scale, max|x| / 127) and %dxs (dx * sum q), rounding to nearest even: the one definition of x's rounding,
-    decode's and prefill's alike (engine/exporter/prefill_products.py). `maximumf`, not `maxnumf`: |x| holds no NaN
+    decode's and prefill's alike (engine/exporter/kernels/prefill_products.py). `maximumf`, not `maxnumf`: |x| holds no NaN
     that the latter's extra compares would skip, and without them the quantising dispatch of 512 rows x 576 took
     0.15 ms instead of 0.20."""
     return f"""

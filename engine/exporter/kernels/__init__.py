@@ -22,9 +22,9 @@ Tiles. A matrix that is multiplied is stored in tiles of rows (q8: TILE rows, 4 
 [out/T, in/4, T x 4]; q4's own blocked layout of 16), so that decode's product (one row: a matrix-vector product)
 keeps one output row per vector lane and needs no horizontal sum. With whole rows IREE's default reduced each
 group (q4) or each vector of positions (q8) to a scalar inside the loop. Decode's form depends on the device
-(`lowering_for`): on an x86 CPU both are written by hand with integer dot products (engine/exporter/dot_products.py);
+(`lowering_for`): on an x86 CPU both are written by hand with integer dot products (engine/exporter/kernels/dot_products.py);
 otherwise each is one generic carrying an llvm-cpu lowering that keeps those lanes. Any other row count (prefill,
-scoring): q4 on an x86 CPU is written by hand too (engine/exporter/prefill_products.py: x rounded to int8, integer
+scoring): q4 on an x86 CPU is written by hand too (engine/exporter/kernels/prefill_products.py: x rounded to int8, integer
 dot products of the codes as stored); q8, and q4 elsewhere, widen the tile back to float32 rows inside the
 dispatch that packs the data-tiled matmul, then multiply.
 """
@@ -35,9 +35,9 @@ from typing import Iterator
 
 import torch
 
-from ..config import ATTEND_STEP
-from ..config import Q4_TILE_ROWS as Q4_TILE
-from ..config import TILE_ROWS as TILE
+from ...config import ATTEND_STEP
+from ...config import Q4_TILE_ROWS as Q4_TILE
+from ...config import TILE_ROWS as TILE
 from . import attention_rows, dot_products, prefill_products
 
 
@@ -48,7 +48,7 @@ def tileable(out_features: int, in_features: int) -> bool:
 
 def tile_q8(w: torch.Tensor) -> torch.Tensor:
     """[out, in] -> [out/T, in/4, T x 4]: each tile's rows 4 positions at a time, byte 4r + j of step p holding
-    row r's weight at position 4p + j (the operand of `vpdpbusd`: engine/exporter/dot_products.py)."""
+    row r's weight at position 4p + j (the operand of `vpdpbusd`: engine/exporter/kernels/dot_products.py)."""
     out, cols = w.shape
     return w.reshape(out // TILE, TILE, cols // 4, 4).transpose(1, 2).reshape(out // TILE, cols // 4, TILE * 4)
 
@@ -128,7 +128,7 @@ def query_keys_rows(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
 
 def attend_rows(q_t: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask_t: torch.Tensor) -> torch.Tensor:
     """softmax(q . keys + mask) . values -> [n, kvh, rep, d] (prefill's attention, in the order the output
-    projection takes it, on a cpu): the custom op, one dispatch a layer (engine/exporter/attention_rows.py). q_t
+    projection takes it, on a cpu): the custom op, one dispatch a layer (engine/exporter/kernels/attention_rows.py). q_t
     [kvh, rep, d, n] is q scaled and transposed; keys and values [kvh, slots, d] are a layer of the cache as
     stored (model.KV_STORAGE), read in place; mask_t [C, n] is the mask transposed, its C the slots attended."""
     return _ops()["attend_rows"](q_t, keys, values, mask_t)
@@ -136,7 +136,7 @@ def attend_rows(q_t: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mas
 
 def softmax_over_slots(scores: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(scores [kvh, rep, C] or [kvh, rep, n, C] (+ mask [n, C])) over the slots, on a cpu: the custom op,
-    one dispatch a layer (engine/exporter/attention_rows.py). Decode's scores hold their mask already."""
+    one dispatch a layer (engine/exporter/kernels/attention_rows.py). Decode's scores hold their mask already."""
     return _ops()["softmax"](scores) if mask is None else _ops()["softmax_masked"](scores, mask)
 
 
@@ -348,7 +348,7 @@ util.func private @{name}(%a: tensor<1x{k}xf32>, """ + _Q4_ARGS + r""") -> tenso
 }}
 """
 
-# q4 or q8, decode (one row) on an x86 CPU: a call of the hand-written dispatch (engine/exporter/dot_products.py).
+# q4 or q8, decode (one row) on an x86 CPU: a call of the hand-written dispatch (engine/exporter/kernels/dot_products.py).
 _MV_X86 = r"""
 module {{
 {executable}
@@ -363,7 +363,7 @@ util.func private @{name}(%a: tensor<1x{k}xf32>, {args}) -> tensor<1x{n}xf32> {{
 """
 
 # q4, any number of rows, on an x86 CPU: x (and in two steps its rounding error) quantised per group, then
-# the hand-written integer product of those rows, summed per row of x (engine/exporter/prefill_products.py).
+# the hand-written integer product of those rows, summed per row of x (engine/exporter/kernels/prefill_products.py).
 _MM_X86 = r"""
 module {{
 {executables}
@@ -719,7 +719,7 @@ util.func private @{name}(%s: tensor<{h}x{r}x?xf32>) -> tensor<{h}x{r}x?xf32> {{
 }}
 """
 
-# Prefill's attention in one hand-written dispatch (engine/exporter/attention_rows.py).
+# Prefill's attention in one hand-written dispatch (engine/exporter/kernels/attention_rows.py).
 _ATTEND_BY_HAND = r"""
 module {{
 {executable}
@@ -736,7 +736,7 @@ util.func private @{name}(%q: tensor<{h}x{r}x{d}x?xf32>, %k: tensor<{h}x?x{d}x{e
 }}
 """
 
-# The same by hand on a cpu (engine/exporter/attention_rows.py): values read once per block of queries.
+# The same by hand on a cpu (engine/exporter/kernels/attention_rows.py): values read once per block of queries.
 _VALUES_BY_HAND = r"""
 module {{
 {executable}
@@ -833,8 +833,8 @@ def _register() -> dict:
     from iree.turbine.runtime.op_reg.impl_helper import TemplateLoader, call_function
     from iree.turbine.support.ir_imports import RankedTensorType
 
-    from ..config import super_groups
-    from .q4 import Q4_NUMBERS, dequantise_q4, untile_q4
+    from ...config import super_groups
+    from ..q4 import Q4_NUMBERS, dequantise_q4, untile_q4
 
     def dense_q4(qs: torch.Tensor, *numbers: torch.Tensor) -> torch.Tensor:
         return dequantise_q4(*untile_q4({"weight": qs, **dict(zip(Q4_NUMBERS, numbers))}).values())
