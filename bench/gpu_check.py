@@ -419,8 +419,9 @@ def build_group(model: str, dtype: str, targets: list[tuple[str, str]], weights:
     stage = work / f"{group}.staging"
     shutil.rmtree(stage, ignore_errors=True)
     stage.mkdir(parents=True)
-    # The export depends on the device (kernels.lowering_for: the CPU's hand-written products and attention ops,
-    # the generic forms elsewhere; a GPU's fixed call shapes), not on its target: one export per device.
+    # The export depends on the device (its KernelPlan, engine/exporter/kernels/plan.py: the CPU's hand-written
+    # products and attention ops, the generic forms elsewhere; a GPU's fixed call shapes), not on its target: one
+    # export per device.
     by_device: dict[str, list[str]] = {}
     for key, s in settings.items():
         by_device.setdefault(s.device, []).append(key)

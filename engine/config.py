@@ -26,7 +26,7 @@ KV_CHOICES = (AUTO_DTYPE, *KV_DTYPES)
 # q4's group: weights per scale and offset along a row (GGUF Q4_0/Q4_1's block, so their codes pass through).
 Q4_GROUP = 32
 # q8 matrices that are multiplied are stored in tiles of this many rows, a tile's 4 positions at a time
-# (engine/exporter/kernels/, tile_q8): decode's product keeps one output row per vector lane, with no horizontal
+# (engine/exporter/kernels/tiles.py, tile_q8): decode's product keeps one output row per vector lane, with no horizontal
 # sums, and its hand-written form (engine/exporter/kernels/dot_products.py) takes 16 rows x 4 positions a load.
 TILE_ROWS = 32
 # q4's tiles are of 16 rows: one AVX-512 register of int32 sums in its hand-written decode product

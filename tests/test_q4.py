@@ -248,7 +248,7 @@ def test_each_product_form_is_the_codes_times_x_quantised_per_group(dtype, form,
     marks = {None: "compilation_info", "vnni": "llvm.x86.avx512.vpdpbusd.512",
              "avx2": "llvm.x86.avx2.pmadd.ub.sw" if dtype == "q4" else "llvm.x86.avx2.psign.b"}
     assert marks[form] in mlir
-    # The parts come from one hand-written product with three outputs where there is one (engine/exporter/kernels/).
+    # The parts come from one hand-written product with three outputs where there is one (engine/exporter/kernels/q4_products.py).
     assert (f"eddy_q4_rows_{out_f}x{in_f}_{first}_{second}_" in mlir) == (form is not None and dtype == "q4")
     (tmp_path / "m.mlir").write_text(mlir)
     iree_compile = str(Path(sys.executable).with_name("iree-compile"))

@@ -109,7 +109,7 @@ def test_the_fixed_shape_module_pads_and_buckets_to_the_cpu_builds_logits(family
 def test_the_vulkan_quantised_build_gives_the_cpus_generic_products(dtype, vulkan_tiny):
     """q8 (a folder's default) and q4 (a 4-bit GGUF's): the GPU's products are the generic ones, which a CPU build
     for x86-64-v2 also takes (no hand-written integer form there): the same arithmetic, within 1e-4. q4's decode
-    product reads the codes a byte at a time off the CPU (kernels._MV_Q4_BYTES): the CPU's form, which takes each
+    product reads the codes a byte at a time off the CPU (kernels/q4_products.py, _MV_Q4_BYTES): the CPU's form, which takes each
     code's shift from the loop's indices, did not compile for SPIR-V."""
     from engine.loader import open_model
 

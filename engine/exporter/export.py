@@ -138,8 +138,9 @@ def export_module(model: StreamingLlama) -> "aot.ExportOutput":
     _trace(fxb, "restore", _Restore(model), tuple(torch.zeros_like(b) for b in model.state()), one_pass=one_pass)
 
     # The custom ops are expanded as the programs are imported.
-    with kernels.lowering_for(settings.device, dot_form(settings.device, settings.target_cpu),
-                              prefill_products.x_steps(cfg.dim)):
+    plan = kernels.KernelPlan.of(settings.device, dot_form(settings.device, settings.target_cpu),
+                                 prefill_products.x_steps(cfg.dim))
+    with kernels.lowering(plan):
         return aot.export(fxb)
 
 

@@ -2,7 +2,7 @@
 scale and offset (w = code * scale + offset), GGUF's Q4_1 (needs torch): float16 numbers in the rows layout (a
 Q4_1 GGUF's come back exactly), two-level ones in a multiplied matrix's tiles (below).
 
-The matrix product is one custom op, written as MLIR (engine/exporter/kernels/): the packed bytes are bitcast to i4
+The matrix product is one custom op, written as MLIR (engine/exporter/kernels/q4_products.py): the packed bytes are bitcast to i4
 and dequantised inside the op's dispatch, so a product reads the 4-bit codes (plus a group's numbers) and never a
 widened matrix. A torch formulation cannot get there: torch has no 4-bit type, and unpacking nibbles
 with shifts and masks makes the dequantisation a separate dispatch that writes the whole float32 matrix on every

@@ -23,7 +23,7 @@ those positions are one int32 broadcast. Per group, one conversion and two fused
 times x's scale and the offset times x's scale times x's group sum: out = sum_g d_g dx_g sum(code q) +
 m_g dx_g sum(q).
 
-q8 (`q8_executable`). Layout (engine/exporter/kernels/, `tile_q8`): tiles of TILE_ROWS = 32 rows, per 4 positions
+q8 (`q8_executable`). Layout (tiles.py, `tile_q8`): tiles of TILE_ROWS = 32 rows, per 4 positions
 128 bytes, byte 4r + j holding row r's weight at position 4p + j: two `vpdpbusd` a load each. The weights are
 signed and `vpdpbusd` wants one side unsigned: w xor 0x80 = w + 128 is, and the 128 sum(q) it adds is the same
 for every row, so it is taken off once at the end: out = sum_g dx_g sum((w + 128) q) - 128 sum_g dx_g sum(q). The
