@@ -37,7 +37,7 @@ TOOLS = Path(sys.executable).parent
 
 def weights(dtype: str, rows: int, cols: int) -> list:
     """The product's weight arguments, as Linear stores them (tiled), for their shapes and types."""
-    from engine.exporter.model import Linear
+    from engine.exporter.linear import Linear
 
     lin = Linear(rows, cols, dtype)
     return list(lin.q4_tensors()) if dtype == "q4" else [lin.weight]

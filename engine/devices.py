@@ -17,7 +17,13 @@ class Device:
     default_target: str = ""  # "": a build must name one
     auto_kv: str = ""  # the KV cache type "auto" gives here; "": the weight type's (config.AUTO_KV_DTYPE)
     fixed_shapes: bool = False  # programs of fixed call shapes, calls padded to them (engine/shapes.py)
-    fused_attention: bool = False  # attention as IREE's attention op, one a layer (engine/exporter/model.py)
+    # How attention is computed (engine/exporter/model.py, Attention): "ops", by the custom ops of
+    # engine/exporter/kernels/attention.py (decode's keys read as blocks; prefill's scores, softmax and output by
+    # hand, or all in one op); "fused", IREE's own attention op, one a layer; "generic", torch's matmuls and softmax
+    # as IREE compiles them.
+    attention: str = "generic"
+    # The custom ops carry llvm-cpu's lowering attributes (engine/exporter/kernels/plan.py); elsewhere IREE chooses.
+    llvm_cpu: bool = False
 
 
 # The CUDA targets iree-compile 3.13 knows by name: it has no sm_90 or sm_100 (their names give "missing GPU
@@ -69,7 +75,7 @@ TABLE: dict[str, Device] = {d.name: d for d in (
         "--iree-opt-level=O3",
         "--iree-opt-data-tiling",
         "--iree-llvmcpu-enable-ukernels=all",
-    ), "--iree-llvmcpu-target-cpu=", "host"),
+    ), "--iree-llvmcpu-target-cpu=", "host", attention="ops", llvm_cpu=True),
     # Weights' transforms are left in each call, not hoisted into the module's initialiser: hoisted, the decode's
     # transformed matrices came out wrong on Mesa's lavapipe (the tiny model's decode logits off by 1e-2 to NaN
     # while prefill, which reads the weights as stored, matched the CPU to 2e-7; with this flag both match).
@@ -79,7 +85,7 @@ TABLE: dict[str, Device] = {d.name: d for d in (
     # against 4.6 (H200, docs/GPU.md), and a GPU has the memory (the default model's cache is 47 MB in float32).
     # IREE's attention op compiles for cuda, not for vulkan (its SPIR-V pipeline fails to bufferize the op).
     Device("cuda", "cuda", ("--iree-hal-target-device=cuda",), "--iree-cuda-target=", auto_kv="f32", fixed_shapes=True,
-           fused_attention=True),
+           attention="fused"),
 )}
 DEVICES = tuple(TABLE)
 

@@ -193,7 +193,7 @@ def test_quantised_module_computes_exactly_its_dequantised_weights(tiny_referenc
     quantiser's, never the kernels' or the tiling's; but for one-row products on x86, which round x to 8 bits."""
     from dataclasses import replace
 
-    from engine.exporter.model import matrix_dtype, stored_matrix
+    from engine.exporter.linear import matrix_dtype, stored_matrix
     from engine.exporter.q4 import dequantise_q4, untile_q4
     from engine.devices import dot_form
     from engine.loader import open_model

@@ -119,7 +119,8 @@ def test_split_numbers_round_each_group_number_to_a_factor_of_its_super_blocks_u
 
 def test_a_matrix_without_whole_tiles_or_groups_is_stored_in_q8():
     from engine.exporter.kernels import untile_q8
-    from engine.exporter.model import TILE_ROWS, matrix_dtype, stored_matrix
+    from engine.config import TILE_ROWS
+    from engine.exporter.linear import matrix_dtype, stored_matrix
 
     assert matrix_dtype("q4", 4 * Q4_GROUP, 64) == "q4"
     assert matrix_dtype("q4", 4 * Q4_GROUP, 40) == "q8"  # rows not in whole tiles: only if it is multiplied
@@ -147,7 +148,7 @@ def test_decode_gets_the_vectorised_product_on_cpu_and_prefill_the_widening_one(
     import iree.turbine.aot as aot
 
     from engine.exporter.kernels import lowering_for
-    from engine.exporter.model import Linear
+    from engine.exporter.linear import Linear
 
     class Two(torch.nn.Module):
         def __init__(self):
@@ -208,7 +209,7 @@ def test_each_product_form_is_the_codes_times_x_quantised_per_group(dtype, form,
     import iree.turbine.aot as aot
 
     from engine.exporter.kernels import lowering_for
-    from engine.exporter.model import Linear, stored_matrix
+    from engine.exporter.linear import Linear, stored_matrix
     from engine.devices import compile_flags
 
     # 12 groups: q4's numbers in two super-blocks of 6 (engine/exporter/q4.py).

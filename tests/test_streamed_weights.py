@@ -85,7 +85,7 @@ def test_the_built_module_carries_the_in_memory_weights(tiny, tmp_path):
 
 def test_q8_by_row_blocks_equals_the_whole_matrix_at_once():
     """stored_matrix quantises a block of rows at a time; rows are independent, so that is exact."""
-    from engine.exporter.model import CONVERT_ROWS, stored_matrix
+    from engine.exporter.linear import CONVERT_ROWS, stored_matrix
 
     w = torch.from_numpy(np.random.RandomState(0).standard_normal((2 * CONVERT_ROWS + 5, 24)).astype(np.float32))
     w[3] = 0.0  # an all-zero row keeps its floor scale

@@ -124,7 +124,7 @@ def export_module(model: StreamingLlama) -> "aot.ExportOutput":
     fxb = aot.FxProgramsBuilder(model)
     # One pass where it serves (_trace): not for IREE's fused attention, which it decomposes into matmuls (it keeps
     # scaled_dot_product_attention only through the second pass's decompositions), nor for a GPU's dynamic shapes.
-    one_pass = settings.device == "cpu" or (model.shapes is not None and not TABLE[settings.device].fused_attention)
+    one_pass = settings.device == "cpu" or (model.shapes is not None and TABLE[settings.device].attention != "fused")
     if model.shapes:  # a program per call shape (engine/shapes.py)
         for name, n, attended in model.shapes.programs():
             entry = (_Decode if name.startswith("decode") else _Prefill)(model)

@@ -41,18 +41,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..arch import Family, family
-from ..config import (ATTEND_STEP, Q4_TILE_ROWS, TILE_ROWS, BuildSettings, ModelConfig, auto_kv_dtype,
-                      super_groups)
+from ..config import ATTEND_STEP, BuildSettings, ModelConfig, auto_kv_dtype
 from ..devices import TABLE
 from ..shapes import call_shapes
+from .kernels import (attend_rows, first_blocks, first_slots, query_keys, query_keys_rows, softmax_over_slots,
+                      weighted_values, weighted_values_rows)
 from .kernels.attention_rows import attend_plan
-from .kernels import (attend_rows, first_blocks, first_slots, i8_linear, q4_linear, q4_linear_parts, query_keys,
-                      query_keys_rows, softmax_over_slots, tile_q8, tileable, tiled_rows, weighted_values,
-                      weighted_values_rows)
-from .q4 import (Q4_GROUP, dequantise_q4, pack_q4, packable, pair_q4, quantise_q4, tile_paired, tile_q4, unpack_q4,
-                 unpair_q4)
+from .linear import Linear, Piece
 
-TORCH_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 # The KV cache buffers' element type per --kv-dtype. bfloat16 is kept as its bits in int16: turbine 3.9 cannot make
 # a bfloat16 global (it goes through numpy, which has no such type), so the graph bitcasts on every write and read.
 KV_STORAGE = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.int16}
@@ -70,173 +66,6 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         scale = self.weight + self.offset if self.offset else self.weight
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * scale
-
-
-class Linear(nn.Module):
-    """A weight matrix [out, in] stored in the build's type: f32, f16, bf16, q8 (int8 with a per-row scale) or q4
-    (4-bit codes in groups with a scale and an offset each: engine/exporter/q4.py).
-
-    Stored weights are widened inside the graph: IREE fuses the widening into the matrix-vector products, so
-    decode reads 2 (16-bit), 1 (q8) or about 0.59 (q4: half a byte, 2 bytes per 32 and 6 per 256) bytes per weight while
-    activations and accumulation stay float32. A quantised matrix that is multiplied is stored in tiles of rows
-    and multiplied by a custom op (engine/exporter/kernels/) whose decode form keeps a row per vector lane. The
-    parameters have their stored type from the start, so a skeleton that never receives its weights
-    (StreamingLlama.skeleton) exports exactly as one holding them.
-    """
-
-    def __init__(self, out_features: int, in_features: int, dtype: str, bias: bool = False,
-                 lookup: bool = False) -> None:
-        super().__init__()
-        # One only looked up by row (an untied embedding) keeps its rows whole.
-        self.tiled = not lookup
-        self.dtype = dtype = matrix_dtype(dtype, in_features, None if lookup else out_features)
-        self.in_tiles = in_tiles(dtype, out_features, in_features, self.tiled)
-        self.offset = self.units = None
-        if dtype == "q4":
-            groups = in_features // Q4_GROUP
-            if lookup:
-                self.weight = _frozen(torch.empty(out_features, in_features // 2, dtype=torch.int8))
-                self.scale = _frozen(torch.empty(out_features, groups, dtype=torch.float16))
-                self.offset = _frozen(torch.empty(out_features, groups, dtype=torch.float16))
-            else:
-                # Two-level group numbers (engine/exporter/q4.py, split_numbers): 8-bit factors, float16 units.
-                tiles, supers = out_features // Q4_TILE_ROWS, groups // super_groups(groups)
-                self.weight = _frozen(torch.empty(tiles, groups, Q4_TILE_ROWS * Q4_GROUP // 2, dtype=torch.int8))
-                self.scale = _frozen(torch.empty(tiles, groups, Q4_TILE_ROWS, dtype=torch.int8))
-                self.offset = _frozen(torch.empty(tiles, groups, Q4_TILE_ROWS, dtype=torch.int8))
-                self.units = _frozen(torch.empty(tiles, supers, 3, Q4_TILE_ROWS, dtype=torch.float16))
-        else:
-            stored = torch.int8 if dtype == "q8" else TORCH_DTYPES[dtype]
-            tiles = (out_features // TILE_ROWS, in_features // 4, TILE_ROWS * 4)
-            self.weight = _frozen(torch.empty(tiles if self.in_tiles else (out_features, in_features), dtype=stored))
-            # Per row, in row order whatever the layout (a tile's rows are consecutive).
-            self.scale = _frozen(torch.empty(out_features)) if dtype == "q8" else None
-        # float32 whatever the weights' type: it is tiny.
-        self.bias = _frozen(torch.empty(out_features)) if bias else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.dtype == "q4":
-            y = q4_linear(x, *self.q4_tensors())
-        else:
-            y = i8_linear(x, self.weight) if self.in_tiles else F.linear(x, self.weight.float())
-            y = y if self.scale is None else y * self.scale
-        return y if self.bias is None else y + self.bias
-
-    def parts(self, x: torch.Tensor, first: int, second: int, many: bool) -> tuple[torch.Tensor, ...]:
-        """forward's output [rows, out] as three tensors: the first `first` columns, the next `second`, the rest.
-        A q4 matrix multiplying `many` rows (prefill) writes them as three outputs of one product; otherwise they
-        are slices of its output."""
-        if self.dtype != "q4" or not many:
-            y = self(x)
-            return y[:, :first], y[:, first:first + second], y[:, first + second:]
-        ys = q4_linear_parts(x, *self.q4_tensors(), first, second)
-        if self.bias is None:
-            return ys
-        b = self.bias
-        return ys[0] + b[:first], ys[1] + b[first:first + second], ys[2] + b[first + second:]
-
-    def q4_tensors(self) -> tuple[torch.Tensor, ...]:
-        """A tiled q4 matrix's parameters in the products' argument order: codes, then q4.Q4_NUMBERS."""
-        return self.weight, self.scale, self.offset, self.units
-
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows as float32 (the embedding lookup of a tied matrix)."""
-        if self.dtype == "q4":
-            assert not self.tiled, "a tiled q4 matrix has no whole rows to look up"
-            return dequantise_q4(*(F.embedding(ids, t) for t in (self.weight, self.scale, self.offset)))
-        r = (tiled_rows(self.weight, ids) if self.in_tiles else F.embedding(ids, self.weight)).float()
-        return r if self.scale is None else r * F.embedding(ids, self.scale.unsqueeze(1))
-
-
-def _frozen(t: torch.Tensor) -> nn.Parameter:
-    return nn.Parameter(t, requires_grad=False)
-
-
-def matrix_dtype(dtype: str, in_features: int, out_features: int | None = None) -> str:
-    """The type a matrix is stored in: the build's, except that q4 needs whole groups along a row (and, for a
-    matrix that is multiplied, `out_features` in whole tiles of rows), and a matrix without them (no family Eddy
-    knows has one) is stored in q8 instead."""
-    return "q8" if dtype == "q4" and not packable(in_features, out_features) else dtype
-
-
-def in_tiles(dtype: str, out_features: int, in_features: int, multiplied: bool) -> bool:
-    """Whether a matrix (of its stored type) is stored in tiles of rows: a quantised one that is multiplied, if
-    it makes whole tiles (q4's always do: matrix_dtype)."""
-    return multiplied and (dtype == "q4" or dtype == "q8" and tileable(out_features, in_features))
-
-
-# Rows converted at a time by stored_matrix: its float32 temporaries stay a few MB whatever the matrix (a
-# 128k-row embedding is 1-2 GB in float32, and q8 would otherwise hold three copies of it at once).
-CONVERT_ROWS = 4096
-
-
-def stored_matrix(w: torch.Tensor, dtype: str, tiled: bool = False) -> dict[str, torch.Tensor]:
-    """A weight matrix (float32, or the checkpoint's own 16-bit type) as Linear stores it: {"weight"} in the build's
-    type, plus a per-row float32 {"scale"} for q8 (symmetric: the row's largest magnitude maps to 127), or the
-    packed codes with group {"scale", "offset"} for q4 (engine/exporter/q4.py).
-
-    Each block of rows is widened to float32 and converted on its own: a 16-bit matrix is never widened whole,
-    and since rows are independent (and widening 16-bit floats is exact) the bytes are those of converting the
-    float32 matrix at once. `tiled`: a multiplied matrix, whose q4 and q8 are stored in tiles of rows (in_tiles)."""
-    dtype = matrix_dtype(dtype, w.shape[1], w.shape[0] if tiled else None)
-    if dtype in TORCH_DTYPES and w.dtype == TORCH_DTYPES[dtype]:
-        return {"weight": w.contiguous()}
-    out: dict[str, torch.Tensor] = {}
-    for start in range(0, w.shape[0], CONVERT_ROWS):
-        block = _convert_rows(w[start:start + CONVERT_ROWS].float(), dtype)
-        for name, t in block.items():
-            if name not in out:  # allocated once: a second copy of a 1 GB embedding is what this avoids
-                out[name] = torch.empty((w.shape[0], *t.shape[1:]), dtype=t.dtype)
-            out[name][start:start + len(t)] = t
-    if not in_tiles(dtype, w.shape[0], w.shape[1], tiled):
-        return out
-    return tile_q4(out) if dtype == "q4" else {**out, "weight": tile_q8(out["weight"])}
-
-
-def _convert_rows(block: torch.Tensor, dtype: str) -> dict[str, torch.Tensor]:
-    if dtype == "q4":
-        return quantise_q4(block)
-    if dtype != "q8":
-        return {"weight": block.to(TORCH_DTYPES[dtype])}
-    s = (block.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
-    return {"weight": torch.round(block / s.unsqueeze(1)).clamp(-127, 127).to(torch.int8), "scale": s}
-
-
-def _paired(rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """q4 rows (quantise_q4's bytes) in pair_q4's bytes."""
-    return {**rows, "weight": pair_q4(unpack_q4(rows["weight"]))}
-
-
-@dataclass(frozen=True)
-class Piece:
-    """One module's parameters and the checkpoint tensors (Hugging Face names) they are made from: the unit
-    in which weights are converted, into a model in memory (StreamingLlama.load_hf) or straight into the .irpa
-    (engine/exporter/weights_file.py)."""
-    module: str  # its name in the model, e.g. "layers.0.attention.wqkv"
-    sources: tuple[str, ...]  # concatenated along the rows (q|k|v, gate|up)
-    kind: str  # "matrix": a Linear's weight (and scale); "bias" or "norm": one float32 vector
-    dtype: str = "f32"  # a matrix's stored type (its Linear's)
-    tiled: bool = False  # a matrix that is multiplied (its Linear's `tiled`)
-
-    def convert(self, tensors: list[torch.Tensor | dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        """The module's parameters by full name, from its source tensors (in `sources` order; float32, or the
-        checkpoint's own floating type, which converts to the same bytes; for a q4 matrix, also q4 rows as a
-        GGUF's 4-bit blocks give them, CheckpointTensors.read_q4)."""
-        if any(isinstance(t, dict) for t in tensors):
-            # A GGUF's 4-bit blocks in pair_q4's bytes (CheckpointTensors.read_q4), beside any float source of
-            # the same piece: all taken to those bytes, joined by rows, then tiled by moving bytes.
-            assert self.kind == "matrix" and self.dtype == "q4", f"{self.module}: q4 codes for a {self.dtype} piece"
-            parts = [t if isinstance(t, dict) else _paired(stored_matrix(t, "q4")) for t in tensors]
-            joined = {k: torch.cat([p[k] for p in parts]) if len(parts) > 1 else parts[0][k] for k in parts[0]}
-            if self.tiled:
-                made = tile_paired(joined)
-            else:
-                made = {**joined, "weight": pack_q4(unpair_q4(joined["weight"]))}
-            return {f"{self.module}.{name}": t for name, t in made.items()}
-        w = tensors[0] if len(tensors) == 1 else torch.cat(tensors)
-        if self.kind == "matrix":
-            return {f"{self.module}.{name}": t for name, t in stored_matrix(w, self.dtype, self.tiled).items()}
-        return {f"{self.module}.{'bias' if self.kind == 'bias' else 'weight'}": w.float().contiguous()}
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -276,18 +105,19 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, settings: BuildSettings, layer: int, index: int, own_ring: bool) -> None:
         super().__init__()
         self.cfg = cfg
-        # Decode reads the keys in blocks on a cpu (kernels.first_blocks); IREE's GPU pipeline failed to bufferize
-        # that scores op, and takes the plain slice.
-        self.key_blocks = settings.device == "cpu"
-        # Prefill's attention scores and output as custom ops (kernels.query_keys_rows, weighted_values_rows) on a
-        # cpu; elsewhere torch matmuls, IREE's choice.
-        self.rows_ops = settings.device == "cpu"
+        path = TABLE[settings.device].attention  # the device's way (engine/devices.py)
+        # Decode reads the keys in blocks by the custom ops (kernels.first_blocks); IREE's GPU pipeline failed to
+        # bufferize that scores op, and takes the plain slice.
+        self.key_blocks = path == "ops"
+        # Prefill's attention scores and output as custom ops (kernels.query_keys_rows, weighted_values_rows);
+        # elsewhere torch matmuls, IREE's choice.
+        self.rows_ops = path == "ops"
         # There, with no soft cap and a head size its stack fits, the whole attention as one op (kernels.attend_rows).
         self.one_op = (self.rows_ops and cfg.attn_softcap is None and attend_plan(cfg.head_dim) is not None
                        and not own_ring)
-        # On a device that compiles it, with no soft cap, IREE's own attention op: one fused op a layer (the
-        # softmax in flight) where the matmuls and the softmax were four or more kernels.
-        self.fused = TABLE[settings.device].fused_attention and cfg.attn_softcap is None
+        # With no soft cap, IREE's own attention op: one fused op a layer (the softmax in flight) where the matmuls
+        # and the softmax were four or more kernels.
+        self.fused = path == "fused" and cfg.attn_softcap is None
         self.index = index  # this layer's place in the buffer it writes (the shared cache or the ring)
         self.local = layer in cfg.local_layers  # attends to the last local_window tokens only (Gemma)
         self.own_ring = own_ring

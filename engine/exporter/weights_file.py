@@ -1,6 +1,6 @@
 """weights.irpa straight from the checkpoint, one module's parameters at a time (needs torch).
 
-For each Piece of the model (engine/exporter/model.py) the checkpoint tensors it is made from are read, converted
+For each Piece of the model (engine/exporter/linear.py) the checkpoint tensors it is made from are read, converted
 to the build's type (q|k|v and gate|up concatenated, cast or quantised to q8) and written into the archive at
 once, then dropped: the build holds about one tensor, however large the model. The names, types, shapes and
 metadata are the skeleton's parameters', so the file is the one turbine's save_module_parameters writes for a

@@ -11,6 +11,7 @@ import contextlib
 from dataclasses import dataclass
 from typing import Iterator
 
+from ...devices import TABLE
 from . import prefill_products
 
 
@@ -30,7 +31,7 @@ class KernelPlan:
 
     @classmethod
     def of(cls, device: str, dot_form: str | None = None, x_steps: int = prefill_products.STEPS) -> "KernelPlan":
-        return cls(cpu_tuned=device == "cpu", dot_form=dot_form, x_steps=x_steps)
+        return cls(cpu_tuned=TABLE[device].llvm_cpu, dot_form=dot_form, x_steps=x_steps)
 
 
 _active = KernelPlan()
