@@ -24,6 +24,9 @@ class Device:
     attention: str = "generic"
     # The custom ops carry llvm-cpu's lowering attributes (engine/exporter/kernels/plan.py); elsewhere IREE chooses.
     llvm_cpu: bool = False
+    # A norm over the model's width sums its squares per group of this many first (engine/exporter/model.py, RMSNorm;
+    # 0: in one reduction).
+    norm_groups: int = 0
 
 
 # The CUDA targets iree-compile 3.13 knows by name: it has no sm_90 or sm_100 (their names give "missing GPU
@@ -79,8 +82,11 @@ TABLE: dict[str, Device] = {d.name: d for d in (
     # Weights' transforms are left in each call, not hoisted into the module's initialiser: hoisted, the decode's
     # transformed matrices came out wrong on Mesa's lavapipe (the tiny model's decode logits off by 1e-2 to NaN
     # while prefill, which reads the weights as stored, matched the CPU to 2e-7; with this flag both match).
+    # A norm's squares are summed per 32 first: IREE fused a q4 embedding's lookup (its group index from
+    # linalg.index) into a one-reduction norm 4096 wide (an 8B's) and its SPIR-V lowering then kept index values in
+    # workgroup memory, which failed; 2048 wide compiled.
     Device("vulkan", "vulkan", ("--iree-hal-target-device=vulkan", "--iree-opt-const-expr-hoisting=false"),
-           "--iree-vulkan-target=", fixed_shapes=True),
+           "--iree-vulkan-target=", fixed_shapes=True, norm_groups=32),
     # A float32 cache on the GPU: IREE's GPU code widening a 16-bit one cost a decode step at 1000 tokens 7.7 ms
     # against 4.6 (H200, docs/GPU.md), and a GPU has the memory (the default model's cache is 47 MB in float32).
     # IREE's attention op compiles for cuda, not for vulkan (its SPIR-V pipeline fails to bufferize the op).
@@ -90,10 +96,10 @@ TABLE: dict[str, Device] = {d.name: d for d in (
 DEVICES = tuple(TABLE)
 
 
-# The form of the hand-written decode products (engine/exporter/kernels/dot_products.py: q4's and q8's) each llvm-cpu target
-# guarantees the instructions for: "vnni" needs AVX-512 VNNI (and BW), "avx2" AVX2; None: the generic forms.
-# x86-64-v4 is AVX-512 F/BW/CD/DQ/VL, without VNNI. "host" takes the first row of HOST_DOT_FORMS whose flags this
-# CPU lists.
+# The form of the hand-written decode products (engine/exporter/kernels/dot_products.py: q4's and q8's) each
+# llvm-cpu target guarantees the instructions for: "vnni" needs AVX-512 VNNI (and BW), "avx2" AVX2; None: the
+# generic forms. x86-64-v4 is AVX-512 F/BW/CD/DQ/VL, without VNNI. "host" takes the first row of HOST_DOT_FORMS
+# whose flags this CPU lists.
 DOT_FORMS: dict[str, str | None] = {"x86-64-v4": "avx2", "x86-64-v3": "avx2", "x86-64-v2": None, "x86-64": None}
 HOST_DOT_FORMS = ((("avx512_vnni", "avx512bw"), "vnni"), (("avx2",), "avx2"))
 

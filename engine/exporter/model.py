@@ -56,16 +56,22 @@ EMPTY_SLOT = 2**62  # slot_pos of an empty slot: later than any token, so masked
 
 
 class RMSNorm(nn.Module):
-    """Scales by (offset + weight): Gemma stores its norms as w with the 1 implied."""
+    """Scales by (offset + weight): Gemma stores its norms as w with the 1 implied. `groups`: the squares are summed
+    per group of that many first (the device's norm_groups, engine/devices.py; 0: in one reduction)."""
 
-    def __init__(self, dim: int, eps: float, offset: float = 0.0) -> None:
+    def __init__(self, dim: int, eps: float, offset: float = 0.0, groups: int = 0) -> None:
         super().__init__()
         self.eps, self.offset = eps, offset
+        self.groups = groups if groups and dim % groups == 0 else 0
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         scale = self.weight + self.offset if self.offset else self.weight
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * scale
+        if self.groups:
+            squares = x.pow(2).unflatten(-1, (-1, self.groups)).sum(-1).sum(-1, keepdim=True) / x.shape[-1]
+        else:
+            squares = x.pow(2).mean(-1, keepdim=True)
+        return x * torch.rsqrt(squares + self.eps) * scale
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -305,7 +311,11 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, settings: BuildSettings, layer: int, index: int, own_ring: bool) -> None:
         super().__init__()
         fam = family(cfg.arch)
-        norm = lambda role: RMSNorm(cfg.dim, cfg.norm_eps, fam.norm_offset) if role in fam.norms else None  # noqa: E731
+
+        def norm(role: str) -> RMSNorm | None:
+            return (RMSNorm(cfg.dim, cfg.norm_eps, fam.norm_offset, TABLE[settings.device].norm_groups)
+                    if role in fam.norms else None)
+
         self.attention_norm, self.post_attention_norm = norm("attn"), norm("post_attn")
         self.attention = Attention(cfg, settings, layer, index, own_ring)
         self.ffn_norm, self.post_ffn_norm = norm("ffn"), norm("post_ffn")
@@ -338,7 +348,7 @@ class StreamingLlama(nn.Module):
         local = [i for i in range(cfg.n_layers) if own[i]]
         self.layers = nn.ModuleList(
             Block(cfg, settings, i, (local if own[i] else shared).index(i), own[i]) for i in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, fam.norm_offset)
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, fam.norm_offset, TABLE[settings.device].norm_groups)
         self.output = None if cfg.tie_embeddings else Linear(cfg.vocab_size, cfg.dim, head)
         # One cache global for all shared layers (and one ring for the local ones): with many per-layer globals a
         # zero-splat initialiser gave wrong logits in IREE. Their type is the build's kv_dtype (values are written
