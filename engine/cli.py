@@ -320,13 +320,12 @@ def _chat_command(text: str) -> str | None:
 def _chat(args: argparse.Namespace) -> int:
     from .loader import open_model
     from .remote import is_remote, open_remote
+    from .run.generation import ChatDefaults
     from .run.session import ChatSettings
-
-    from .run.generation import ChatDefaults, sampling_params
 
     given = {name: getattr(args, name) for name in OPTIONS}
     greedy = {name: getattr(SamplingParams(), name) for name in OPTIONS}
-    sampling_params(ChatDefaults(greedy), given, args.seed)  # a bad value fails here, before a long build
+    ChatSettings.make(ChatDefaults(greedy), given, args.seed)  # a bad value fails here, before a long build
     if is_remote(args.model):
         # Another machine's model through its OpenAI-compatible server (engine/remote.py): nothing is built.
         model = open_remote(args.model, args.api_key, args.context)
