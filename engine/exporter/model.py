@@ -247,10 +247,12 @@ class Attention(nn.Module):
         layer at once, before the first (StreamingLlama.shift_sinks): done here, with the keys kept in the cache's
         order, that was five dispatches a layer where the keeping is now one. A key this call writes to a sink
         slot goes in as it is: such a call evicts nothing (the host's chunks are never longer than the window, so
-        a call that starts among the sinks ends before the cache is full), and the shift is the identity.
+        a call that starts among the sinks ends before the cache is full), and the shift is the identity. Decode
+        keeps no sink key: a token bound for a sink slot goes through prefill (StreamingEngine.decode), which
+        saves decode that write, a dispatch a layer.
         """
         cache, slots, i = step.cache, step.slots, self.index
-        if step.sink_keys is not None:
+        if step.sink_keys is not None and not step.single:  # decode writes no sink: the host prefills those
             step.sink_keys.index_put_((torch.full((1, 1), i, dtype=torch.int64), step.kept.view(1, -1)), k)
         self._put(cache, slots, k, v)
         if self.one_op and not step.single:  # the layer's keys and values as stored, read in place (attend_rows)
@@ -416,7 +418,8 @@ class StreamingLlama(nn.Module):
             # included, once that far).
             local = torch.where(cache_pos.unsqueeze(0) > now - window, mask, neg)
         sinks = self.settings.sink_slots
-        kept = torch.where(slots < sinks, slots, torch.full_like(slots, sinks)) if self.sink_keys is not None else None
+        kept = (torch.where(slots < sinks, slots, torch.full_like(slots, sinks))
+                if self.sink_keys is not None and not single else None)
         step = Step(self.cache, self.sink_keys, self.ring_cache, slots, rope, shift, ring_slots, cache_pos, mask, local,
                     mask.transpose(0, 1), local.transpose(0, 1), single, kept, ring)
         self.shift_sinks(shift)

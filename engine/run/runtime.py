@@ -301,6 +301,9 @@ class StreamingEngine:
         return self.shapes.pad(args) if self.shapes else args
 
     def decode(self, token: int) -> np.ndarray:
+        """Appends one token; returns the logits after it [vocab]."""
+        if self.position < self.sinks:  # a sink: the module's decode does not keep sink keys (Attention.write_cache)
+            return self.prefill([token])
         return self.module.decode(*self._inputs(np.array([token], dtype=np.int64)))[0]
 
     def score(self, ids: Sequence[int], targets: Sequence[int]) -> np.ndarray:
