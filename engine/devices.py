@@ -27,6 +27,10 @@ class Device:
     # A norm over the model's width sums its squares per group of this many first (engine/exporter/model.py, RMSNorm;
     # 0: in one reduction).
     norm_groups: int = 0
+    # Each dispatch is a kernel launch (a few us on a GPU, where a decode step's own work per layer is tens of us):
+    # the model takes its forms of fewer dispatches (engine/exporter/model.py: q's and k's rotation as one op, the
+    # cache written by one flat index a row computed once a call).
+    launch_bound: bool = False
 
 
 # The CUDA targets iree-compile 3.13 knows by name: it has no sm_90 or sm_100 (their names give "missing GPU
@@ -86,12 +90,12 @@ TABLE: dict[str, Device] = {d.name: d for d in (
     # linalg.index) into a one-reduction norm 4096 wide (an 8B's) and its SPIR-V lowering then kept index values in
     # workgroup memory, which failed; 2048 wide compiled.
     Device("vulkan", "vulkan", ("--iree-hal-target-device=vulkan", "--iree-opt-const-expr-hoisting=false"),
-           "--iree-vulkan-target=", fixed_shapes=True, norm_groups=32),
+           "--iree-vulkan-target=", fixed_shapes=True, norm_groups=32, launch_bound=True),
     # A float32 cache on the GPU: IREE's GPU code widening a 16-bit one cost a decode step at 1000 tokens 7.7 ms
     # against 4.6 (H200, docs/GPU.md), and a GPU has the memory (the default model's cache is 47 MB in float32).
     # IREE's attention op compiles for cuda, not for vulkan (its SPIR-V pipeline fails to bufferize the op).
     Device("cuda", "cuda", ("--iree-hal-target-device=cuda",), "--iree-cuda-target=", auto_kv="f32", fixed_shapes=True,
-           attention="fused"),
+           attention="fused", launch_bound=True),
 )}
 DEVICES = tuple(TABLE)
 

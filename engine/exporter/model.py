@@ -105,6 +105,8 @@ class Step:
     single: bool  # one query (decode)
     kept: torch.Tensor | None  # each new token's row of sink_keys: its sink slot, or the last row (nothing reads)
     ring_size: int  # the local ring's slots read (its buffer has one more in a padded build: engine/shapes.py)
+    cache_rows: torch.Tensor | None = None  # launch-bound devices: where each layer writes (flat_rows)
+    ring_rows: torch.Tensor | None = None
 
 
 class Attention(nn.Module):
@@ -131,6 +133,11 @@ class Attention(nn.Module):
         self.scale = (cfg.query_scalar or cfg.head_dim) ** -0.5
         self.softcap = cfg.attn_softcap
         fam = family(cfg.arch)
+        # q's and k's heads rotated as one tensor (one dispatch, where there were two), as they come from wqkv.
+        self.joint_rope = TABLE[settings.device].launch_bound and not fam.qk_norm
+        # Softmax as torch's where the slot count is fixed: in blocks (softmax_in_blocks, for a dynamic count) it was
+        # six dispatches a layer on vulkan.
+        self.plain_softmax = call_shapes(cfg, settings) is not None
         # q, k and v as one matrix: one matmul reads x once.
         self.wqkv = Linear((cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, cfg.dim, settings.dtype, fam.qkv_bias)
         self.wo = Linear(cfg.dim, cfg.n_heads * cfg.head_dim, settings.dtype)
@@ -143,12 +150,18 @@ class Attention(nn.Module):
         kvh, rep, d = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
         # Grouped-query attention through views and broadcasting: a reshape mixing the dynamic length with
         # head counts breaks torch.export's shape constraints.
-        q, k, v = self.wqkv.parts(x, cfg.n_heads * d, kvh * d, many=not step.single)
-        q, k, v = q.reshape(n, cfg.n_heads, d), k.reshape(n, kvh, d), v.reshape(n, kvh, d)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = step.rope[self.table, 0], step.rope[self.table, 1]
-        q, k = rotate(q, cos, sin).view(n, kvh, rep, d), rotate(k, cos, sin)
+        if self.joint_rope and (step.single or self.wqkv.dtype != "q4"):  # q4's prefill product has three outputs
+            y = self.wqkv(x)
+            qk = rotate(y[:, :(cfg.n_heads + kvh) * d].reshape(n, cfg.n_heads + kvh, d), cos, sin)
+            q, k = qk[:, :cfg.n_heads].reshape(n, kvh, rep, d), qk[:, cfg.n_heads:]
+            v = y[:, (cfg.n_heads + kvh) * d:].reshape(n, kvh, d)
+        else:
+            q, k, v = self.wqkv.parts(x, cfg.n_heads * d, kvh * d, many=not step.single)
+            q, k, v = q.reshape(n, cfg.n_heads, d), k.reshape(n, kvh, d), v.reshape(n, kvh, d)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = rotate(q, cos, sin).view(n, kvh, rep, d), rotate(k, cos, sin)
         if self.own_ring:
             keys, values = self.ring_kv(step, k, v)
             mask = step.local_mask
@@ -198,7 +211,7 @@ class Attention(nn.Module):
     def softmax(self, scores: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         # A local ring's slots (and a prefill's new tokens after them) are not in blocks: the others are for the
         # cache's attended slots.
-        if self.own_ring:
+        if self.own_ring or self.plain_softmax:
             return torch.softmax(scores if mask is None else scores + mask, dim=-1)
         if self.rows_ops:
             return softmax_over_slots(scores, mask)
@@ -208,10 +221,14 @@ class Attention(nn.Module):
         """Gemma 2's soft cap on attention scores, before the mask."""
         return scores if self.softcap is None else torch.tanh(scores / self.softcap) * self.softcap
 
-    def _put(self, buffer: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def _put(self, buffer: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             rows: torch.Tensor | None) -> None:
         # Keys and values in one write (one scatter dispatch; two index_put_ calls were two), indexed in the order
         # they come ([2, n, kvh, d]): transposed to the cache's, IREE fused the transpose into the scatter with a tile
         # of it on the stack, 64 kB at a head_dim of 128 (the limit is 32 kB).
+        if rows is not None:  # each key's and value's row of the buffer seen flat (flat_rows): no index built here
+            buffer.view(-1, buffer.shape[-1]).index_put_((rows[self.index],), torch.stack([k, v]))
+            return
         layer = torch.full((1, 1, 1), self.index, dtype=torch.int64)
         kv = torch.arange(2).view(-1, 1, 1)
         heads = torch.arange(self.cfg.n_kv_heads).view(1, 1, -1)
@@ -227,11 +244,11 @@ class Attention(nn.Module):
         ring, i, size = step.ring, self.index, step.ring_size
         k, v = to_kv(k, ring), to_kv(v, ring)
         if step.single:
-            self._put(ring, step.ring_slots, k, v)
+            self._put(ring, step.ring_slots, k, v, step.ring_rows)
             return from_kv(ring[i, 0].narrow(1, 0, size)), from_kv(ring[i, 1].narrow(1, 0, size))
         keys = torch.cat([from_kv(ring[i, 0].narrow(1, 0, size)), from_kv(k).transpose(0, 1)], dim=1)
         values = torch.cat([from_kv(ring[i, 1].narrow(1, 0, size)), from_kv(v).transpose(0, 1)], dim=1)
-        self._put(ring, step.ring_slots, k, v)
+        self._put(ring, step.ring_slots, k, v, step.ring_rows)
         return keys, values
 
     def write_cache(self, step: Step, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -254,7 +271,7 @@ class Attention(nn.Module):
         cache, slots, i = step.cache, step.slots, self.index
         if step.sink_keys is not None and not step.single:  # decode writes no sink: the host prefills those
             step.sink_keys.index_put_((torch.full((1, 1), i, dtype=torch.int64), step.kept.view(1, -1)), k)
-        self._put(cache, slots, k, v)
+        self._put(cache, slots, k, v, step.cache_rows)
         if self.one_op and not step.single:  # the layer's keys and values as stored, read in place (attend_rows)
             return cache[i, 0], cache[i, 1]
         # One query reads the keys as blocks (kernels.first_blocks), where the device takes them.
@@ -262,6 +279,15 @@ class Attention(nn.Module):
         if self.rows_ops and not step.single:  # prefill's ops widen what they read: the keys' slice as stored, and
             return keys, cache[i, 1]  # the layer's values read in place
         return from_kv(keys), from_kv(first_slots(cache[i, 1], step.cache_pos))
+
+
+def flat_rows(buffer: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Each layer's new keys' and values' rows of `buffer` [layers, 2, kvh, size, d] seen as [-1, d]: [layers, 2, n,
+    kvh], for every layer at once. Per layer, the index the cache's write needs was built in a dispatch of its own
+    (a copy of the slots into it with the layer's number); sliced from this, IREE reads it in the write's."""
+    layers, _, kvh, size, _ = buffer.shape
+    rows = (torch.arange(layers * 2).view(layers, 2, 1, 1) * kvh + torch.arange(kvh).view(1, 1, 1, -1)) * size
+    return rows + slots.view(1, 1, -1, 1)
 
 
 def softmax_in_blocks(scores: torch.Tensor) -> torch.Tensor:
@@ -420,8 +446,11 @@ class StreamingLlama(nn.Module):
         sinks = self.settings.sink_slots
         kept = (torch.where(slots < sinks, slots, torch.full_like(slots, sinks))
                 if self.sink_keys is not None and not single else None)
+        flat = TABLE[self.settings.device].launch_bound
         step = Step(self.cache, self.sink_keys, self.ring_cache, slots, rope, shift, ring_slots, cache_pos, mask, local,
-                    mask.transpose(0, 1), local.transpose(0, 1), single, kept, ring)
+                    mask.transpose(0, 1), local.transpose(0, 1), single, kept, ring,
+                    flat_rows(self.cache, slots) if flat else None,
+                    flat_rows(self.ring_cache, ring_slots) if flat and ring else None)
         self.shift_sinks(shift)
         for block in self.layers:
             x = block(x, step)
