@@ -74,17 +74,19 @@ class RMSNorm(nn.Module):
         return x * torch.rsqrt(squares + self.eps) * scale
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scale: float | torch.Tensor = 1.0) -> torch.Tensor:
     """Rotary embedding in the Hugging Face (rotate-half) layout. x [n, heads, D], cos/sin [n, D/2].
 
     x's halves as a dimension of 2, each half times cos plus the other half (flipped) times +-sin: one elementwise
     op, the same products and sums as rotate-half's x1 c - x2 s, x2 c + x1 s. As the two halves concatenated, IREE
-    wrote each half in a transpose dispatch of its own."""
+    wrote each half in a transpose dispatch of its own. `scale` multiplies the result (a float, or one per head
+    [1, heads, 1, 1]): q's attention scale, in the same op (after it, in a dispatch of its own)."""
     n, heads, d = x.shape
     halves = x.view(n, heads, 2, d // 2)
     c = cos.view(-1, 1, 1, d // 2)  # cos and sin may have one row for all of x's
     s = torch.stack([-sin, sin], dim=1).view(-1, 1, 2, d // 2)
-    return (halves * c + halves.flip(2) * s).view(n, heads, d)
+    out = halves * c + halves.flip(2) * s
+    return (out if isinstance(scale, float) and scale == 1.0 else out * scale).view(n, heads, d)
 
 
 @dataclass
@@ -126,6 +128,9 @@ class Attention(nn.Module):
         # With no soft cap, IREE's own attention op: one fused op a layer (the softmax in flight) where the matmuls
         # and the softmax were four or more kernels.
         self.fused = path == "fused" and cfg.attn_softcap is None
+        # q leaves its rotation scaled for attention (in that op: a multiply of its own was a dispatch a layer), but
+        # for IREE's fused op, which takes the scale itself.
+        self.q_scale = 1.0 if self.fused else (cfg.query_scalar or cfg.head_dim) ** -0.5
         self.index = index  # this layer's place in the buffer it writes (the shared cache or the ring)
         self.local = layer in cfg.local_layers  # attends to the last local_window tokens only (Gemma)
         self.own_ring = own_ring
@@ -153,7 +158,11 @@ class Attention(nn.Module):
         cos, sin = step.rope[self.table, 0], step.rope[self.table, 1]
         if self.joint_rope and (step.single or self.wqkv.dtype != "q4"):  # q4's prefill product has three outputs
             y = self.wqkv(x)
-            qk = rotate(y[:, :(cfg.n_heads + kvh) * d].reshape(n, cfg.n_heads + kvh, d), cos, sin)
+            # q's heads scaled, k's not; made by ops: as a tensor constant, IREE lost its data ("resource data
+            # missing in input IR").
+            scale = self.q_scale if self.q_scale == 1.0 else torch.cat(
+                [torch.full((1, cfg.n_heads, 1, 1), self.q_scale), torch.ones(1, kvh, 1, 1)], dim=1)
+            qk = rotate(y[:, :(cfg.n_heads + kvh) * d].reshape(n, cfg.n_heads + kvh, d), cos, sin, scale)
             q, k = qk[:, :cfg.n_heads].reshape(n, kvh, rep, d), qk[:, cfg.n_heads:]
             v = y[:, (cfg.n_heads + kvh) * d:].reshape(n, kvh, d)
         else:
@@ -161,7 +170,7 @@ class Attention(nn.Module):
             q, k, v = q.reshape(n, cfg.n_heads, d), k.reshape(n, kvh, d), v.reshape(n, kvh, d)
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
-            q, k = rotate(q, cos, sin).view(n, kvh, rep, d), rotate(k, cos, sin)
+            q, k = rotate(q, cos, sin, self.q_scale).view(n, kvh, rep, d), rotate(k, cos, sin)
         if self.own_ring:
             keys, values = self.ring_kv(step, k, v)
             mask = step.local_mask
@@ -172,7 +181,7 @@ class Attention(nn.Module):
             return self.wo(self.fused_attention(q, keys, values, mask))
         if step.single:
             # One query: custom ops read the cache in place (matmuls would re-pack it every step: kernels).
-            q1, mask1 = (q * self.scale).view(kvh, rep, d), mask.view(-1)
+            q1, mask1 = q.view(kvh, rep, d), mask.view(-1)
             if self.softcap is None:
                 scores = query_keys(q1, keys, mask1)  # [kvh, rep, C]
             else:  # the cap comes before the mask
@@ -182,12 +191,12 @@ class Attention(nn.Module):
             return self.wo(out.reshape(1, cfg.n_heads * d))
         if self.one_op:
             mask_t = step.local_mask_t if self.local else step.mask_t
-            out = attend_rows((q * self.scale).permute(1, 2, 3, 0), keys, values, mask_t)  # [n, kvh, rep, d]
+            out = attend_rows(q.permute(1, 2, 3, 0), keys, values, mask_t)  # [n, kvh, rep, d]
             return self.wo(out.reshape(n, cfg.n_heads * d))
         if self.rows_ops:  # q scaled first, as decode's: a scale after the op was a dispatch of its own
-            scores = query_keys_rows((q * self.scale).permute(1, 2, 0, 3), keys)  # [kvh, rep, n, C]
+            scores = query_keys_rows(q.permute(1, 2, 0, 3), keys)  # [kvh, rep, n, C]
         else:
-            scores = torch.matmul(q.permute(1, 2, 0, 3), keys.transpose(1, 2).unsqueeze(1)) * self.scale
+            scores = torch.matmul(q.permute(1, 2, 0, 3), keys.transpose(1, 2).unsqueeze(1))
         probs = self.softmax(self.capped(scores), mask)
         if self.rows_ops:
             out = weighted_values_rows(probs, values)  # [n, kvh, rep, d]
