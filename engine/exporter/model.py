@@ -349,9 +349,11 @@ class Block(nn.Module):
         super().__init__()
         fam = family(cfg.arch)
 
+        # Only the first layer's norms read the embedding lookup, which norm_groups is for (engine/devices.py).
+        groups = TABLE[settings.device].norm_groups if layer == 0 else 0
+
         def norm(role: str) -> RMSNorm | None:
-            return (RMSNorm(cfg.dim, cfg.norm_eps, fam.norm_offset, TABLE[settings.device].norm_groups)
-                    if role in fam.norms else None)
+            return RMSNorm(cfg.dim, cfg.norm_eps, fam.norm_offset, groups) if role in fam.norms else None
 
         self.attention_norm, self.post_attention_norm = norm("attn"), norm("post_attn")
         self.attention = Attention(cfg, settings, layer, index, own_ring)
@@ -385,7 +387,7 @@ class StreamingLlama(nn.Module):
         local = [i for i in range(cfg.n_layers) if own[i]]
         self.layers = nn.ModuleList(
             Block(cfg, settings, i, (local if own[i] else shared).index(i), own[i]) for i in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, fam.norm_offset, TABLE[settings.device].norm_groups)
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, fam.norm_offset)
         self.output = None if cfg.tie_embeddings else Linear(cfg.vocab_size, cfg.dim, head)
         # One cache global for all shared layers (and one ring for the local ones): with many per-layer globals a
         # zero-splat initialiser gave wrong logits in IREE. Their type is the build's kv_dtype (values are written
