@@ -2,7 +2,8 @@
 """How many dispatches a decode step and a prefill call hold (on a GPU, each one a kernel launch), counted in
 iree-compile's flow output: for a change that fuses ops, checked without the device.
 
-    python bench/dispatches.py [--shape smollm2-135m|NAME] [--device cuda] [--dtype f16] [--iree-flag F ...] [--json FILE]
+    python bench/dispatches.py [--shape smollm2-135m-instruct|NAME] [--device cuda] [--dtype f16]
+                               [--iree-flag F ...] [--json FILE]
 
 Exports the shape (the default model's, or a name from engine/checkpoint/shapes.py) at 2 and 3 layers as a skeleton
 (weights never written), compiles each to IREE's flow level for the device, and counts the `flow.dispatch` ops of
@@ -25,19 +26,18 @@ sys.path.insert(0, str(ROOT))
 
 from bench.machine import cpu_info  # noqa: E402
 
-# The default model's config (its GGUF holds it; engine/checkpoint/shapes.py lists downloadable checkpoints).
-SMOLLM2_135M = dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                    num_attention_heads=9, num_key_value_heads=3, head_dim=64, vocab_size=49152,
-                    tie_word_embeddings=True, rms_norm_eps=1e-5, rope_theta=100000.0, max_position_embeddings=8192)
 TARGETS = {"cuda": "sm_89", "vulkan": "ada", "cpu": ""}
+DEFAULT_MODEL = "smollm2-135m-instruct"  # its config read from the bundled GGUF
 
 
 def shape_config(name: str, layers: int | None = None) -> dict:
     """The shape's config at `layers` layers (None: all of them)."""
+    from engine.checkpoint import resolve_model
     from engine.checkpoint.shapes import config
+    from engine.checkpoint.weights import read_config
 
-    if name == "smollm2-135m":
-        return {**SMOLLM2_135M, **({"num_hidden_layers": layers} if layers else {})}
+    if name == DEFAULT_MODEL:
+        return {**read_config(resolve_model(name)), **({"num_hidden_layers": layers} if layers else {})}
     return config(name, layers)
 
 
@@ -78,12 +78,13 @@ def widest(programs: dict[str, int], kind: str) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", default="smollm2-135m")
+    p.add_argument("--shape", default=DEFAULT_MODEL)
     p.add_argument("--device", choices=list(TARGETS), default="cuda")
     p.add_argument("--gpu-target", default=None)
     p.add_argument("--dtype", default="f16")
     p.add_argument("--window", type=int, default=252,
-                   help="the cache's window (fewer programs to export than the default's; a count does not depend on it)")
+                   help="the cache's window (fewer programs to export than the default's; a count does not "
+                        "depend on it)")
     p.add_argument("--iree-flag", action="append", default=[])
     p.add_argument("--json", type=Path)
     a = p.parse_args()

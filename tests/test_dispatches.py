@@ -10,7 +10,7 @@ import pytest
 
 from conftest import TINY_SETTINGS
 
-from bench.dispatches import count_at, widest
+from bench.dispatches import DEFAULT_MODEL, count_at, widest
 
 # A layer's dispatches at most, per device and program (decode, prefill): bench/dispatches.py's figures of 2026-12-06.
 MOST = {"cuda": (12, 16), "vulkan": (16, 25)}
@@ -20,7 +20,7 @@ TARGET = {"cuda": "sm_89", "vulkan": "ada"}
 @pytest.mark.parametrize("device", sorted(MOST))
 def test_a_gpu_layer_takes_no_more_dispatches_than_measured(device, tmp_path):
     settings = replace(TINY_SETTINGS, dtype="f16", device=device, gpu_target=TARGET[device])
-    two, three = (count_at("smollm2-135m", n, settings, [], tmp_path) for n in (2, 3))
+    two, three = (count_at(DEFAULT_MODEL, n, settings, [], tmp_path) for n in (2, 3))
     for kind, most in zip(("decode", "prefill"), MOST[device]):
         program = widest(two, kind)
         per_layer = three[program] - two[program]

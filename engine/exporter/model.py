@@ -128,14 +128,14 @@ class Attention(nn.Module):
         # With no soft cap, IREE's own attention op: one fused op a layer (the softmax in flight) where the matmuls
         # and the softmax were four or more kernels.
         self.fused = path == "fused" and cfg.attn_softcap is None
-        # q leaves its rotation scaled for attention (in that op: a multiply of its own was a dispatch a layer), but
-        # for IREE's fused op, which takes the scale itself.
-        self.q_scale = 1.0 if self.fused else (cfg.query_scalar or cfg.head_dim) ** -0.5
         self.index = index  # this layer's place in the buffer it writes (the shared cache or the ring)
         self.local = layer in cfg.local_layers  # attends to the last local_window tokens only (Gemma)
         self.own_ring = own_ring
         self.table = cfg.rope_table(layer)
         self.scale = (cfg.query_scalar or cfg.head_dim) ** -0.5
+        # q leaves its rotation scaled for attention (in that op: a multiply of its own was a dispatch a layer), but
+        # for IREE's fused op, which takes the scale itself.
+        self.q_scale = 1.0 if self.fused else self.scale
         self.softcap = cfg.attn_softcap
         fam = family(cfg.arch)
         # q's and k's heads rotated as one tensor (one dispatch, where there were two), as they come from wqkv.
