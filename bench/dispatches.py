@@ -53,6 +53,7 @@ def counts(flow: str) -> dict[str, int]:
 
 
 def count_at(name: str, layers: int, settings, flags: list[str], work: Path) -> dict[str, int]:
+    """counts() of the shape at `layers` layers, its flow module left in work/{layers}.flow.mlir."""
     import iree.turbine.aot as aot
     from iree.compiler.tools.binaries import find_tool
 

@@ -31,6 +31,9 @@ class Device:
     # the model takes its forms of fewer dispatches (engine/exporter/model.py: q's and k's rotation as one op, the
     # cache written by one flat index a row computed once a call).
     launch_bound: bool = False
+    # float16 weights multiply a call's many rows in 16 bits, summing in float32 (kernels.f16_linear), which IREE
+    # gives the GPU's matrix units (tensor cores, cooperative matrices); one row (decode) keeps float32 products.
+    matrix_units: bool = False
 
 
 # The CUDA targets iree-compile 3.13 knows by name: it has no sm_90 or sm_100 (their names give "missing GPU
@@ -90,12 +93,13 @@ TABLE: dict[str, Device] = {d.name: d for d in (
     # from linalg.index) into a one-reduction norm 4096 wide (an 8B's) and its SPIR-V lowering then kept index values
     # in workgroup memory, which failed; 2048 wide compiled. Every norm grouped cost decode two dispatches a layer.
     Device("vulkan", "vulkan", ("--iree-hal-target-device=vulkan", "--iree-opt-const-expr-hoisting=false"),
-           "--iree-vulkan-target=", fixed_shapes=True, norm_groups=32, launch_bound=True),
+           "--iree-vulkan-target=", fixed_shapes=True, norm_groups=32, launch_bound=True,
+           matrix_units=True),
     # A float32 cache on the GPU: IREE's GPU code widening a 16-bit one cost a decode step at 1000 tokens 7.7 ms
     # against 4.6 (H200, docs/GPU.md), and a GPU has the memory (the default model's cache is 47 MB in float32).
     # IREE's attention op compiles for cuda, not for vulkan (its SPIR-V pipeline fails to bufferize the op).
     Device("cuda", "cuda", ("--iree-hal-target-device=cuda",), "--iree-cuda-target=", auto_kv="f32", fixed_shapes=True,
-           attention="fused", launch_bound=True),
+           attention="fused", launch_bound=True, matrix_units=True),
 )}
 DEVICES = tuple(TABLE)
 

@@ -1,9 +1,11 @@
 """What a GPU build's programs cost in kernel launches, held where bench/dispatches.py measured it (docs/GPU.md): on a
 GPU each dispatch is a launch of a few microseconds, the decode step's largest cost at the default model's size.
 Counted in iree-compile's flow output at the default model's widths, 2 and 3 layers (a layer's count is the
-difference), so a change that splits a fused op fails here without a GPU."""
+difference), so a change that splits a fused op fails here without a GPU. The same flow shows which products take the
+matrix units' 16-bit form (Device.matrix_units)."""
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 import pytest
@@ -25,3 +27,8 @@ def test_a_gpu_layer_takes_no_more_dispatches_than_measured(device, tmp_path):
         program = widest(two, kind)
         per_layer = three[program] - two[program]
         assert 0 < per_layer <= most, (device, program, per_layer)
+    # Every product of many rows (prefill's) multiplies 16 bits into float32 sums, the form IREE gives the matrix
+    # units (tests/test_matrix_units.py); decode's one row keeps float32 x.
+    products = re.findall(r"matmul(?:_like)?_(\d+)x\d+x\d+_([a-z0-9]+)\b", (tmp_path / "3.flow.mlir").read_text())
+    assert {types for rows, types in products if int(rows) > 1} == {"f16xf16xf32"}, products
+    assert {types for rows, types in products if int(rows) == 1} == {"f32xf16xf32"}, products

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import Q4_TILE_ROWS, TILE_ROWS, super_groups
-from .kernels import i8_linear, q4_linear, q4_linear_parts, tile_q8, tileable, tiled_rows
+from .kernels import f16_linear, i8_linear, q4_linear, q4_linear_parts, tile_q8, tileable, tiled_rows
 from .q4 import (Q4_GROUP, dequantise_q4, pack_q4, packable, pair_q4, quantise_q4, tile_paired, tile_q4, unpack_q4,
                  unpair_q4)
 
@@ -26,15 +26,17 @@ class Linear(nn.Module):
     activations and accumulation stay float32. A quantised matrix that is multiplied is stored in tiles of rows
     and multiplied by a custom op (engine/exporter/kernels/) whose decode form keeps a row per vector lane. The
     parameters have their stored type from the start, so a skeleton that never receives its weights
-    (StreamingLlama.skeleton) exports exactly as one holding them.
+    (StreamingLlama.skeleton) exports exactly as one holding them. `matrix_units`: a float16 matrix multiplies a
+    call's fixed many rows in 16 bits (kernels.f16_linear: the device's Device.matrix_units).
     """
 
     def __init__(self, out_features: int, in_features: int, dtype: str, bias: bool = False,
-                 lookup: bool = False) -> None:
+                 lookup: bool = False, matrix_units: bool = False) -> None:
         super().__init__()
         # One only looked up by row (an untied embedding) keeps its rows whole.
         self.tiled = not lookup
         self.dtype = dtype = matrix_dtype(dtype, in_features, None if lookup else out_features)
+        self.matrix_units = matrix_units and dtype == "f16"
         self.in_tiles = in_tiles(dtype, out_features, in_features, self.tiled)
         self.offset = self.units = None
         if dtype == "q4":
@@ -62,6 +64,8 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.dtype == "q4":
             y = q4_linear(x, *self.q4_tensors())
+        elif self.matrix_units and x.dim() == 2 and isinstance(x.shape[0], int) and x.shape[0] > 1:
+            y = f16_linear(x, self.weight)
         else:
             y = i8_linear(x, self.weight) if self.in_tiles else F.linear(x, self.weight.float())
             y = y if self.scale is None else y * self.scale

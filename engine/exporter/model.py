@@ -144,8 +144,10 @@ class Attention(nn.Module):
         # six dispatches a layer on vulkan.
         self.plain_softmax = call_shapes(cfg, settings) is not None
         # q, k and v as one matrix: one matmul reads x once.
-        self.wqkv = Linear((cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, cfg.dim, settings.dtype, fam.qkv_bias)
-        self.wo = Linear(cfg.dim, cfg.n_heads * cfg.head_dim, settings.dtype)
+        units = TABLE[settings.device].matrix_units
+        self.wqkv = Linear((cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, cfg.dim, settings.dtype, fam.qkv_bias,
+                           matrix_units=units)
+        self.wo = Linear(cfg.dim, cfg.n_heads * cfg.head_dim, settings.dtype, matrix_units=units)
         # Per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3).
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, fam.norm_offset) if fam.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, fam.norm_offset) if fam.qk_norm else None
@@ -331,12 +333,12 @@ ACTIVATIONS = {"silu": F.silu, "gelu_tanh": gelu_tanh}
 class FeedForward(nn.Module):
     """The gated MLP: down(act(gate) * up), SwiGLU or GeGLU."""
 
-    def __init__(self, cfg: ModelConfig, fam: Family, dtype: str) -> None:
+    def __init__(self, cfg: ModelConfig, fam: Family, dtype: str, matrix_units: bool = False) -> None:
         super().__init__()
         self.intermediate = cfg.intermediate
         self.act = ACTIVATIONS[fam.activation]
-        self.w_gate_up = Linear(2 * cfg.intermediate, cfg.dim, dtype)
-        self.w_down = Linear(cfg.dim, cfg.intermediate, dtype)
+        self.w_gate_up = Linear(2 * cfg.intermediate, cfg.dim, dtype, matrix_units=matrix_units)
+        self.w_down = Linear(cfg.dim, cfg.intermediate, dtype, matrix_units=matrix_units)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.w_gate_up(x)
@@ -358,7 +360,7 @@ class Block(nn.Module):
         self.attention_norm, self.post_attention_norm = norm("attn"), norm("post_attn")
         self.attention = Attention(cfg, settings, layer, index, own_ring)
         self.ffn_norm, self.post_ffn_norm = norm("ffn"), norm("post_ffn")
-        self.feed_forward = FeedForward(cfg, fam, settings.dtype)
+        self.feed_forward = FeedForward(cfg, fam, settings.dtype, TABLE[settings.device].matrix_units)
 
     def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         h = self.attention(self.attention_norm(x), step)
@@ -377,7 +379,8 @@ class StreamingLlama(nn.Module):
         self.embed_scale = cfg.dim ** 0.5 if fam.embed_scale else None
         # Like llama.cpp's 4-bit types, q4 keeps the LM head in 8 bits: every logit goes through it.
         head = "q8" if settings.dtype == "q4" else settings.dtype
-        self.tok_embeddings = (Linear(cfg.vocab_size, cfg.dim, head) if cfg.tie_embeddings
+        units = TABLE[settings.device].matrix_units
+        self.tok_embeddings = (Linear(cfg.vocab_size, cfg.dim, head, matrix_units=units) if cfg.tie_embeddings
                                else Linear(cfg.vocab_size, cfg.dim, settings.dtype, lookup=True))
         # Local layers with their own ring leave the shared cache to the others; each layer writes its own
         # row (`index`) of the buffer it uses.
@@ -388,7 +391,7 @@ class StreamingLlama(nn.Module):
         self.layers = nn.ModuleList(
             Block(cfg, settings, i, (local if own[i] else shared).index(i), own[i]) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, fam.norm_offset)
-        self.output = None if cfg.tie_embeddings else Linear(cfg.vocab_size, cfg.dim, head)
+        self.output = None if cfg.tie_embeddings else Linear(cfg.vocab_size, cfg.dim, head, matrix_units=units)
         # One cache global for all shared layers (and one ring for the local ones): with many per-layer globals a
         # zero-splat initialiser gave wrong logits in IREE. Their type is the build's kv_dtype (values are written
         # rounded to it and read back widened to float32), the sinks' original keys' too: they hold the keys as the

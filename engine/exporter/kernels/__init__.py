@@ -2,7 +2,7 @@
 README.md beside this file.
 
 One module per op family, each with its MLIR templates, its forms per device and the public functions the model
-calls: q4_products (`q4_linear`, `q4_linear_parts`), i8_products (`i8_linear`), attention (`query_keys`,
+calls: q4_products (`q4_linear`, `q4_linear_parts`), i8_products (`i8_linear`), half_products (`f16_linear`), attention (`query_keys`,
 `weighted_values`, their prefill `_rows` forms, `softmax_over_slots`, `attend_rows`), slices (`first_slots`,
 `first_blocks`); tiles holds q8's tiled layout. The x86 parts written by hand, which those templates call:
 dot_products (decode's products), prefill_products (prefill's q4 products), attention_rows (prefill's attention).
@@ -15,12 +15,13 @@ group (q4) or each vector of positions (q8) to a scalar inside the loop.
 """
 from .attention import (attend_rows, query_keys, query_keys_rows, softmax_over_slots, weighted_values,
                         weighted_values_rows)
+from .half_products import f16_linear
 from .i8_products import i8_linear
 from .plan import KernelPlan, lowering, lowering_for
 from .q4_products import q4_linear, q4_linear_parts
 from .slices import first_blocks, first_slots
 from .tiles import tile_q8, tileable, tiled_rows, untile_q8
 
-__all__ = ["KernelPlan", "lowering", "lowering_for", "q4_linear", "q4_linear_parts", "i8_linear", "query_keys",
+__all__ = ["KernelPlan", "lowering", "lowering_for", "q4_linear", "q4_linear_parts", "i8_linear", "f16_linear", "query_keys",
            "weighted_values", "weighted_values_rows", "query_keys_rows", "attend_rows", "softmax_over_slots",
            "first_slots", "first_blocks", "tileable", "tile_q8", "untile_q8", "tiled_rows"]
