@@ -19,8 +19,8 @@ class Device:
     fixed_shapes: bool = False  # programs of fixed call shapes, calls padded to them (engine/shapes.py)
     # How attention is computed (engine/exporter/model.py, Attention): "ops", by the custom ops of
     # engine/exporter/kernels/attention.py (decode's keys read as blocks; prefill's scores, softmax and output by
-    # hand, or all in one op); "fused", IREE's own attention op, one a layer; "generic", torch's matmuls and softmax
-    # as IREE compiles them.
+    # hand, or all in one op); "fused", IREE's own attention op, one a layer; "own", a kernel of Eddy's, one dispatch
+    # a layer (engine/exporter/kernels/gpu_attention.py); "generic", torch's matmuls and softmax as IREE compiles them.
     attention: str = "generic"
     # The custom ops carry llvm-cpu's lowering attributes (engine/exporter/kernels/plan.py); elsewhere IREE chooses.
     llvm_cpu: bool = False
@@ -93,7 +93,7 @@ TABLE: dict[str, Device] = {d.name: d for d in (
     # from linalg.index) into a one-reduction norm 4096 wide (an 8B's) and its SPIR-V lowering then kept index values
     # in workgroup memory, which failed; 2048 wide compiled. Every norm grouped cost decode two dispatches a layer.
     Device("vulkan", "vulkan", ("--iree-hal-target-device=vulkan", "--iree-opt-const-expr-hoisting=false"),
-           "--iree-vulkan-target=", fixed_shapes=True, norm_groups=32, launch_bound=True,
+           "--iree-vulkan-target=", fixed_shapes=True, attention="own", norm_groups=32, launch_bound=True,
            matrix_units=True),
     # A float32 cache on the GPU: IREE's GPU code widening a 16-bit one cost a decode step at 1000 tokens 7.7 ms
     # against 4.6 (H200, docs/GPU.md), and a GPU has the memory (the default model's cache is 47 MB in float32).

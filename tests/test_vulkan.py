@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -142,6 +143,59 @@ def test_the_vulkan_f16_build_multiplies_many_rows_in_16_bits_near_the_cpus_logi
         got, want = call(gpu), call(cpu)
         assert np.abs(got - want).max() < 1e-3 * np.abs(want).max()
         assert got.argmax() == want.argmax()
+
+
+# (query rows, kv heads, query heads per kv head, head_dim, the layer's slots, slots attended, cache type, soft cap):
+# decode over a full cache, prefill rows under a causal mask, the head sizes of real checkpoints (Phi-3's 96, Qwen3's
+# 128, Gemma's 256) and Gemma 2's cap.
+ATTENTION_CASES = [(1, 3, 3, 64, 1025, 1024, "f16", None), (8, 2, 4, 128, 129, 112, "f32", None),
+                   (4, 2, 2, 96, 65, 48, "f16", 50.0), (3, 1, 4, 256, 33, 32, "f16", None)]
+
+
+@pytest.mark.parametrize("case", ATTENTION_CASES, ids=lambda c: f"d{c[3]}-{c[6]}-n{c[0]}")
+def test_vulkans_attention_kernel_computes_its_meaning(case, tmp_path):
+    """kernels.attend_one_dispatch (gpu_attention.py), vulkan's attention in one dispatch a layer, alone on lavapipe
+    against its torch meaning (within 1e-5): slots masked one by one and a tile's worth at once, padding slots past
+    those attended that it must not read."""
+    _need_a_vulkan_device()
+    import iree.turbine.aot as aot
+    import torch
+    from iree.compiler.tools.binaries import find_tool
+
+    from engine.exporter.kernels import attend_one_dispatch
+
+    n, kvh, rep, d, size, c, e, cap = case
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(n, kvh, rep, d, generator=g) / d ** 0.5
+    keys, values = (torch.randn(kvh, size, d, generator=g).to(getattr(torch, {"f16": "float16"}.get(e, "float32")))
+                    for _ in range(2))
+    keys[:, c:], values[:, c:] = float("nan"), float("nan")  # not attended: never read
+    mask = torch.zeros(n, c)
+    mask[:, 5] = float("-inf")
+    mask[:, 8:8 + d] = float("-inf")  # a whole tile of slots masked
+    for i in range(n):
+        mask[i, c - n + i + 1:] = float("-inf")
+
+    class Attend(torch.nn.Module):
+        def forward(self, q, k, v, m):
+            return attend_one_dispatch(q, k, v, m, cap)
+
+    src = tmp_path / "a.mlir"
+    src.write_text(str(aot.export(Attend(), args=(q, keys, values, mask), strict_export=False).mlir_module))
+    subprocess.run([find_tool("iree-compile"), str(src), "-o", str(tmp_path / "a.vmfb"),
+                    *compile_flags("vulkan", "llvmpipe")], check=True, capture_output=True, timeout=300)
+    for name, t in zip("qkvm", (q, keys, values, mask)):
+        np.save(tmp_path / f"{name}.npy", t.numpy())
+    subprocess.run([str(Path(sys.executable).with_name("iree-run-module")), "--device=vulkan",
+                    f"--module={tmp_path / 'a.vmfb'}", "--function=main",
+                    *(f"--input=@{tmp_path / name}.npy" for name in "qkvm"), f"--output=@{tmp_path / 'o.npy'}"],
+                   check=True, capture_output=True, timeout=300)
+    got = np.load(tmp_path / "o.npy")
+    scores = torch.einsum("nhrd,hcd->nhrc", q, keys[:, :c].float())
+    if cap:
+        scores = torch.tanh(scores / cap) * cap
+    meant = torch.einsum("nhrc,hcd->nhrd", torch.softmax(scores + mask[:, None, None], -1), values[:, :c].float())
+    np.testing.assert_allclose(got, meant.numpy(), atol=1e-5, rtol=1e-5)
 
 
 def test_eddy_chat_answers_on_vulkan():

@@ -44,8 +44,8 @@ from ..arch import Family, family
 from ..config import ATTEND_STEP, BuildSettings, ModelConfig, auto_kv_dtype
 from ..devices import TABLE
 from ..shapes import call_shapes
-from .kernels import (attend_rows, first_blocks, first_slots, query_keys, query_keys_rows, softmax_over_slots,
-                      weighted_values, weighted_values_rows)
+from .kernels import (attend_one_dispatch, attend_rows, first_blocks, first_slots, query_keys, query_keys_rows,
+                      softmax_over_slots, weighted_values, weighted_values_rows)
 from .kernels.attention_rows import attend_plan
 from .linear import Linear, Piece
 
@@ -128,6 +128,11 @@ class Attention(nn.Module):
         # With no soft cap, IREE's own attention op: one fused op a layer (the softmax in flight) where the matmuls
         # and the softmax were four or more kernels.
         self.fused = path == "fused" and cfg.attn_softcap is None
+        # Eddy's own kernel, one dispatch a layer (kernels.attend_one_dispatch), reading the layer's cache in place,
+        # for calls of fixed shapes: not a layer with a ring of its own (it attends to the ring and the new tokens
+        # joined), nor a bfloat16 cache (stored as int16 bits), which keep the matmuls.
+        self.own_kernel = (path == "own" and not own_ring and call_shapes(cfg, settings) is not None
+                           and auto_kv_dtype(settings.dtype, settings.kv_dtype, settings.device) in ("f16", "f32"))
         self.index = index  # this layer's place in the buffer it writes (the shared cache or the ring)
         self.local = layer in cfg.local_layers  # attends to the last local_window tokens only (Gemma)
         self.own_ring = own_ring
@@ -177,10 +182,13 @@ class Attention(nn.Module):
             keys, values = self.ring_kv(step, k, v)
             mask = step.local_mask
         else:
-            keys, values = self.write_cache(step, to_kv(k, step.cache), to_kv(v, step.cache))
+            keys, values = self.write_cache(step, k, v)
             mask = step.local_mask if self.local else step.mask
         if self.fused:
             return self.wo(self.fused_attention(q, keys, values, mask))
+        if self.own_kernel:
+            out = attend_one_dispatch(q, keys, values, mask.reshape(n, -1), self.softcap)  # [n, kvh, rep, d]
+            return self.wo(out.reshape(n, cfg.n_heads * d))
         if step.single:
             # One query: custom ops read the cache in place (matmuls would re-pack it every step: kernels).
             q1, mask1 = q.view(kvh, rep, d), mask.view(-1)
@@ -232,18 +240,17 @@ class Attention(nn.Module):
         """Gemma 2's soft cap on attention scores, before the mask."""
         return scores if self.softcap is None else torch.tanh(scores / self.softcap) * self.softcap
 
-    def _put(self, buffer: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             rows: torch.Tensor | None) -> None:
-        # Keys and values in one write (one scatter dispatch; two index_put_ calls were two), indexed in the order
-        # they come ([2, n, kvh, d]): transposed to the cache's, IREE fused the transpose into the scatter with a tile
-        # of it on the stack, 64 kB at a head_dim of 128 (the limit is 32 kB).
+    def _put(self, buffer: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor | None) -> None:
+        # Keys and values in one write (one scatter dispatch; two index_put_ calls were two), stacked in the order
+        # they come ([2, n, kvh, d], the buffer's type): transposed to the cache's, IREE fused the transpose into the
+        # scatter with a tile of it on the stack, 64 kB at a head_dim of 128 (the limit is 32 kB).
         if rows is not None:  # each key's and value's row of the buffer seen flat (flat_rows): no index built here
-            buffer.view(-1, buffer.shape[-1]).index_put_((rows[self.index],), torch.stack([k, v]))
+            buffer.view(-1, buffer.shape[-1]).index_put_((rows[self.index],), kv)
             return
         layer = torch.full((1, 1, 1), self.index, dtype=torch.int64)
-        kv = torch.arange(2).view(-1, 1, 1)
+        which = torch.arange(2).view(-1, 1, 1)
         heads = torch.arange(self.cfg.n_kv_heads).view(1, 1, -1)
-        buffer.index_put_((layer, kv, heads, slots.view(1, -1, 1)), torch.stack([k, v]))
+        buffer.index_put_((layer, which, heads, slots.view(1, -1, 1)), kv)
 
     def ring_kv(self, step: Step, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A local layer's own ring of local_window slots: the keys and values its queries see, [kvh, *, d].
@@ -255,11 +262,11 @@ class Attention(nn.Module):
         ring, i, size = step.ring, self.index, step.ring_size
         k, v = to_kv(k, ring), to_kv(v, ring)
         if step.single:
-            self._put(ring, step.ring_slots, k, v, step.ring_rows)
+            self._put(ring, step.ring_slots, torch.stack([k, v]), step.ring_rows)
             return from_kv(ring[i, 0].narrow(1, 0, size)), from_kv(ring[i, 1].narrow(1, 0, size))
         keys = torch.cat([from_kv(ring[i, 0].narrow(1, 0, size)), from_kv(k).transpose(0, 1)], dim=1)
         values = torch.cat([from_kv(ring[i, 1].narrow(1, 0, size)), from_kv(v).transpose(0, 1)], dim=1)
-        self._put(ring, step.ring_slots, k, v, step.ring_rows)
+        self._put(ring, step.ring_slots, torch.stack([k, v]), step.ring_rows)
         return keys, values
 
     def write_cache(self, step: Step, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -280,11 +287,17 @@ class Attention(nn.Module):
         saves decode that write, a dispatch a layer.
         """
         cache, slots, i = step.cache, step.slots, self.index
+        # Rounded to the cache's type once, stacked (converted one at a time, a 16-bit cache's keys and values were a
+        # dispatch each on vulkan).
+        kv = to_kv(torch.stack([k, v]), cache)
         if step.sink_keys is not None and not step.single:  # decode writes no sink: the host prefills those
-            step.sink_keys.index_put_((torch.full((1, 1), i, dtype=torch.int64), step.kept.view(1, -1)), k)
-        self._put(cache, slots, k, v, step.cache_rows)
-        if self.one_op and not step.single:  # the layer's keys and values as stored, read in place (attend_rows)
-            return cache[i, 0], cache[i, 1]
+            # The keys as converted (a float32 cache's are k itself: read from the stack, cuda's prefill took a
+            # dispatch more a layer; converted again, vulkan's did).
+            sink = k if cache.dtype == k.dtype else kv[0]
+            step.sink_keys.index_put_((torch.full((1, 1), i, dtype=torch.int64), step.kept.view(1, -1)), sink)
+        self._put(cache, slots, kv, step.cache_rows)
+        if self.one_op and not step.single or self.own_kernel:  # the layer's keys and values as stored, read in
+            return cache[i, 0], cache[i, 1]  # place (attend_rows, attend_one_dispatch)
         # One query reads the keys as blocks (kernels.first_blocks), where the device takes them.
         keys = (first_blocks if step.single and self.key_blocks else first_slots)(cache[i, 0], step.cache_pos)
         if self.rows_ops and not step.single:  # prefill's ops widen what they read: the keys' slice as stored, and

@@ -2,7 +2,7 @@
 `query_keys` (the query heads against the cached keys, plus the mask) and `weighted_values` (the probabilities
 times the cached values). Prefill's on a cpu: `query_keys_rows` and `weighted_values_rows` (the latter in the
 output projection's order), `softmax_over_slots` (one dispatch a layer) and `attend_rows` (the whole attention in
-one dispatch: attention_rows.py).
+one dispatch: attention_rows.py). On vulkan, `attend_one_dispatch` (decode's and prefill's alike: gpu_attention.py).
 
 As batch matmuls IREE data-tiles them and so re-packs the whole cache's keys and values on every step; as generics
 whose body is not a plain multiply-add (math.fma(a, b, 0) + acc) they are not taken for contractions, and carry a
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ...config import ATTEND_STEP
-from . import attention_rows
+from . import attention_rows, gpu_attention
 from .plan import active
 from .registry import Kit, registered
 
@@ -66,6 +66,16 @@ def attend_rows(q_t: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mas
     [kvh, rep, d, n] is q scaled and transposed; keys and values [kvh, slots, d] are a layer of the cache as
     stored (model.KV_STORAGE), read in place; mask_t [C, n] is the mask transposed, its C the slots attended."""
     return _ops()["attend_rows"](q_t, keys, values, mask_t)
+
+
+def attend_one_dispatch(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                        softcap: float | None) -> torch.Tensor:
+    """softmax(cap(q . keys) + mask) . values -> [n, kvh, rep, d] (a call's attention, in the order the output
+    projection takes it, on a GPU without IREE's attention op: vulkan): the custom op, one dispatch a layer written
+    by hand (engine/exporter/kernels/gpu_attention.py). q [n, kvh, rep, d] is scaled; keys and values [kvh, slots,
+    d] are a layer of the cache as stored (float16 or float32), read in place; mask [n, C], C the slots attended.
+    Shapes are fixed (a GPU build's calls: engine/shapes.py)."""
+    return _ops()["attend_one"](q, keys, values, mask, 0.0 if softcap is None else float(softcap))
 
 
 def softmax_over_slots(scores: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -296,6 +306,16 @@ util.func private @{name}(%s: tensor<{h}x{r}x?xf32>) -> tensor<{h}x{r}x?xf32> {{
 """
 
 # Prefill's attention in one hand-written dispatch (engine/exporter/kernels/attention_rows.py).
+_ATTEND_ONE = r"""
+module {{
+{executable}
+util.func private @{name}(%q: tensor<{n}x{h}x{r}x{d}xf32>, %k: tensor<{h}x{size}x{d}x{e}>, %v: tensor<{h}x{size}x{d}x{e}>, %m: tensor<{n}x{c}xf32>) -> tensor<{n}x{h}x{r}x{d}xf32> {{
+  {call}
+  util.return %o : tensor<{n}x{h}x{r}x{d}xf32>
+}}
+}}
+"""
+
 _ATTEND_BY_HAND = r"""
 module {{
 {executable}
@@ -486,6 +506,35 @@ def register(kit: Kit) -> dict:
                 call=attention_rows.attend_rows_call(exe, h, r, d, e, "%q", "%k", "%v", "%m", "%n", "%cols",
                                                      "%slots", "%o")))
 
+    @CustomOp.register(library=library)
+    class attend_one(CustomOp):
+        signature = "attend_one(Tensor q, Tensor k, Tensor v, Tensor m, float cap) -> (Tensor)"
+
+        def select(self, ksel: KernelSelection) -> None:
+            q, *rest = (ksel.arg_tensor(i) for i in range(4))
+            for t in (q, *rest):
+                t.specialize_all_dims()
+            ksel.attr_float(4)
+            ksel.return_new_tensor(list(q.t.shape), dtype=torch.float32)
+
+        def eager_execute(self, q, k, v, m, cap):
+            cols = m.shape[1]
+            scores = torch.einsum("nhrd,hcd->nhrc", q, _eager_float(k[:, :cols]))
+            if cap:
+                scores = torch.tanh(scores / cap) * cap
+            probs = torch.softmax(scores + m[:, None, None, :], -1)
+            return torch.einsum("nhrc,hcd->nhrd", probs, _eager_float(v[:, :cols]))
+
+        def generate(self, ksel: KernelSelection, kb: KernelBuilder) -> None:
+            (n, h, r, d), (_, size, _), (_, c) = shape(kb, 0), shape(kb, 1), shape(kb, 3)
+            e, cap = kit.element_type(kb, 1), ksel.arg_descs[4].v
+            name = f"eddy_attend_one_{n}x{h}x{r}x{d}_{size}x{c}x{e}" + (f"_cap{cap:g}".replace(".", "p") if cap else "")
+            exe = f"{name}_e"
+            emit(kb, name, _ATTEND_ONE.format(
+                name=name, n=n, h=h, r=r, d=d, size=size, c=c, e=e,
+                executable=gpu_attention.attention_executable(exe, n, h, r, d, size, c, e, cap or None),
+                call=gpu_attention.attention_call(exe, n, h, r, d, size, c, e, "%q", "%k", "%v", "%m", "%o")))
+
     def select_softmax(ksel: KernelSelection, masked: bool) -> None:
         s = ksel.arg_tensor(0)
         s.specialize_dims(0, 1)  # the queries and the slots stay dynamic
@@ -529,4 +578,5 @@ def register(kit: Kit) -> dict:
             generate_softmax(kb, True)
 
     return {"qk": attend_qk, "pv": attend_pv, "pv_rows": attend_pv_rows, "qk_rows": attend_qk_rows,
-            "attend_rows": attend_rows, "softmax": attend_softmax, "softmax_masked": attend_softmax_masked}
+            "attend_rows": attend_rows, "attend_one": attend_one, "softmax": attend_softmax,
+            "softmax_masked": attend_softmax_masked}
