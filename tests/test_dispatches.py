@@ -6,6 +6,7 @@ matrix units' 16-bit form (Device.matrix_units)."""
 from __future__ import annotations
 
 import re
+import subprocess
 from dataclasses import replace
 
 import pytest
@@ -13,6 +14,7 @@ import pytest
 from conftest import TINY_SETTINGS
 
 from bench.dispatches import DEFAULT_MODEL, count_at, widest
+from engine.devices import TABLE, compile_flags
 
 # A layer's dispatches at most, per device and program (decode, prefill): bench/dispatches.py's figures of 2026-12-07.
 MOST = {"cuda": (12, 16), "vulkan": (13, 21)}
@@ -21,14 +23,21 @@ TARGET = {"cuda": "sm_89", "vulkan": "ada"}
 
 @pytest.mark.parametrize("device", sorted(MOST))
 def test_a_gpu_layer_takes_no_more_dispatches_than_measured(device, tmp_path):
+    from iree.compiler.tools.binaries import find_tool
+
     settings = replace(TINY_SETTINGS, dtype="f16", device=device, gpu_target=TARGET[device])
     two, three = (count_at(DEFAULT_MODEL, n, settings, [], tmp_path) for n in (2, 3))
     for kind, most in zip(("decode", "prefill"), MOST[device]):
         program = widest(two, kind)
         per_layer = three[program] - two[program]
         assert 0 < per_layer <= most, (device, program, per_layer)
-    # Every product of many rows (prefill's) multiplies 16 bits into float32 sums, the form IREE gives the matrix
-    # units (tests/test_matrix_units.py); decode's one row keeps float32 x.
+    # Where the device has matrix units, every product of many rows (prefill's) multiplies 16 bits into float32 sums,
+    # the form IREE gives them (tests/test_matrix_units.py); decode's one row keeps float32 x.
     products = re.findall(r"matmul(?:_like)?_(\d+)x\d+x\d+_([a-z0-9]+)\b", (tmp_path / "3.flow.mlir").read_text())
-    assert {types for rows, types in products if int(rows) > 1} == {"f16xf16xf32"}, products
+    many = "f16xf16xf32" if TABLE[device].matrix_units else "f32xf16xf32"
+    assert {types for rows, types in products if int(rows) > 1} == {many}, products
     assert {types for rows, types in products if int(rows) == 1} == {"f32xf16xf32"}, products
+    # And the two-layer module compiles whole for the device: the flow level passes what code generation can fail
+    # (vulkan's cooperative matrices did on a fused product).
+    subprocess.run([find_tool("iree-compile"), str(tmp_path / "2.mlir"), "-o", str(tmp_path / "2.vmfb"),
+                    *compile_flags(device, TARGET[device])], check=True, capture_output=True, timeout=900)

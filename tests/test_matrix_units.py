@@ -1,8 +1,8 @@
 """float16 products on a GPU's matrix units (Device.matrix_units, kernels.f16_linear), checked without a GPU: the op
 computes its meaning (x rounded to float16, products summed in float32; compiled for this CPU and run), and what
-iree-compile makes of it for cuda and vulkan is the matrix units' instructions (tensor cores' `mma.sync`, vulkan's
-cooperative matrices), which the float32 product it replaces does not get. Whether they are faster is the device
-check's (bench/gpu_check.py)."""
+iree-compile makes of it for cuda is the tensor cores' `mma.sync`, which the float32 product it replaces does not
+get. tests/test_dispatches.py sees a cuda build take it; whether it is faster is the device check's
+(bench/gpu_check.py)."""
 from __future__ import annotations
 
 import subprocess
@@ -69,11 +69,3 @@ def test_cuda_multiplies_16_bits_on_the_tensor_cores(units, tmp_path):
     _compile(units, compile_flags("cuda", "sm_89"), tmp_path / "m", "-o", str(tmp_path / "m.vmfb"))
     ptx = (tmp_path / "m.vmfb").read_bytes()
     assert (b"mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in ptx) == units
-
-
-@pytest.mark.parametrize("units", [True, False])
-def test_vulkan_multiplies_16_bits_in_cooperative_matrices(units, tmp_path):
-    from engine.devices import compile_flags
-
-    spirv = _compile(units, compile_flags("vulkan", "ada"), tmp_path / "m", "--compile-to=executable-targets").stdout
-    assert ("spirv.KHR.CooperativeMatrixMulAdd" in spirv) == units

@@ -125,15 +125,15 @@ def test_the_vulkan_quantised_build_gives_the_cpus_generic_products(dtype, vulka
         assert np.abs(gpu.decode(t) - cpu.decode(t)).max() < 1e-4
 
 
-def test_the_vulkan_f16_build_multiplies_many_rows_in_16_bits_near_the_cpus_logits(vulkan_tiny):
-    """float16 weights: prefill's products round x to float16 for the matrix units (kernels.f16_linear, checked
-    op by op in tests/test_matrix_units.py), where the CPU build's keep it float32; decode keeps float32 x on both.
-    Every call's logits within 1e-3 of the largest (1.2e-4 measured) and the same greedy token."""
+def test_the_vulkan_f16_build_gives_the_cpu_builds_logits(vulkan_tiny):
+    """float16 weights and a float16 cache, which vulkan's attention kernel reads as stored (gpu_attention.py): prefill,
+    decode and prefill again within 1e-4 of the CPU build's logits."""
     from engine.loader import open_model
 
     half = replace(TINY_SETTINGS, dtype="f16")
     gpu = open_model("tiny-random", resolve_target(replace(half, device="vulkan"))).engine
     cpu = open_model("tiny-random", half).engine
+    assert gpu.settings.kv_dtype == cpu.settings.kv_dtype == "f16"
     ids = [int(i) for i in np.random.RandomState(6).randint(0, 49152, 50)]
     for eng in (gpu, cpu):
         eng.reset()
@@ -141,8 +141,7 @@ def test_the_vulkan_f16_build_multiplies_many_rows_in_16_bits_near_the_cpus_logi
              lambda e: e.prefill(ids[26:50])]
     for call in calls:
         got, want = call(gpu), call(cpu)
-        assert np.abs(got - want).max() < 1e-3 * np.abs(want).max()
-        assert got.argmax() == want.argmax()
+        assert np.abs(got - want).max() < 1e-4, float(np.abs(got - want).max())
 
 
 # (query rows, kv heads, query heads per kv head, head_dim, the layer's slots, slots attended, cache type, soft cap):
