@@ -62,11 +62,11 @@ stream.executable private @{name} {{
           %dot = scf.for %j = %c0 to %cd step %c1 iter_args(%a = %zf) -> (f32) {{
             %qj = memref.load %qs[%j] : memref<{d}xf32, #gpu.address_space<workgroup>>
             %kj = memref.load %k[%h, %s, %j] : {kt}{widen_k}
-            %a1 = math.fma %qj, %kjf, %a : f32
+            %a1 = math.fma %qj, {kf}, %a : f32
             scf.yield %a1 : f32
           }}{cap}
           %mk = memref.load %mask[%i, %s] : {mt}
-          %sm = arith.addf %capped, %mk : f32
+          %sm = arith.addf {scored}, %mk : f32
           scf.yield %sm : f32
         }} else {{
           scf.yield %ninf : f32
@@ -90,7 +90,7 @@ stream.executable private @{name} {{
           %su = arith.addi %s0, %u : index
           %vu = memref.load %v[%h, %su, %t] : {kt}{widen_v}
           %a1 = arith.addf %a, %pu : f32
-          %b1 = math.fma %pu, %vuf, %b : f32
+          %b1 = math.fma %pu, {vf}, %b : f32
           scf.yield %a1, %b1 : f32, f32
         }}
         gpu.barrier
@@ -117,10 +117,11 @@ def _binding(dims: tuple[int, ...], e: str) -> str:
     return f"memref<{'x'.join(map(str, dims))}x{e}, strided<[{', '.join(map(str, strides))}], offset: ?>>"
 
 
-def _widen(value: str, e: str, indent: int) -> str:
-    """The line defining %{value}f, the stored %{value} as float32 (a float32 one as it is, by adding zero)."""
-    op = f"arith.addf %{value}, %zf : f32" if e == "f32" else f"arith.extf %{value} : {e} to f32"
-    return f"\n{' ' * indent}%{value}f = {op}"
+def _widen(value: str, e: str, indent: int) -> tuple[str, str]:
+    """The stored %{value} as float32: the line that widens it (none for float32) and the name it then has."""
+    if e == "f32":
+        return "", f"%{value}"
+    return f"\n{' ' * indent}%{value}f = arith.extf %{value} : {e} to f32", f"%{value}f"
 
 
 def attention_executable(name: str, n: int, kvh: int, rep: int, d: int, size: int, c: int, e: str,
@@ -130,19 +131,20 @@ def attention_executable(name: str, n: int, kvh: int, rep: int, d: int, size: in
     mask [n, c] f32; `softcap`: Gemma 2's cap on the scores, before the mask."""
     if e not in ("f16", "f32"):
         raise ValueError(f"attention's kernel reads a float16 or float32 cache, not {e}")
-    if softcap is None:
-        cap = "\n          %capped = arith.addf %dot, %zf : f32"
-    else:
+    cap, scored = "", "%dot"
+    if softcap is not None:
+        scored = "%capped"
         cap = f"""
           %cap = arith.constant {float(softcap)!r} : f32
           %over = arith.divf %dot, %cap : f32
           %th = math.tanh %over : f32
           %capped = arith.mulf %th, %cap : f32"""
+    (widen_k, kf), (widen_v, vf) = _widen("kj", e, 12), _widen("vu", e, 10)
     return _EXECUTABLE.format(name=name, qt=_binding((n, kvh, rep, d), "f32"), kt=_binding((kvh, size, d), e),
                               mt=_binding((n, c), "f32"),
                               n=n, kvh=kvh, rep=rep, d=d, size=size, c=c, e=e, heads=kvh * rep,
-                              workgroups=n * kvh * rep, start=_START, cap=cap,
-                              widen_k=_widen("kj", e, 12), widen_v=_widen("vu", e, 10))
+                              workgroups=n * kvh * rep, start=_START, cap=cap, scored=scored,
+                              widen_k=widen_k, kf=kf, widen_v=widen_v, vf=vf)
 
 
 def attention_call(name: str, n: int, kvh: int, rep: int, d: int, size: int, c: int, e: str,
