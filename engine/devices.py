@@ -25,11 +25,12 @@ class Device:
     # The custom ops carry llvm-cpu's lowering attributes (engine/exporter/kernels/plan.py); elsewhere IREE chooses.
     llvm_cpu: bool = False
     # The first layer's norms (those that read the embedding lookup) sum their squares per group of this many first
-    # (engine/exporter/model.py, RMSNorm; 0: in one reduction).
+    # (engine/exporter/model.py, RMSNorm; 0: in one reduction), where a norm is not one dispatch of its own.
     norm_groups: int = 0
     # Each dispatch is a kernel launch (a few us on a GPU, where a decode step's own work per layer is tens of us):
     # the model takes its forms of fewer dispatches (engine/exporter/model.py: q's and k's rotation as one op, the
-    # cache written by one flat index a row computed once a call).
+    # cache written by one flat index a row computed once a call, and, in a build of fixed shapes, each norm as one
+    # kernel where IREE makes two: kernels.rms_norm_one_dispatch).
     launch_bound: bool = False
     # float16 weights multiply a call's many rows in 16 bits, summing in float32 (kernels.f16_linear), which IREE
     # gives the GPU's matrix units (cuda: tensor cores); one row (decode) keeps float32 products.
@@ -92,9 +93,10 @@ TABLE: dict[str, Device] = {d.name: d for d in (
     # Weights' transforms are left in each call, not hoisted into the module's initialiser: hoisted, the decode's
     # transformed matrices came out wrong on Mesa's lavapipe (the tiny model's decode logits off by 1e-2 to NaN
     # while prefill, which reads the weights as stored, matched the CPU to 2e-7; with this flag both match).
-    # The first layer's norms sum their squares per 32 first: IREE fused a q4 embedding's lookup (its group index
-    # from linalg.index) into a one-reduction norm 4096 wide (an 8B's) and its SPIR-V lowering then kept index values
-    # in workgroup memory, which failed; 2048 wide compiled. Every norm grouped cost decode two dispatches a layer.
+    # The first layer's norms sum their squares per 32 first where they are IREE's to fuse (the portable target's
+    # dynamic shapes): IREE fused a q4 embedding's lookup (its group index from linalg.index) into a one-reduction
+    # norm 4096 wide (an 8B's) and its SPIR-V lowering then kept index values in workgroup memory, which failed.
+    # A norm of one dispatch (kernels.rms_norm_one_dispatch) takes nothing in: an 8B's compiles without groups.
     Device("vulkan", "vulkan", ("--iree-hal-target-device=vulkan", "--iree-opt-const-expr-hoisting=false"),
            "--iree-vulkan-target=", fixed_shapes=True, attention="own", norm_groups=32, launch_bound=True),
     # A float32 cache on the GPU: IREE's GPU code widening a 16-bit one cost a decode step at 1000 tokens 7.7 ms

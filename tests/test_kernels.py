@@ -1,4 +1,4 @@
-"""Each attention and slice op of engine/exporter/kernels/ on its own, compiled and run, against its plain torch
+"""Each attention, norm and slice op of engine/exporter/kernels/ on its own, compiled and run, against its plain torch
 meaning (the q4 and q8 products have theirs in test_q4.py): under the cpu's plan (the lowering attributes and the
 hand-written prefill attention) and, for the ops a GPU build takes, under a GPU's plan (IREE's own choice; compiled
 here for the CPU, whose numbers must be the same). Small shapes with what the model's calls have: several query heads
@@ -29,7 +29,8 @@ def _inputs(kv_dtype: torch.dtype) -> dict[str, torch.Tensor]:
             "mask": mask, "probs": torch.softmax(r(KVH, REP, ATTENDED), -1),
             "q_rows": r(KVH, REP, QUERIES, D), "probs_rows": torch.softmax(r(KVH, REP, QUERIES, ATTENDED), -1),
             "scores": r(KVH, REP, ATTENDED), "scores_rows": r(KVH, REP, QUERIES, ATTENDED), "rows_mask": rows_mask,
-            "like": torch.zeros(ATTENDED)}
+            "like": torch.zeros(ATTENDED), "row": 4 * r(1, 576), "rows": r(QUERIES, 576), "heads": r(QUERIES, 4, D),
+            "norm_w": r(576), "head_norm_w": r(D)}
 
 
 def _expected(x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -47,8 +48,14 @@ def _expected(x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         "weighted_values_rows": (x["probs_rows"] @ vc.unsqueeze(1)).permute(2, 0, 1, 3),
         "attend_rows": attend.permute(2, 0, 1, 3),
         "softmax": torch.softmax(x["scores"], -1),
+        "norm_row": _rms(x["row"], x["norm_w"], 1e-5), "norm_rows": _rms(x["rows"], x["norm_w"], 1e-6),
+        "norm_heads": _rms(x["heads"], 1.0 + x["head_norm_w"], 1e-6),
         "softmax_masked": torch.softmax(x["scores_rows"] + x["rows_mask"], -1),
     }
+
+
+def _rms(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    return x / torch.sqrt(x.double().pow(2).mean(-1, keepdim=True) + eps).float() * scale
 
 
 class _Ops(torch.nn.Module):
@@ -70,6 +77,11 @@ def _programs(gpu: bool) -> dict:
         "query_keys": lambda m, x: k.query_keys(x["q"], k.first_slots(m.keys, x["like"]).float(), x["mask"]),
         "query_blocks": lambda m, x: k.query_keys(x["q"], k.first_blocks(m.keys, x["like"]).float(), x["mask"]),
         "weighted_values": lambda m, x: k.weighted_values(x["probs"], k.first_slots(m.values, x["like"]).float()),
+        # A norm in one dispatch: decode's one row (whose unit dimension IREE drops), prefill's rows, q's heads
+        # with Gemma's offset.
+        "norm_row": lambda m, x: k.rms_norm_one_dispatch(x["row"], x["norm_w"], 1e-5, 0.0),
+        "norm_rows": lambda m, x: k.rms_norm_one_dispatch(x["rows"], x["norm_w"], 1e-6, 0.0),
+        "norm_heads": lambda m, x: k.rms_norm_one_dispatch(x["heads"], x["head_norm_w"], 1e-6, 1.0),
     }
     prefill = {
         "query_keys_rows": lambda m, x: k.query_keys_rows(x["q_rows"], k.first_slots(m.keys, x["like"])),

@@ -64,12 +64,17 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.dtype == "q4":
             y = q4_linear(x, *self.q4_tensors())
-        elif self.matrix_units and x.dim() == 2 and isinstance(x.shape[0], int) and x.shape[0] > 1:
+        elif self.rounds_x(x):
             y = f16_linear(x, self.weight)
         else:
             y = i8_linear(x, self.weight) if self.in_tiles else F.linear(x, self.weight.float())
             y = y if self.scale is None else y * self.scale
         return y if self.bias is None else y + self.bias
+
+    def rounds_x(self, x: torch.Tensor) -> bool:
+        """Whether forward(x) multiplies x rounded to float16 (matrix units, a call's fixed many rows): x may come in
+        float16 already."""
+        return self.matrix_units and x.dim() == 2 and isinstance(x.shape[0], int) and x.shape[0] > 1
 
     def parts(self, x: torch.Tensor, first: int, second: int, many: bool) -> tuple[torch.Tensor, ...]:
         """forward's output [rows, out] as three tensors: the first `first` columns, the next `second`, the rest.

@@ -45,7 +45,7 @@ from ..config import ATTEND_STEP, BuildSettings, ModelConfig, auto_kv_dtype
 from ..devices import TABLE
 from ..shapes import call_shapes
 from .kernels import (attend_one_dispatch, attend_rows, first_blocks, first_slots, query_keys, query_keys_rows,
-                      softmax_over_slots, weighted_values, weighted_values_rows)
+                      rms_norm_one_dispatch, softmax_over_slots, weighted_values, weighted_values_rows)
 from .kernels.attention_rows import attend_plan
 from .linear import Linear, Piece
 
@@ -57,21 +57,32 @@ EMPTY_SLOT = 2**62  # slot_pos of an empty slot: later than any token, so masked
 
 class RMSNorm(nn.Module):
     """Scales by (offset + weight): Gemma stores its norms as w with the 1 implied. `groups`: the squares are summed
-    per group of that many first (the device's norm_groups, engine/devices.py; 0: in one reduction)."""
+    per group of that many first (the device's norm_groups, engine/devices.py; 0: in one reduction). `one_dispatch`:
+    as one kernel (kernels.rms_norm_one_dispatch: a launch-bound device's fixed shapes), where IREE makes two."""
 
-    def __init__(self, dim: int, eps: float, offset: float = 0.0, groups: int = 0) -> None:
+    def __init__(self, dim: int, eps: float, offset: float = 0.0, groups: int = 0, one_dispatch: bool = False) -> None:
         super().__init__()
         self.eps, self.offset = eps, offset
-        self.groups = groups if groups and dim % groups == 0 else 0
+        self.one_dispatch = one_dispatch
+        self.groups = groups if groups and dim % groups == 0 and not one_dispatch else 0
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, half: bool = False) -> torch.Tensor:
+        """`half`: rounded to float16, for a product that takes x so (Linear.rounds_x)."""
+        if self.one_dispatch:
+            return rms_norm_one_dispatch(x, self.weight, self.eps, self.offset, half)
         scale = self.weight + self.offset if self.offset else self.weight
         if self.groups:
             squares = x.pow(2).unflatten(-1, (-1, self.groups)).sum(-1).sum(-1, keepdim=True) / x.shape[-1]
         else:
             squares = x.pow(2).mean(-1, keepdim=True)
-        return x * torch.rsqrt(squares + self.eps) * scale
+        y = x * torch.rsqrt(squares + self.eps) * scale
+        return y.half() if half else y
+
+
+def one_dispatch_norms(cfg: ModelConfig, settings: BuildSettings) -> bool:
+    """Whether a build's norms are one kernel each: on a launch-bound device, whose calls have fixed shapes."""
+    return TABLE[settings.device].launch_bound and call_shapes(cfg, settings) is not None
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scale: float | torch.Tensor = 1.0) -> torch.Tensor:
@@ -154,8 +165,9 @@ class Attention(nn.Module):
                            matrix_units=units)
         self.wo = Linear(cfg.dim, cfg.n_heads * cfg.head_dim, settings.dtype, matrix_units=units)
         # Per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3).
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, fam.norm_offset) if fam.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, fam.norm_offset) if fam.qk_norm else None
+        one = one_dispatch_norms(cfg, settings)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, fam.norm_offset, one_dispatch=one) if fam.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, fam.norm_offset, one_dispatch=one) if fam.qk_norm else None
 
     def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         cfg, n = self.cfg, x.shape[0]
@@ -368,7 +380,8 @@ class Block(nn.Module):
         groups = TABLE[settings.device].norm_groups if layer == 0 else 0
 
         def norm(role: str) -> RMSNorm | None:
-            return RMSNorm(cfg.dim, cfg.norm_eps, fam.norm_offset, groups) if role in fam.norms else None
+            return (RMSNorm(cfg.dim, cfg.norm_eps, fam.norm_offset, groups, one_dispatch_norms(cfg, settings))
+                    if role in fam.norms else None)
 
         self.attention_norm, self.post_attention_norm = norm("attn"), norm("post_attn")
         self.attention = Attention(cfg, settings, layer, index, own_ring)
@@ -376,9 +389,9 @@ class Block(nn.Module):
         self.feed_forward = FeedForward(cfg, fam, settings.dtype, TABLE[settings.device].matrix_units)
 
     def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
-        h = self.attention(self.attention_norm(x), step)
+        h = self.attention(self.attention_norm(x, self.attention.wqkv.rounds_x(x)), step)
         x = x + (h if self.post_attention_norm is None else self.post_attention_norm(h))
-        h = self.feed_forward(self.ffn_norm(x))
+        h = self.feed_forward(self.ffn_norm(x, self.feed_forward.w_gate_up.rounds_x(x)))
         return x + (h if self.post_ffn_norm is None else self.post_ffn_norm(h))
 
 
@@ -403,7 +416,7 @@ class StreamingLlama(nn.Module):
         local = [i for i in range(cfg.n_layers) if own[i]]
         self.layers = nn.ModuleList(
             Block(cfg, settings, i, (local if own[i] else shared).index(i), own[i]) for i in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, fam.norm_offset)
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, fam.norm_offset, one_dispatch=one_dispatch_norms(cfg, settings))
         self.output = None if cfg.tie_embeddings else Linear(cfg.vocab_size, cfg.dim, head, matrix_units=units)
         # One cache global for all shared layers (and one ring for the local ones): with many per-layer globals a
         # zero-splat initialiser gave wrong logits in IREE. Their type is the build's kv_dtype (values are written

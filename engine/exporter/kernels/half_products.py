@@ -18,13 +18,12 @@ if TYPE_CHECKING:
 
 def f16_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [rows, in] (float32, rows fixed) @ w.T for a float16 w [out, in], x rounded to float16 and the products
-    summed in float32: float32 [rows, out]."""
+    summed in float32: float32 [rows, out]. An x already in float16 (a norm's output: kernels.rms_norm_one_dispatch)
+    is taken as it is."""
     return _ops()["f16"](x, w)
 
 
-_MM_F16 = r"""
-module {{
-util.func private @{name}(%a: tensor<{m}x{k}xf32>, %w: tensor<{n}x{k}xf16>) -> tensor<{m}x{n}xf32> {{
+_ROUND_X = r"""
   %e = tensor.empty() : tensor<{m}x{k}xf16>
   %ah = linalg.generic {{
       indexing_maps = [affine_map<(i, j) -> (i, j)>, affine_map<(i, j) -> (i, j)>],
@@ -34,6 +33,12 @@ util.func private @{name}(%a: tensor<{m}x{k}xf32>, %w: tensor<{n}x{k}xf16>) -> t
     %0 = arith.truncf %x : f32 to f16
     linalg.yield %0 : f16
   }} -> tensor<{m}x{k}xf16>
+"""
+
+_MM_F16 = r"""
+module {{
+util.func private @{name}(%a: tensor<{m}x{k}x{x}>, %w: tensor<{n}x{k}xf16>) -> tensor<{m}x{n}xf32> {{
+{half_x}
   %zero = arith.constant 0.000000e+00 : f32
   %oe = tensor.empty() : tensor<{m}x{n}xf32>
   %acc = linalg.fill ins(%zero : f32) outs(%oe : tensor<{m}x{n}xf32>) -> tensor<{m}x{n}xf32>
@@ -41,7 +46,7 @@ util.func private @{name}(%a: tensor<{m}x{k}xf32>, %w: tensor<{n}x{k}xf16>) -> t
       indexing_maps = [affine_map<(i, j, p) -> (i, p)>, affine_map<(i, j, p) -> (j, p)>,
                        affine_map<(i, j, p) -> (i, j)>],
       iterator_types = ["parallel", "parallel", "reduction"]}}
-      ins(%ah, %w : tensor<{m}x{k}xf16>, tensor<{n}x{k}xf16>) outs(%acc : tensor<{m}x{n}xf32>) {{
+      ins({ah}, %w : tensor<{m}x{k}xf16>, tensor<{n}x{k}xf16>) outs(%acc : tensor<{m}x{n}xf32>) {{
   ^bb0(%x: f16, %y: f16, %o: f32):
     %0 = arith.extf %x : f16 to f32
     %1 = arith.extf %y : f16 to f32
@@ -77,7 +82,10 @@ def register(kit: Kit) -> dict:
 
         def generate(self, ksel: KernelSelection, kb: KernelBuilder) -> None:
             (m, k), (n, _) = shape(kb, 0), shape(kb, 1)
-            name = f"eddy_mm_f16_{m}x{n}x{k}"
-            emit(kb, name, _MM_F16.format(name=name, m=m, n=n, k=k))
+            x = kit.element_type(kb, 0)
+            name = f"eddy_mm_f16_{m}x{n}x{k}_{x}"
+            half_x = "" if x == "f16" else _ROUND_X.format(m=m, k=k)
+            emit(kb, name, _MM_F16.format(name=name, m=m, n=n, k=k, x=x, half_x=half_x,
+                                          ah="%a" if x == "f16" else "%ah"))
 
     return {"f16": mmt_f16}
