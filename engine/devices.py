@@ -35,6 +35,9 @@ class Device:
     # float16 weights multiply a call's many rows in 16 bits, summing in float32 (kernels.f16_linear), which IREE
     # gives the GPU's matrix units (cuda: tensor cores); one row (decode) keeps float32 products.
     matrix_units: bool = False
+    # q4's product of many rows widens its matrix inside its own dispatch (kernels/q4_products.py, _MM_Q4_ONE), where
+    # IREE would write the widened matrix out in float32 every call (a dispatch of its own); a device of fixed shapes.
+    q4_rows_fused: bool = False
 
 
 # The CUDA targets iree-compile 3.13 knows by name: it has no sm_90 or sm_100 (their names give "missing GPU
@@ -98,12 +101,13 @@ TABLE: dict[str, Device] = {d.name: d for d in (
     # norm 4096 wide (an 8B's) and its SPIR-V lowering then kept index values in workgroup memory, which failed.
     # A norm of one dispatch (kernels.rms_norm_one_dispatch) takes nothing in: an 8B's compiles without groups.
     Device("vulkan", "vulkan", ("--iree-hal-target-device=vulkan", "--iree-opt-const-expr-hoisting=false"),
-           "--iree-vulkan-target=", fixed_shapes=True, attention="own", norm_groups=32, launch_bound=True),
+           "--iree-vulkan-target=", fixed_shapes=True, attention="own", norm_groups=32, launch_bound=True,
+           q4_rows_fused=True),
     # A float32 cache on the GPU: IREE's GPU code widening a 16-bit one cost a decode step at 1000 tokens 7.7 ms
     # against 4.6 (H200, docs/GPU.md), and a GPU has the memory (the default model's cache is 47 MB in float32).
     # IREE's attention op compiles for cuda, not for vulkan (its SPIR-V pipeline fails to bufferize the op).
     Device("cuda", "cuda", ("--iree-hal-target-device=cuda",), "--iree-cuda-target=", auto_kv="f32", fixed_shapes=True,
-           attention="fused", launch_bound=True, matrix_units=True),
+           attention="fused", launch_bound=True, matrix_units=True, q4_rows_fused=True),
 )}
 DEVICES = tuple(TABLE)
 

@@ -140,6 +140,32 @@ def test_the_cuda_programs_compiled_for_the_cpu_give_the_cpu_builds_logits(name,
     same_calls(gpu, open_model(name, TINY_SETTINGS).engine)
 
 
+def test_the_cuda_q4_programs_compiled_for_the_cpu_give_the_cpus_generic_products(tmp_path):
+    """q4 on cuda: prefill's product widens the codes inside its own dispatch (Device.q4_rows_fused), a form no other
+    device takes. Its export compiled for this CPU gives, in every program, the logits of the generic products
+    (a CPU build for x86-64-v2, which has no hand-written integer form: the same arithmetic) within 1e-4."""
+    import shutil
+
+    from engine.artefacts.store import ensure_artefacts, read_manifest
+    from engine.checkpoint import resolve_model
+    from engine.config import ModelConfig
+    from engine.exporter.export import compile_mlir, kept_export
+    from engine.loader import open_model
+    from engine.run.runtime import CompiledModule, StreamingEngine
+    from fixed_shapes import same_calls
+
+    source = resolve_model("tiny-random")
+    settings = replace(CUDA_TINY, dtype="q4").for_source(source)
+    folder = ensure_artefacts(source, settings)
+    cfg = ModelConfig(**read_manifest(folder)["config"])
+    mlir = kept_export(cfg, settings)
+    assert b"_one(" in mlir.read_bytes()  # the fused form's function (kernels/q4_products.py, _MM_Q4_ONE)
+    compile_mlir(mlir, tmp_path / "module.vmfb", "cpu", lambda *_: None, lambda: False, 60, "host")
+    shutil.copyfile(folder / "weights.irpa", tmp_path / "weights.irpa")
+    gpu = StreamingEngine(CompiledModule(tmp_path, replace(settings, device="cpu", gpu_target="")), cfg, settings)
+    same_calls(gpu, open_model("tiny-random", replace(TINY_SETTINGS, dtype="q4", target_cpu="x86-64-v2")).engine)
+
+
 def test_the_cuda_module_runs_only_where_there_is_a_gpu(cuda_tiny_folder, tiny):
     from engine.loader import open_folder
 

@@ -23,15 +23,18 @@ class KernelPlan:
     decode products read bytes (no linalg.index, which SPIR-V cannot hold). `dot_form`: on a cpu, the instructions
     the hand-written products use (devices.dot_form: the build's target CPU's; None: none by hand). `x_steps`:
     the rounded rows a row of x becomes in the hand-written prefill products (prefill_products.x_steps: the model's
-    width decides)."""
+    width decides). `q4_rows_fused`: q4's generic product of many rows widens its matrix inside the product's
+    dispatch (Device.q4_rows_fused)."""
 
     cpu_tuned: bool = False
     dot_form: str | None = None
     x_steps: int = prefill_products.STEPS
+    q4_rows_fused: bool = False
 
     @classmethod
     def of(cls, device: str, dot_form: str | None = None, x_steps: int = prefill_products.STEPS) -> "KernelPlan":
-        return cls(cpu_tuned=TABLE[device].llvm_cpu, dot_form=dot_form, x_steps=x_steps)
+        row = TABLE[device]
+        return cls(cpu_tuned=row.llvm_cpu, dot_form=dot_form, x_steps=x_steps, q4_rows_fused=row.q4_rows_fused)
 
 
 _active = KernelPlan()

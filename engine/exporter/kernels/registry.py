@@ -54,13 +54,14 @@ class Kit:
         self._template = Template()
         self._call_function = call_function
 
-    def select(self, ksel: KernelSelection, arity: int, tile: int) -> None:
-        """A product's selection: x [rows, in] then the weights' tensors; the output [rows, tiles x tile]."""
+    def select(self, ksel: KernelSelection, arity: int, tile: int, fixed_rows: bool = False) -> None:
+        """A product's selection: x [rows, in] then the weights' tensors; the output [rows, tiles x tile].
+        `fixed_rows`: a call's rows stay in the op's types where the export fixes them (a GPU build's)."""
         a, *weights = (ksel.arg_tensor(i) for i in range(arity))
         for t in weights:
             t.specialize_all_dims()
         # One row (decode's call, whose shapes are static) selects the matrix-vector form.
-        if isinstance(a.t.shape[0], int) and a.t.shape[0] == 1:
+        if isinstance(a.t.shape[0], int) and (a.t.shape[0] == 1 or fixed_rows):
             a.specialize_all_dims()
         else:
             a.specialize_dims(1)
