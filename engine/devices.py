@@ -25,7 +25,7 @@ class Device:
     # The custom ops carry llvm-cpu's lowering attributes (engine/exporter/kernels/plan.py); elsewhere IREE chooses.
     llvm_cpu: bool = False
     # The first layer's norms (those that read the embedding lookup) sum their squares per group of this many first
-    # (engine/exporter/model.py, RMSNorm; 0: in one reduction), where a norm is not one dispatch of its own.
+    # (engine/exporter/model.py, RMSNorm; 0: in one reduction); a grouped norm is IREE's to form, never one dispatch.
     norm_groups: int = 0
     # Each dispatch is a kernel launch (a few us on a GPU, where a decode step's own work per layer is tens of us):
     # the model takes its forms of fewer dispatches (engine/exporter/model.py: q's and k's rotation as one op, the
@@ -96,10 +96,10 @@ TABLE: dict[str, Device] = {d.name: d for d in (
     # Weights' transforms are left in each call, not hoisted into the module's initialiser: hoisted, the decode's
     # transformed matrices came out wrong on Mesa's lavapipe (the tiny model's decode logits off by 1e-2 to NaN
     # while prefill, which reads the weights as stored, matched the CPU to 2e-7; with this flag both match).
-    # The first layer's norms sum their squares per 32 first where they are IREE's to fuse (the portable target's
-    # dynamic shapes): IREE fused a q4 embedding's lookup (its group index from linalg.index) into a one-reduction
-    # norm 4096 wide (an 8B's) and its SPIR-V lowering then kept index values in workgroup memory, which failed.
-    # A norm of one dispatch (kernels.rms_norm_one_dispatch) takes nothing in: an 8B's compiles without groups.
+    # The first layer's norms sum their squares per 32 first (and so are not one dispatch): IREE fused a q4
+    # embedding's lookup (its group index from linalg.index) into a one-reduction norm 4096 wide (an 8B's) and its
+    # SPIR-V lowering then kept index values in workgroup memory (`memref<2048xindex>`), which failed. As one formed
+    # dispatch, two 8B layers compiled, but the device check's whole 8B build failed so again: grouped it built.
     Device("vulkan", "vulkan", ("--iree-hal-target-device=vulkan", "--iree-opt-const-expr-hoisting=false"),
            "--iree-vulkan-target=", fixed_shapes=True, attention="own", norm_groups=32, launch_bound=True,
            q4_rows_fused=True),

@@ -63,8 +63,8 @@ class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, offset: float = 0.0, groups: int = 0, one_dispatch: bool = False) -> None:
         super().__init__()
         self.eps, self.offset = eps, offset
-        self.one_dispatch = one_dispatch
-        self.groups = groups if groups and dim % groups == 0 and not one_dispatch else 0
+        self.groups = groups if groups and dim % groups == 0 else 0
+        self.one_dispatch = one_dispatch and not self.groups
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, half: bool = False) -> torch.Tensor:
