@@ -376,11 +376,14 @@ class Block(nn.Module):
         super().__init__()
         fam = family(cfg.arch)
 
-        # Only the first layer's norms read the embedding lookup, which norm_groups is for (engine/devices.py).
+        # Only the first layer's norms of x read the embedding lookup, which norm_groups is for (engine/devices.py).
+        # Gemma's post norms read the attention's and the FFN's outputs: grouped, vulkan's fused the sums' last step
+        # with the residual add into a dispatch that held 32 rows of 2304 in workgroup memory (295 kB; limit 101 kB).
         groups = TABLE[settings.device].norm_groups if layer == 0 else 0
 
         def norm(role: str) -> RMSNorm | None:
-            return (RMSNorm(cfg.dim, cfg.norm_eps, fam.norm_offset, groups, one_dispatch_norms(cfg, settings))
+            return (RMSNorm(cfg.dim, cfg.norm_eps, fam.norm_offset, groups if role in ("attn", "ffn") else 0,
+                            one_dispatch_norms(cfg, settings))
                     if role in fam.norms else None)
 
         self.attention_norm, self.post_attention_norm = norm("attn"), norm("post_attn")
