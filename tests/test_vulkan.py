@@ -145,17 +145,32 @@ def test_the_vulkan_f16_build_gives_the_cpu_builds_logits(vulkan_tiny):
 
 
 # (query rows, kv heads, query heads per kv head, head_dim, the layer's slots, slots attended, cache type, soft cap):
-# decode over a full cache, prefill rows under a causal mask, the head sizes of real checkpoints (Phi-3's 96, Qwen3's
-# 128, Gemma's 256) and Gemma 2's cap.
-ATTENTION_CASES = [(1, 3, 3, 64, 1025, 1024, "f16", None), (8, 2, 4, 128, 129, 112, "f32", None),
-                   (4, 2, 2, 96, 65, 48, "f16", 50.0), (3, 1, 4, 256, 33, 32, "f16", None)]
+# decode over a full cache and over slots that end mid-tile (both split over the slots: gpu_attention.splits), prefill
+# rows under a causal mask (one split, and 4 rows of 8 heads: split), the head sizes of real checkpoints (Phi-3's 96,
+# Qwen3's 128, Gemma's 256) and Gemma 2's cap.
+ATTENTION_CASES = [(1, 3, 3, 64, 1025, 1024, "f16", None), (1, 2, 4, 128, 301, 290, "f32", 50.0),
+                   (8, 2, 4, 128, 129, 112, "f32", None), (4, 2, 2, 96, 65, 48, "f16", 50.0),
+                   (4, 2, 4, 64, 257, 250, "f16", None), (3, 1, 4, 256, 33, 32, "f16", None)]
 
 
-@pytest.mark.parametrize("case", ATTENTION_CASES, ids=lambda c: f"d{c[3]}-{c[6]}-n{c[0]}")
+def test_a_decode_splits_its_slots_and_a_prefill_of_many_rows_does_not():
+    """gpu_attention.splits: the default model's 9 heads over 1024 slots in 16 splits of a tile, an 8B's 32 heads of
+    128 in 8; 63 rows of 9 heads have workgroups enough (one split); the last split never empty."""
+    from engine.exporter.kernels.gpu_attention import splits
+
+    assert splits(1, 9, 1024, 64) == (16, 64)
+    assert splits(1, 32, 1024, 128) == (8, 128)
+    assert splits(63, 9, 1024, 64) == (1, 1024)
+    count, per = splits(1, 9, 8188, 64)
+    assert per % 64 == 0 and (count - 1) * per < 8188 <= count * per
+
+
+@pytest.mark.parametrize("case", ATTENTION_CASES, ids=lambda c: f"d{c[3]}-{c[6]}-n{c[0]}-c{c[5]}")
 def test_vulkans_attention_kernel_computes_its_meaning(case, tmp_path):
-    """kernels.attend_one_dispatch (gpu_attention.py), vulkan's attention in one dispatch a layer, alone on lavapipe
-    against its torch meaning (within 1e-5): slots masked one by one and a tile's worth at once, padding slots past
-    those attended that it must not read."""
+    """kernels.attend_one_dispatch (gpu_attention.py), vulkan's attention in one dispatch a layer (two where it splits
+    the slots), alone on lavapipe against its torch meaning (within 1e-5): slots masked one by one, a tile's worth
+    across two tiles and a whole tile (a split of its own in a decode), padding slots past those attended that it must
+    not read."""
     _need_a_vulkan_device()
     import iree.turbine.aot as aot
     import torch
@@ -171,7 +186,8 @@ def test_vulkans_attention_kernel_computes_its_meaning(case, tmp_path):
     keys[:, c:], values[:, c:] = float("nan"), float("nan")  # not attended: never read
     mask = torch.zeros(n, c)
     mask[:, 5] = float("-inf")
-    mask[:, 8:8 + d] = float("-inf")  # a whole tile of slots masked
+    mask[:, 8:8 + d] = float("-inf")  # a tile's worth of slots masked
+    mask[:, 2 * d:3 * d] = float("-inf")  # the third tile, whole
     for i in range(n):
         mask[i, c - n + i + 1:] = float("-inf")
 
