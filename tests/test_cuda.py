@@ -116,8 +116,9 @@ def test_the_cuda_build_cross_compiles_for_the_named_target(cuda_tiny_folder):
 @pytest.mark.parametrize("name", ["tiny-random", "tiny-random-gemma3"])
 def test_the_cuda_programs_compiled_for_the_cpu_give_the_cpu_builds_logits(name, tmp_path):
     """What a cuda build computes, checked without a GPU: its export (fixed call shapes, padding, IREE's fused
-    attention op a layer) compiled for this CPU instead, run through the same host code, against the CPU build
-    (tests/fixed_shapes.py). Only the CUDA code generation itself is left to a device (bench/gpu_check.py)."""
+    attention op a layer, decode's split over blocks of slots and joined) compiled for this CPU instead, run through
+    the same host code, against the CPU build (tests/fixed_shapes.py). Only the CUDA code generation itself is left
+    to a device (bench/gpu_check.py)."""
     import shutil
 
     from engine.artefacts.store import ensure_artefacts, read_manifest
@@ -134,6 +135,7 @@ def test_the_cuda_programs_compiled_for_the_cpu_give_the_cpu_builds_logits(name,
     cfg = ModelConfig(**read_manifest(folder)["config"])
     mlir = kept_export(cfg, settings)
     assert b"torch.aten.scaled_dot_product_attention" in mlir.read_bytes()  # IREE's fused op, one a layer
+    assert b"iree_linalg_ext.online_attention" in mlir.read_bytes()  # its partial form: decode in splits
     compile_mlir(mlir, tmp_path / "module.vmfb", "cpu", lambda *_: None, lambda: False, 60, "host")
     shutil.copyfile(folder / "weights.irpa", tmp_path / "weights.irpa")
     gpu = StreamingEngine(CompiledModule(tmp_path, replace(settings, device="cpu", gpu_target="")), cfg, settings)

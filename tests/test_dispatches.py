@@ -17,7 +17,7 @@ from bench.dispatches import DEFAULT_MODEL, count_at, widest
 from engine.devices import TABLE, compile_flags
 
 # A layer's dispatches at most, per device and program (decode, prefill): bench/dispatches.py's figures of 2026-12-07.
-MOST = {"cuda": (10, 16), "vulkan": (11, 18)}
+MOST = {"cuda": (11, 16), "vulkan": (11, 18)}
 TARGET = {"cuda": "sm_89", "vulkan": "ada"}
 
 

@@ -44,8 +44,8 @@ from ..arch import Family, family
 from ..config import ATTEND_STEP, BuildSettings, ModelConfig, auto_kv_dtype
 from ..devices import TABLE
 from ..shapes import call_shapes
-from .kernels import (attend_one_dispatch, attend_rows, first_blocks, first_slots, query_keys, query_keys_rows,
-                      rms_norm_one_dispatch, softmax_over_slots, weighted_values, weighted_values_rows)
+from .kernels import (attend_one_dispatch, attend_rows, attend_split_slots, first_blocks, first_slots, query_keys,
+                      query_keys_rows, rms_norm_one_dispatch, softmax_over_slots, weighted_values, weighted_values_rows)
 from .kernels.attention_rows import attend_plan
 from .linear import Linear, Piece
 
@@ -83,6 +83,15 @@ class RMSNorm(nn.Module):
 def one_dispatch_norms(cfg: ModelConfig, settings: BuildSettings) -> bool:
     """Whether a build's norms are one kernel each: on a launch-bound device, whose calls have fixed shapes."""
     return TABLE[settings.device].launch_bound and call_shapes(cfg, settings) is not None
+
+
+def split_decode(cfg: ModelConfig, settings: BuildSettings) -> bool:
+    """Whether decode's attention is split over the slots in blocks (kernels.attend_split_slots): where IREE's fused
+    attention op serves a build of fixed shapes (cuda) over a float32 cache, which then holds a whole number of
+    blocks. Gemma 2's soft cap keeps the matmuls."""
+    return (TABLE[settings.device].attention == "fused" and cfg.attn_softcap is None
+            and call_shapes(cfg, settings) is not None
+            and auto_kv_dtype(settings.dtype, settings.kv_dtype, settings.device) == "f32")
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scale: float | torch.Tensor = 1.0) -> torch.Tensor:
@@ -139,6 +148,9 @@ class Attention(nn.Module):
         # With no soft cap, IREE's own attention op: one fused op a layer (the softmax in flight) where the matmuls
         # and the softmax were four or more kernels.
         self.fused = path == "fused" and cfg.attn_softcap is None
+        # Decode's one query row over the slots in blocks, each a batch of IREE's op, then joined: one row a head
+        # was a workgroup a head, walking every slot (kernels/split_attention.py). Not a layer with its own ring.
+        self.split = split_decode(cfg, settings) and not own_ring
         # Eddy's own kernel, one dispatch a layer (kernels.attend_one_dispatch), reading the layer's cache in place,
         # for calls of fixed shapes: not a layer with a ring of its own (it attends to the ring and the new tokens
         # joined), nor a bfloat16 cache (stored as int16 bits), which keep the matmuls.
@@ -196,6 +208,9 @@ class Attention(nn.Module):
         else:
             keys, values = self.write_cache(step, k, v)
             mask = step.local_mask if self.local else step.mask
+        if self.split and step.single:  # keys and values in blocks (write_cache)
+            out = attend_split_slots(q.view(kvh, rep, d), keys, values, mask.view(-1), self.scale)
+            return self.wo(out.reshape(1, cfg.n_heads * d))
         if self.fused:
             return self.wo(self.fused_attention(q, keys, values, mask))
         if self.own_kernel:
@@ -310,6 +325,8 @@ class Attention(nn.Module):
         self._put(cache, slots, kv, step.cache_rows)
         if self.one_op and not step.single or self.own_kernel:  # the layer's keys and values as stored, read in
             return cache[i, 0], cache[i, 1]  # place (attend_rows, attend_one_dispatch)
+        if self.split and step.single:  # float32 as stored, in blocks read in place (attend_split_slots)
+            return first_blocks(cache[i, 0], step.cache_pos), first_blocks(cache[i, 1], step.cache_pos)
         # One query reads the keys as blocks (kernels.first_blocks), where the device takes them.
         keys = (first_blocks if step.single and self.key_blocks else first_slots)(cache[i, 0], step.cache_pos)
         if self.rows_ops and not step.single:  # prefill's ops widen what they read: the keys' slice as stored, and
@@ -432,8 +449,10 @@ class StreamingLlama(nn.Module):
         # ring, which no call reads (engine/shapes.py).
         self.shapes = call_shapes(cfg, settings)
         trash = 1 if self.shapes else 0
-        self.register_buffer("cache", torch.zeros(len(shared), 2, kvh, settings.slots + trash, d, dtype=kv),
-                             persistent=False)
+        size = settings.slots + trash
+        if split_decode(cfg, settings):  # a whole number of blocks (Attention.write_cache)
+            size = -(-size // ATTEND_STEP) * ATTEND_STEP
+        self.register_buffer("cache", torch.zeros(len(shared), 2, kvh, size, d, dtype=kv), persistent=False)
         sinks = torch.zeros(len(shared), settings.sink_slots + 1, kvh, d, dtype=kv) if settings.sink_slots else None
         self.register_buffer("sink_keys", sinks, persistent=False)
         self.register_buffer("ring_cache", torch.zeros(len(local), 2, kvh, ring + trash, d, dtype=kv) if ring else None,

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ...config import ATTEND_STEP
-from . import attention_rows, gpu_attention
+from . import attention_rows, gpu_attention, split_attention
 from .plan import active
 from .registry import Kit, registered
 
@@ -76,6 +76,15 @@ def attend_one_dispatch(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     d] are a layer of the cache as stored (float16 or float32), read in place; mask [n, C], C the slots attended.
     Shapes are fixed (a GPU build's calls: engine/shapes.py)."""
     return _ops()["attend_one"](q, keys, values, mask, 0.0 if softcap is None else float(softcap))
+
+
+def attend_split_slots(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                       scale: float) -> torch.Tensor:
+    """softmax(scale * q . keys + mask) . values -> [kvh, rep, d] (decode's attention on cuda): the custom op, IREE's
+    attention op a block of ATTEND_STEP slots at a time and a join (engine/exporter/kernels/split_attention.py).
+    q [kvh, rep, d] unscaled; keys and values float32 blocks [kvh, C / ATTEND_STEP, ATTEND_STEP, d]
+    (first_blocks); mask [C]. Shapes are fixed."""
+    return _ops()["attend_split"](q, keys, values, mask, float(scale))
 
 
 def softmax_over_slots(scores: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -535,6 +544,27 @@ def register(kit: Kit) -> dict:
                 executable=gpu_attention.attention_executable(exe, n, h, r, d, size, c, e, cap or None),
                 call=gpu_attention.attention_call(exe, n, h, r, d, size, c, e, "%q", "%k", "%v", "%m", "%o")))
 
+    @CustomOp.register(library=library)
+    class attend_split(CustomOp):
+        signature = "attend_split(Tensor q, Tensor k, Tensor v, Tensor m, float scale) -> (Tensor)"
+
+        def select(self, ksel: KernelSelection) -> None:
+            q, *rest = (ksel.arg_tensor(i) for i in range(4))
+            for t in (q, *rest):
+                t.specialize_all_dims()
+            ksel.attr_float(4)
+            ksel.return_new_tensor(list(q.t.shape), dtype=torch.float32)
+
+        def eager_execute(self, q, k, v, m, scale):
+            probs = torch.softmax(torch.einsum("hrd,hcd->hrc", q, k.flatten(1, 2)) * scale + m, -1)
+            return torch.einsum("hrc,hcd->hrd", probs, v.flatten(1, 2))
+
+        def generate(self, ksel: KernelSelection, kb: KernelBuilder) -> None:
+            (h, r, d), splits = shape(kb, 0), shape(kb, 1)[1]
+            scale = ksel.arg_descs[4].v
+            name = f"eddy_attend_split_{h}x{r}x{d}_s{splits}_" + f"{scale:.9g}".replace(".", "p").replace("-", "m")
+            emit(kb, name, split_attention.split_attention(name, h, r, d, splits, scale))
+
     def select_softmax(ksel: KernelSelection, masked: bool) -> None:
         s = ksel.arg_tensor(0)
         s.specialize_dims(0, 1)  # the queries and the slots stay dynamic
@@ -578,5 +608,5 @@ def register(kit: Kit) -> dict:
             generate_softmax(kb, True)
 
     return {"qk": attend_qk, "pv": attend_pv, "pv_rows": attend_pv_rows, "qk_rows": attend_qk_rows,
-            "attend_rows": attend_rows, "attend_one": attend_one, "softmax": attend_softmax,
-            "softmax_masked": attend_softmax_masked}
+            "attend_rows": attend_rows, "attend_one": attend_one, "attend_split": attend_split,
+            "softmax": attend_softmax, "softmax_masked": attend_softmax_masked}
