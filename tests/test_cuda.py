@@ -143,9 +143,11 @@ def test_the_cuda_programs_compiled_for_the_cpu_give_the_cpu_builds_logits(name,
 
 
 def test_the_cuda_q4_programs_compiled_for_the_cpu_give_the_cpus_generic_products(tmp_path):
-    """q4 on cuda: prefill's product widens the codes inside its own dispatch (Device.q4_rows_fused), a form no other
-    device takes. Its export compiled for this CPU gives, in every program, the logits of the generic products
-    (a CPU build for x86-64-v2, which has no hand-written integer form: the same arithmetic) within 1e-4."""
+    """q4 on cuda: prefill's product widens the codes to float16 inside its own dispatch and multiplies them with x
+    rounded to float16 (Device.q4_rows_fused, matrix_units: the tensor cores), a form no other device takes. Its
+    export compiled for this CPU gives, in every program, the logits of the generic float32 products (a CPU build
+    for x86-64-v2, which has no hand-written integer form) within 1e-3: float16's rounding of x and of the weights
+    (measured 2.6e-4; the product alone is held to its exact meaning in tests/test_q4.py)."""
     import shutil
 
     from engine.artefacts.store import ensure_artefacts, read_manifest
@@ -161,11 +163,11 @@ def test_the_cuda_q4_programs_compiled_for_the_cpu_give_the_cpus_generic_product
     folder = ensure_artefacts(source, settings)
     cfg = ModelConfig(**read_manifest(folder)["config"])
     mlir = kept_export(cfg, settings)
-    assert b"_one(" in mlir.read_bytes()  # the fused form's function (kernels/q4_products.py, _MM_Q4_ONE)
+    assert b"_one_h(" in mlir.read_bytes()  # the fused form, in float16 (kernels/q4_products.py, _MM_Q4_ONE)
     compile_mlir(mlir, tmp_path / "module.vmfb", "cpu", lambda *_: None, lambda: False, 60, "host")
     shutil.copyfile(folder / "weights.irpa", tmp_path / "weights.irpa")
     gpu = StreamingEngine(CompiledModule(tmp_path, replace(settings, device="cpu", gpu_target="")), cfg, settings)
-    same_calls(gpu, open_model("tiny-random", replace(TINY_SETTINGS, dtype="q4", target_cpu="x86-64-v2")).engine)
+    same_calls(gpu, open_model("tiny-random", replace(TINY_SETTINGS, dtype="q4", target_cpu="x86-64-v2")).engine, 1e-3)
 
 
 def test_the_cuda_module_runs_only_where_there_is_a_gpu(cuda_tiny_folder, tiny):

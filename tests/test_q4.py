@@ -317,3 +317,60 @@ def test_prefill_rounds_x_once_from_1b_widths_and_twice_below():
     assert x_steps(576) == STEPS == 2
     assert [x_steps(config(name)["hidden_size"]) for name in ("llama-3.2-1b", "llama-3.1-8b")] == [1, 1]
     assert x_steps(config("qwen2.5-0.5b")["hidden_size"]) == 2
+
+
+@pytest.mark.parametrize("device", ["cuda", "vulkan"])
+def test_a_gpus_q4_product_of_many_rows_is_float16_on_matrix_units_and_float32_elsewhere(device, tmp_path):
+    """Prefill's q4 product on a GPU (kernels/q4_products.py, _MM_Q4_ONE: widened inside its own dispatch), under
+    the device's plan and compiled here for the CPU: on cuda (Device.matrix_units) the dequantised weights and x each
+    rounded to float16 and their products summed in float32, for the tensor cores; on vulkan float32 throughout.
+    Each within 1e-5 (relative to the largest output) of that meaning in float64, one output and three parts."""
+    import subprocess
+    import sys
+
+    import iree.runtime as rt
+    import iree.turbine.aot as aot
+
+    from engine.devices import TABLE, compile_flags
+    from engine.exporter.kernels import lowering_for
+    from engine.exporter.linear import Linear, stored_matrix
+
+    out_f, in_f, rows = 9 * 16, 16 * Q4_GROUP, 17
+    rng = np.random.RandomState(6)
+    w = torch.from_numpy(rng.standard_normal((out_f, in_f)).astype(np.float32))
+    lin = Linear(out_f, in_f, "q4")
+    for name, t in stored_matrix(w, "q4", tiled=True).items():
+        getattr(lin, name).data = t
+    x = torch.from_numpy(rng.standard_normal((rows, in_f)).astype(np.float32))
+    first, second = 4 * 16, 2 * 16
+    fxb = aot.FxProgramsBuilder(lin)
+
+    @fxb.export_program(name="prefill", args=(x,), strict=False)
+    def prefill(m, x):
+        return m(x)
+
+    @fxb.export_program(name="prefill_parts", args=(x,), strict=False)
+    def prefill_parts(m, x):
+        return m.parts(x, first, second, many=True)
+
+    with lowering_for(device):
+        mlir = str(aot.export(fxb).mlir_module)
+    half = TABLE[device].matrix_units
+    assert ("_one_h(" in mlir) == half and "_one" in mlir
+    (tmp_path / "m.mlir").write_text(mlir)
+    subprocess.run([str(Path(sys.executable).with_name("iree-compile")), str(tmp_path / "m.mlir"),
+                    *compile_flags("cpu", "host"), "-o", str(tmp_path / "m.vmfb")], check=True, capture_output=True)
+    module = rt.load_vm_flatbuffer_file(str(tmp_path / "m.vmfb"), driver="local-task")
+    dense = dequantise_q4(*untile_q4(stored_matrix(w, "q4", tiled=True)).values())
+    if half:
+        want = (x.half().double() @ dense.half().double().T).numpy()
+    else:
+        want = (x.double() @ dense.double().T).numpy()
+    exact = (x.double() @ dense.double().T).numpy()
+    for program in ("prefill", "prefill_parts"):
+        got = getattr(module, program)(x.numpy())
+        got = np.concatenate([np.asarray(t) for t in got], axis=1) if program == "prefill_parts" else np.asarray(got)
+        assert np.abs(got - want).max() < 1e-5 * np.abs(want).max(), (program, np.abs(got - want).max())
+        # float16's rounding shows where it is meant to, and is small.
+        rel = np.abs(got - exact).max() / np.abs(exact).max()
+        assert (1e-5 < rel < 1e-2) if half else rel < 1e-5, (program, rel)

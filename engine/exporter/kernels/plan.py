@@ -24,17 +24,20 @@ class KernelPlan:
     the hand-written products use (devices.dot_form: the build's target CPU's; None: none by hand). `x_steps`:
     the rounded rows a row of x becomes in the hand-written prefill products (prefill_products.x_steps: the model's
     width decides). `q4_rows_fused`: q4's generic product of many rows widens its matrix inside the product's
-    dispatch (Device.q4_rows_fused)."""
+    dispatch (Device.q4_rows_fused). `matrix_units`: that product multiplies float16 into float32 sums, for the
+    device's matrix units (Device.matrix_units)."""
 
     cpu_tuned: bool = False
     dot_form: str | None = None
     x_steps: int = prefill_products.STEPS
     q4_rows_fused: bool = False
+    matrix_units: bool = False
 
     @classmethod
     def of(cls, device: str, dot_form: str | None = None, x_steps: int = prefill_products.STEPS) -> "KernelPlan":
         row = TABLE[device]
-        return cls(cpu_tuned=row.llvm_cpu, dot_form=dot_form, x_steps=x_steps, q4_rows_fused=row.q4_rows_fused)
+        return cls(cpu_tuned=row.llvm_cpu, dot_form=dot_form, x_steps=x_steps, q4_rows_fused=row.q4_rows_fused,
+                   matrix_units=row.matrix_units)
 
 
 _active = KernelPlan()

@@ -113,7 +113,10 @@ util.func private @{name}(%a: tensor<?x{k}xf32>, """ + _Q4_ARGS + r""") -> tenso
 # own: isDequantizationLikeOp takes no group numbers computed in float). The product runs over the tiled layout's own
 # dimensions: a reshape between the two left the widening unfused (llvm-cpu failed its distribution). The codes are
 # read as bytes, each position's nibble shifted out: as i4, SPIR-V lowering failed on `vector.bitcast vector<1xi8> to
-# vector<2xi4>`. Rows fixed (with_rows).
+# vector<2xi4>`. Rows fixed (with_rows). On a device with matrix units (Device.matrix_units: cuda's tensor cores) the
+# matrix is widened to float16 and x rounded to it, inside the same dispatch, and their products summed in float32
+# (`{wt}` f16, _ONE_F16's pieces), which IREE gives the units: `mma.m16n8k16...f32` for sm_89 at a 1B's widths, none
+# in float32.
 _MM_Q4_ONE = r"""
 module {{
 util.func private @{name}(%a: tensor<{m}x{k}xf32>, """ + _Q4_ARGS + r""") -> tensor<{m}x{n}xf32> {{
@@ -122,7 +125,7 @@ util.func private @{name}(%a: tensor<{m}x{k}xf32>, """ + _Q4_ARGS + r""") -> ten
   %c4 = arith.constant 4 : index
   %c15 = arith.constant 15 : i8
   %r = flow.dispatch.region -> (tensor<{m}x{nb}x{t}xf32>) {{
-  %e = tensor.empty() : tensor<{nb}x{t}x{supers}x{per}x2x4x4xf32>
+  %e = tensor.empty() : tensor<{nb}x{t}x{supers}x{per}x2x4x4x{wt}>
   %w = linalg.generic {{
       indexing_maps = [affine_map<(b, r, s, c, u, h, j) -> (b, s, c, h, r, j)>, affine_map<(b, r, s, c, u, h, j) -> (b, s, c, r)>,
                        affine_map<(b, r, s, c, u, h, j) -> (b, s, c, r)>, affine_map<(b, r, s, c, u, h, j) -> (b, s, r)>,
@@ -132,8 +135,8 @@ util.func private @{name}(%a: tensor<{m}x{k}xf32>, """ + _Q4_ARGS + r""") -> ten
       ins(%q5, %d4, %m4, %ds, %ms, %bs : tensor<{nb}x{supers}x{per}x4x{t}x4xi8>, tensor<{nb}x{supers}x{per}x{t}xi8>,
                                          tensor<{nb}x{supers}x{per}x{t}xi8>, tensor<{nb}x{supers}x{t}xf16>,
                                          tensor<{nb}x{supers}x{t}xf16>, tensor<{nb}x{supers}x{t}xf16>)
-      outs(%e : tensor<{nb}x{t}x{supers}x{per}x2x4x4xf32>) {{
-  ^bb0(%qb: i8, %dq: i8, %mq: i8, %dh: f16, %mh: f16, %bh: f16, %o: f32):
+      outs(%e : tensor<{nb}x{t}x{supers}x{per}x2x4x4x{wt}>) {{
+  ^bb0(%qb: i8, %dq: i8, %mq: i8, %dh: f16, %mh: f16, %bh: f16, %o: {wt}):
     %u = linalg.index 4 : index
     %u4 = arith.muli %u, %c4 : index
     %sh = arith.index_cast %u4 : index to i8
@@ -141,9 +144,8 @@ util.func private @{name}(%a: tensor<{m}x{k}xf32>, """ + _Q4_ARGS + r""") -> ten
     %0 = arith.andi %qu, %c15 : i8
     %1 = arith.uitofp %0 : i8 to f32""" + _Q4_NUMBERS + r"""
     %2 = arith.mulf %1, %dv : f32
-    %3 = arith.addf %2, %mv : f32
-    linalg.yield %3 : f32
-  }} -> tensor<{nb}x{t}x{supers}x{per}x2x4x4xf32>
+    %3 = arith.addf %2, %mv : f32{narrow}
+  }} -> tensor<{nb}x{t}x{supers}x{per}x2x4x4x{wt}>{round_x}
   %zero = arith.constant 0.000000e+00 : f32
   %oe = tensor.empty() : tensor<{m}x{nb}x{t}xf32>
   %acc = linalg.fill ins(%zero : f32) outs(%oe : tensor<{m}x{nb}x{t}xf32>) -> tensor<{m}x{nb}x{t}xf32>
@@ -152,10 +154,10 @@ util.func private @{name}(%a: tensor<{m}x{k}xf32>, """ + _Q4_ARGS + r""") -> ten
                        affine_map<(i, b, r, s, c, u, h, j) -> (b, r, s, c, u, h, j)>,
                        affine_map<(i, b, r, s, c, u, h, j) -> (i, b, r)>],
       iterator_types = ["parallel", "parallel", "parallel", "reduction", "reduction", "reduction", "reduction", "reduction"]}}
-      ins(%a6, %w : tensor<{m}x{supers}x{per}x2x4x4xf32>, tensor<{nb}x{t}x{supers}x{per}x2x4x4xf32>)
+      ins({xa}, %w : tensor<{m}x{supers}x{per}x2x4x4x{wt}>, tensor<{nb}x{t}x{supers}x{per}x2x4x4x{wt}>)
       outs(%acc : tensor<{m}x{nb}x{t}xf32>) {{
-  ^bb0(%x: f32, %y: f32, %o: f32):
-    %0 = arith.mulf %x, %y : f32
+  ^bb0(%x: {wt}, %y: {wt}, %o: f32):{widen}
+    %0 = arith.mulf {xv}, {yv} : f32
     %1 = arith.addf %0, %o : f32
     linalg.yield %1 : f32
   }} -> tensor<{m}x{nb}x{t}xf32>
@@ -166,6 +168,30 @@ util.func private @{name}(%a: tensor<{m}x{k}xf32>, """ + _Q4_ARGS + r""") -> ten
 }}
 }}
 """
+
+
+# _MM_Q4_ONE's pieces in float32 and in float16 (matrix units).
+_ONE_F32 = dict(wt="f32", narrow="\n    linalg.yield %3 : f32", round_x="", xa="%a6", widen="", xv="%x", yv="%y")
+_ONE_F16 = dict(wt="f16", narrow="\n    %4 = arith.truncf %3 : f32 to f16\n    linalg.yield %4 : f16", xa="%xh",
+                round_x="""
+  %xe = tensor.empty() : tensor<{m}x{supers}x{per}x2x4x4xf16>
+  %xh = linalg.generic {{
+      indexing_maps = [affine_map<(i, s, c, u, h, j) -> (i, s, c, u, h, j)>,
+                       affine_map<(i, s, c, u, h, j) -> (i, s, c, u, h, j)>],
+      iterator_types = ["parallel", "parallel", "parallel", "parallel", "parallel", "parallel"]}}
+      ins(%a6 : tensor<{m}x{supers}x{per}x2x4x4xf32>) outs(%xe : tensor<{m}x{supers}x{per}x2x4x4xf16>) {{
+  ^bb0(%xi: f32, %xo: f16):
+    %xt = arith.truncf %xi : f32 to f16
+    linalg.yield %xt : f16
+  }} -> tensor<{m}x{supers}x{per}x2x4x4xf16>""",
+                widen="\n    %xf = arith.extf %x : f16 to f32\n    %yf = arith.extf %y : f16 to f32", xv="%xf", yv="%yf")
+
+
+def _one_form(name: str, rows: int, sizes: dict, half: bool) -> str:
+    """_MM_Q4_ONE as @name for `rows` rows, its products in float16 (`half`: matrix units) or float32."""
+    pieces = dict(_ONE_F16 if half else _ONE_F32)
+    pieces["round_x"] = pieces["round_x"].format(m=rows, **sizes)
+    return _MM_Q4_ONE.format(name=name, m=rows, **pieces, **sizes)
 
 
 # q4, decode (one row), the generic form of CPUs without a hand-written one (GPUs: _MV_Q4_BYTES): out[b, r] = sum
@@ -410,10 +436,12 @@ def register(kit: Kit) -> dict:
                 emit_q4_rows(kb, sizes, nb, k, tuple(c // Q4_TILE for c in cols))
                 return
             rows = shape(kb, 0)[0]
-            fused = active().q4_rows_fused and rows >= 0
-            inner = (f"eddy_mm_q4_{nb * Q4_TILE}x{k}" + (f"_r{rows}" if rows >= 0 else "") + ("_one" if fused else ""))
+            fused, half = active().q4_rows_fused and rows >= 0, active().matrix_units
+            inner = (f"eddy_mm_q4_{nb * Q4_TILE}x{k}" + (f"_r{rows}" if rows >= 0 else "")
+                     + (("_one_h" if half else "_one") if fused else ""))
             tag = "_".join(map(str, cols))
-            module = (_MM_Q4_ONE if fused else _MM_Q4).format(name=inner, m=rows, **sizes).strip()
+            module = (_one_form(inner, rows, sizes, half) if fused
+                      else _MM_Q4.format(name=inner, m=rows, **sizes)).strip()
             types = [f"tensor<?x{c}xf32>" for c in cols]
             slices = "\n  ".join(
                 f"%p{i} = tensor.extract_slice %r[0, {sum(cols[:i])}] [%rows, {c}] [1, 1] : "
@@ -441,8 +469,11 @@ def register(kit: Kit) -> dict:
                 emit_q4_rows(kb, sizes, nb, k, ())
             elif rows != 1:
                 fused = active().q4_rows_fused and rows >= 0  # the portable vulkan target's rows are dynamic
-                name = f"eddy_mm_q4_{tag}" + (f"_r{rows}" if rows >= 0 else "") + ("_one" if fused else "")
-                emit(kb, name, with_rows((_MM_Q4_ONE if fused else _MM_Q4).format(name=name, m=rows, **sizes), rows))
+                half = active().matrix_units
+                name = (f"eddy_mm_q4_{tag}" + (f"_r{rows}" if rows >= 0 else "")
+                        + (("_one_h" if half else "_one") if fused else ""))
+                emit(kb, name, with_rows(_one_form(name, rows, sizes, half) if fused
+                                         else _MM_Q4.format(name=name, m=rows, **sizes), rows))
             elif active().dot_form:
                 name = f"eddy_mv_q4_{tag}_{active().dot_form}"
                 exe = f"eddy_q4_{tag}_{active().dot_form}"
