@@ -10,11 +10,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import Q4_TILE_ROWS, TILE_ROWS, super_groups
-from .kernels import f16_linear, i8_linear, q4_linear, q4_linear_parts, tile_q8, tileable, tiled_rows
+from .kernels import (f16_linear, i8_linear, i8_linear_scaled, q4_linear, q4_linear_parts, tile_q8, tileable,
+                      tiled_rows)
 from .q4 import (Q4_GROUP, dequantise_q4, pack_q4, packable, pair_q4, quantise_q4, tile_paired, tile_q4, unpack_q4,
                  unpair_q4)
 
 TORCH_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+
+
+def fixed_rows(x: torch.Tensor) -> bool:
+    """Whether x [rows, in] is a call's fixed many rows: a prefill of a build of fixed shapes (a GPU's; a CPU's rows
+    are dynamic, and decode's are one)."""
+    return x.dim() == 2 and isinstance(x.shape[0], int) and x.shape[0] > 1
 
 
 class Linear(nn.Module):
@@ -66,6 +73,8 @@ class Linear(nn.Module):
             y = q4_linear(x, *self.q4_tensors())
         elif self.rounds_x(x):
             y = f16_linear(x, self.weight)
+        elif self.in_tiles and self.scale is not None and fixed_rows(x):  # a GPU build's prefill: one dispatch
+            y = i8_linear_scaled(x, self.weight, self.scale)
         else:
             y = i8_linear(x, self.weight) if self.in_tiles else F.linear(x, self.weight.float())
             y = y if self.scale is None else y * self.scale
@@ -74,7 +83,7 @@ class Linear(nn.Module):
     def rounds_x(self, x: torch.Tensor) -> bool:
         """Whether forward(x) multiplies x rounded to float16 (matrix units, a call's fixed many rows): x may come in
         float16 already."""
-        return self.matrix_units and x.dim() == 2 and isinstance(x.shape[0], int) and x.shape[0] > 1
+        return self.matrix_units and fixed_rows(x)
 
     def parts(self, x: torch.Tensor, first: int, second: int, many: bool) -> tuple[torch.Tensor, ...]:
         """forward's output [rows, out] as three tensors: the first `first` columns, the next `second`, the rest.

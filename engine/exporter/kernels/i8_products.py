@@ -1,7 +1,8 @@
 """q8's matrix products as custom ops (needs torch and turbine at export): int8 weights in tiles (tiles.py), the
 products before their per-row scale (which the caller applies: one multiply of the output). Decode's form on an x86
 CPU is written by hand (dot_products.py); otherwise one generic, with llvm-cpu's lowering on a cpu and over bytes
-off it; any other row count widens the tile back to float32 rows, then multiplies.
+off it; any other row count widens the tile back to float32 rows, then multiplies: on a GPU with matrix units, inside
+the product's own dispatch, in float16 (_MM_I8_ONE).
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 from ...config import TILE_ROWS as TILE
 from . import dot_products
 from .plan import active
-from .registry import MV_X86, Kit, cpu_lowering, registered
+from .registry import MV_X86, Kit, cpu_lowering, registered, with_rows
 from .tiles import untile_q8
 
 if TYPE_CHECKING:
@@ -23,6 +24,12 @@ def i8_linear(x: torch.Tensor, tiled: torch.Tensor) -> torch.Tensor:
     """x [..., in] @ W.T for a tiled int8 matrix W [out, in] (no scale): the custom op in an export."""
     lead = x.shape[:-1]
     return _ops()["i8"](x.reshape(-1, x.shape[-1]), tiled).reshape(*lead, tiled.shape[0] * TILE)
+
+
+def i8_linear_scaled(x: torch.Tensor, tiled: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """(x [rows, in] @ W.T) * scale [out] for a call's fixed many rows (a GPU build's prefill): the custom op, the
+    scale inside the product's dispatch where the plan forms one (_MM_I8_ONE; outside it, a dispatch of its own)."""
+    return _ops()["i8_scaled"](x, tiled, scale)
 
 
 # int8, any number of rows: the tile widened back to float32 rows, then the contraction.
@@ -59,6 +66,78 @@ util.func private @{name}(%a: tensor<?x{k}xf32>, %w: tensor<{nb}x{quads}x{qb}xi8
 }}
 }}
 """
+
+# int8, many rows on a GPU with matrix units (Device.q4_rows_fused and matrix_units: cuda; as q4_products._MM_Q4_ONE):
+# the widening, the product and the rows' scale handed to IREE as one formed dispatch, over the tile's own dimensions, so the widened matrix is never written
+# out (left to IREE, the widening, a transpose of the tile, was a dispatch of its own writing the matrix in float32
+# every call; the scale outside the formed dispatch was one more).
+# The codes widen to float16 (exactly: they are integers under 128) and x is rounded to it, the products summed in
+# float32 (the float32 pieces are for the tests' comparison). Rows fixed (with_rows).
+_MM_I8_ONE = r"""
+module {{
+util.func private @{name}(%a: tensor<{m}x{k}xf32>, %w: tensor<{nb}x{quads}x{qb}xi8>, %s: tensor<{n}xf32>) -> tensor<{m}x{n}xf32> {{
+  %w4 = tensor.expand_shape %w [[0], [1], [2, 3]] output_shape [{nb}, {quads}, {t}, 4] : tensor<{nb}x{quads}x{qb}xi8> into tensor<{nb}x{quads}x{t}x4xi8>
+  %a3 = tensor.expand_shape %a [[0], [1, 2]] output_shape [{m}, {quads}, 4] : tensor<{m}x{k}xf32> into tensor<{m}x{quads}x4xf32>
+  %s2 = tensor.expand_shape %s [[0, 1]] output_shape [{nb}, {t}] : tensor<{n}xf32> into tensor<{nb}x{t}xf32>
+  %r = flow.dispatch.region -> (tensor<{m}x{nb}x{t}xf32>) {{
+  %e = tensor.empty() : tensor<{nb}x{t}x{quads}x4x{wt}>
+  %w3 = linalg.generic {{
+      indexing_maps = [affine_map<(b, r, p, j) -> (b, p, r, j)>, affine_map<(b, r, p, j) -> (b, r, p, j)>],
+      iterator_types = ["parallel", "parallel", "parallel", "parallel"]}}
+      ins(%w4 : tensor<{nb}x{quads}x{t}x4xi8>) outs(%e : tensor<{nb}x{t}x{quads}x4x{wt}>) {{
+  ^bb0(%q: i8, %o: {wt}):
+    %0 = arith.sitofp %q : i8 to {wt}
+    linalg.yield %0 : {wt}
+  }} -> tensor<{nb}x{t}x{quads}x4x{wt}>{round_x}
+  %zero = arith.constant 0.000000e+00 : f32
+  %oe = tensor.empty() : tensor<{m}x{nb}x{t}xf32>
+  %acc = linalg.fill ins(%zero : f32) outs(%oe : tensor<{m}x{nb}x{t}xf32>) -> tensor<{m}x{nb}x{t}xf32>
+  %p = linalg.generic {{
+      indexing_maps = [affine_map<(i, b, r, p, j) -> (i, p, j)>, affine_map<(i, b, r, p, j) -> (b, r, p, j)>,
+                       affine_map<(i, b, r, p, j) -> (i, b, r)>],
+      iterator_types = ["parallel", "parallel", "parallel", "reduction", "reduction"]}}
+      ins({xa}, %w3 : tensor<{m}x{quads}x4x{wt}>, tensor<{nb}x{t}x{quads}x4x{wt}>) outs(%acc : tensor<{m}x{nb}x{t}xf32>) {{
+  ^bb0(%x: {wt}, %y: {wt}, %o: f32):{widen}
+    %0 = arith.mulf {xv}, {yv} : f32
+    %1 = arith.addf %0, %o : f32
+    linalg.yield %1 : f32
+  }} -> tensor<{m}x{nb}x{t}xf32>
+  %scaled = linalg.generic {{
+      indexing_maps = [affine_map<(i, b, r) -> (i, b, r)>, affine_map<(i, b, r) -> (b, r)>,
+                       affine_map<(i, b, r) -> (i, b, r)>],
+      iterator_types = ["parallel", "parallel", "parallel"]}}
+      ins(%p, %s2 : tensor<{m}x{nb}x{t}xf32>, tensor<{nb}x{t}xf32>) outs(%oe : tensor<{m}x{nb}x{t}xf32>) {{
+  ^bb0(%v: f32, %f: f32, %o: f32):
+    %0 = arith.mulf %v, %f : f32
+    linalg.yield %0 : f32
+  }} -> tensor<{m}x{nb}x{t}xf32>
+  flow.return %scaled : tensor<{m}x{nb}x{t}xf32>
+  }}
+  %r2 = tensor.collapse_shape %r [[0], [1, 2]] : tensor<{m}x{nb}x{t}xf32> into tensor<{m}x{n}xf32>
+  util.return %r2 : tensor<{m}x{n}xf32>
+}}
+}}
+"""
+_ONE_F32 = dict(wt="f32", round_x="", xa="%a3", widen="", xv="%x", yv="%y")
+_ONE_F16 = dict(wt="f16", xa="%xh", round_x="""
+  %xe = tensor.empty() : tensor<{m}x{quads}x4xf16>
+  %xh = linalg.generic {{
+      indexing_maps = [affine_map<(i, p, j) -> (i, p, j)>, affine_map<(i, p, j) -> (i, p, j)>],
+      iterator_types = ["parallel", "parallel", "parallel"]}}
+      ins(%a3 : tensor<{m}x{quads}x4xf32>) outs(%xe : tensor<{m}x{quads}x4xf16>) {{
+  ^bb0(%xi: f32, %xo: f16):
+    %xt = arith.truncf %xi : f32 to f16
+    linalg.yield %xt : f16
+  }} -> tensor<{m}x{quads}x4xf16>""",
+                widen="\n    %xf = arith.extf %x : f16 to f32\n    %yf = arith.extf %y : f16 to f32", xv="%xf", yv="%yf")
+
+
+def _one_form(name: str, rows: int, sizes: dict, half: bool) -> str:
+    """_MM_I8_ONE as @name for `rows` rows, its products in float16 (`half`: matrix units) or float32."""
+    pieces = dict(_ONE_F16 if half else _ONE_F32)
+    pieces["round_x"] = pieces["round_x"].format(m=rows, **sizes)
+    return _MM_I8_ONE.format(name=name, m=rows, **pieces, **sizes)
+
 
 # int8, decode (one row), the generic form of CPUs (GPUs: _MV_I8_BYTES): out[b, r] = sum over positions of w * x,
 # a lane per row of the tile. As in _MV_Q4, a row's 4 bytes of a step are read as one int32 and weight j taken out
@@ -130,6 +209,28 @@ util.func private @{name}(%a: tensor<1x{k}xf32>, %w: tensor<{nb}x{quads}x{qb}xi8
 """
 
 
+# _MM_I8 of fixed rows, then the rows' scale (where the plan forms no dispatch of the two: IREE fuses the multiply
+# into the product's).
+_SCALED = r"""
+module {{
+{inner_module}
+util.func private @{name}(%a: tensor<{m}x{k}xf32>, %w: tensor<{nb}x{quads}x{qb}xi8>, %s: tensor<{n}xf32>) -> tensor<{m}x{n}xf32> {{
+  %p = util.call @{inner}(%a, %w) : (tensor<{m}x{k}xf32>, tensor<{nb}x{quads}x{qb}xi8>) -> tensor<{m}x{n}xf32>
+  %e = tensor.empty() : tensor<{m}x{n}xf32>
+  %r = linalg.generic {{
+      indexing_maps = [affine_map<(i, c) -> (i, c)>, affine_map<(i, c) -> (c)>, affine_map<(i, c) -> (i, c)>],
+      iterator_types = ["parallel", "parallel"]}}
+      ins(%p, %s : tensor<{m}x{n}xf32>, tensor<{n}xf32>) outs(%e : tensor<{m}x{n}xf32>) {{
+  ^bb0(%v: f32, %f: f32, %o: f32):
+    %0 = arith.mulf %v, %f : f32
+    linalg.yield %0 : f32
+  }} -> tensor<{m}x{n}xf32>
+  util.return %r : tensor<{m}x{n}xf32>
+}}
+}}
+"""
+
+
 def _ops() -> dict:
     return registered(__name__, register)
 
@@ -171,4 +272,34 @@ def register(kit: Kit) -> dict:
                 emit(kb, name, _MM_I8.format(name=name, **sizes))
 
 
-    return {"i8": mmt_i8}
+    @CustomOp.register(library=library)
+    class mmt_i8_scaled(CustomOp):
+        signature = "mmt_i8_scaled(Tensor a, Tensor w, Tensor s) -> (Tensor)"
+
+        def select(self, ksel: KernelSelection) -> None:
+            a, w, s = (ksel.arg_tensor(i) for i in range(3))
+            for t in (a, w, s):
+                t.specialize_all_dims()
+            ksel.return_new_tensor([a.t.shape[0], w.t.shape[0] * TILE], dtype=torch.float32)
+
+        def eager_execute(self, a, w, s):
+            return (a @ untile_q8(w).float().T) * s
+
+        def generate(self, ksel: KernelSelection, kb: KernelBuilder) -> None:
+            (rows, _), (nb, quads, qb) = shape(kb, 0), shape(kb, 1)
+            sizes = dict(nb=nb, n=nb * TILE, k=quads * 4, quads=quads, qb=qb, t=TILE)
+            half = active().matrix_units
+            # Only with matrix units: vulkan's SPIR-V lowering of the formed dispatch ran for over 14 minutes at
+            # Qwen3 0.6B's widths (two layers) and was stopped, where the two apart compile in seconds.
+            if active().q4_rows_fused and half:
+                name = f"eddy_mm_i8s_{nb * TILE}x{quads * 4}_r{rows}_one" + ("_h" if half else "")
+                emit(kb, name, _one_form(name, rows, sizes, half))
+            else:
+                inner = f"eddy_mm_i8_{nb * TILE}x{quads * 4}_r{rows}"
+                name = f"{inner}_scaled"
+                emit(kb, name, _SCALED.format(
+                    name=name, inner=inner, m=rows,
+                    inner_module=with_rows(_MM_I8.format(name=inner, **sizes), rows).strip()[len("module {"):-1],
+                    **sizes))
+
+    return {"i8": mmt_i8, "i8_scaled": mmt_i8_scaled}

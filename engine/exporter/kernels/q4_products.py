@@ -13,7 +13,7 @@ import torch
 from ...config import Q4_TILE_ROWS as Q4_TILE
 from . import dot_products, prefill_products
 from .plan import active
-from .registry import MV_X86, Kit, cpu_lowering, registered
+from .registry import MV_X86, Kit, cpu_lowering, registered, with_rows
 
 if TYPE_CHECKING:
     from iree.turbine.runtime.op_reg import KernelBuilder, KernelSelection
@@ -339,17 +339,6 @@ util.func private @{name}(%a: tensor<{m}x{k}xf32>, {args}) -> ({static_types}) {
 
 # The MLIR names of a q4 product's numbers (_Q4_ARGS), as the hand-written calls bind them.
 Q4_ARG_NAMES = ("%d", "%m", "%units")
-
-
-def with_rows(asm: str, rows: int) -> str:
-    """A template written for a dynamic count of rows, as text (after format) for `rows` fixed ones (a GPU build's
-    calls, engine/shapes.py; < 0: dynamic, left as it is). The op's types keep fixed rows (Kit.select's
-    fixed_rows) because the formed dispatch of _MM_Q4_ONE needs them: with dynamic rows it failed iree-compile for
-    llvm-cpu ("dispatch.tensor.store ... 0 dimension values are attached")."""
-    if rows < 0:
-        return asm
-    return (asm.replace("tensor<?x", f"tensor<{rows}x").replace("tensor.empty(%rows)", "tensor.empty()")
-            .replace("[%rows, ", f"[{rows}, ").replace("{%rows}", ""))
 
 
 def _ops() -> dict:

@@ -79,6 +79,17 @@ class Kit:
         return str(self.RankedTensorType(kb.arg_value(i).type).element_type)
 
 
+def with_rows(asm: str, rows: int) -> str:
+    """A template written for a dynamic count of rows, as text (after format) for `rows` fixed ones (a GPU build's
+    calls, engine/shapes.py; < 0: dynamic, left as it is). The op's types keep fixed rows (Kit.select's
+    fixed_rows) because a formed dispatch (q4_products._MM_Q4_ONE, i8_products._MM_I8_ONE) needs them: with dynamic rows it failed iree-compile for
+    llvm-cpu ("dispatch.tensor.store ... 0 dimension values are attached")."""
+    if rows < 0:
+        return asm
+    return (asm.replace("tensor<?x", f"tensor<{rows}x").replace("tensor.empty(%rows)", "tensor.empty()")
+            .replace("[%rows, ", f"[{rows}, ").replace("{%rows}", ""))
+
+
 def cpu_lowering(tiles: int, reduction_dims: int, tile: int = TILE) -> str:
     """The decode product's compilation_info for llvm-cpu: workgroups of a few tiles (at least ~16 workgroups for
     the threads to share once a matrix has the tiles for it), one tile of rows per vector, the reduction one
