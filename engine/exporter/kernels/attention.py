@@ -515,16 +515,20 @@ def register(kit: Kit) -> dict:
                 call=attention_rows.attend_rows_call(exe, h, r, d, e, "%q", "%k", "%v", "%m", "%n", "%cols",
                                                      "%slots", "%o")))
 
+    def select_fixed(ksel: KernelSelection) -> None:
+        """q, keys, values and mask of fixed shapes and a float (the cap or the scale): the output is q's shape."""
+        q, *rest = (ksel.arg_tensor(i) for i in range(4))
+        for t in (q, *rest):
+            t.specialize_all_dims()
+        ksel.attr_float(4)
+        ksel.return_new_tensor(list(q.t.shape), dtype=torch.float32)
+
     @CustomOp.register(library=library)
     class attend_one(CustomOp):
         signature = "attend_one(Tensor q, Tensor k, Tensor v, Tensor m, float cap) -> (Tensor)"
 
         def select(self, ksel: KernelSelection) -> None:
-            q, *rest = (ksel.arg_tensor(i) for i in range(4))
-            for t in (q, *rest):
-                t.specialize_all_dims()
-            ksel.attr_float(4)
-            ksel.return_new_tensor(list(q.t.shape), dtype=torch.float32)
+            select_fixed(ksel)
 
         def eager_execute(self, q, k, v, m, cap):
             cols = m.shape[1]
@@ -549,11 +553,7 @@ def register(kit: Kit) -> dict:
         signature = "attend_split(Tensor q, Tensor k, Tensor v, Tensor m, float scale) -> (Tensor)"
 
         def select(self, ksel: KernelSelection) -> None:
-            q, *rest = (ksel.arg_tensor(i) for i in range(4))
-            for t in (q, *rest):
-                t.specialize_all_dims()
-            ksel.attr_float(4)
-            ksel.return_new_tensor(list(q.t.shape), dtype=torch.float32)
+            select_fixed(ksel)
 
         def eager_execute(self, q, k, v, m, scale):
             probs = torch.softmax(torch.einsum("hrd,hcd->hrc", q, k.flatten(1, 2)) * scale + m, -1)

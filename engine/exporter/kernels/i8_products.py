@@ -13,7 +13,7 @@ import torch
 from ...config import TILE_ROWS as TILE
 from . import dot_products
 from .plan import active
-from .registry import MV_X86, Kit, cpu_lowering, registered, with_rows
+from .registry import MV_X86, Kit, cpu_lowering, product_pieces, registered, with_rows
 from .tiles import untile_q8
 
 if TYPE_CHECKING:
@@ -118,24 +118,11 @@ util.func private @{name}(%a: tensor<{m}x{k}xf32>, %w: tensor<{nb}x{quads}x{qb}x
 }}
 }}
 """
-_ONE_F32 = dict(wt="f32", round_x="", xa="%a3", widen="", xv="%x", yv="%y")
-_ONE_F16 = dict(wt="f16", xa="%xh", round_x="""
-  %xe = tensor.empty() : tensor<{m}x{quads}x4xf16>
-  %xh = linalg.generic {{
-      indexing_maps = [affine_map<(i, p, j) -> (i, p, j)>, affine_map<(i, p, j) -> (i, p, j)>],
-      iterator_types = ["parallel", "parallel", "parallel"]}}
-      ins(%a3 : tensor<{m}x{quads}x4xf32>) outs(%xe : tensor<{m}x{quads}x4xf16>) {{
-  ^bb0(%xi: f32, %xo: f16):
-    %xt = arith.truncf %xi : f32 to f16
-    linalg.yield %xt : f16
-  }} -> tensor<{m}x{quads}x4xf16>""",
-                widen="\n    %xf = arith.extf %x : f16 to f32\n    %yf = arith.extf %y : f16 to f32", xv="%xf", yv="%yf")
 
 
 def _one_form(name: str, rows: int, sizes: dict, half: bool) -> str:
     """_MM_I8_ONE as @name for `rows` rows, its products in float16 (`half`: matrix units) or float32."""
-    pieces = dict(_ONE_F16 if half else _ONE_F32)
-    pieces["round_x"] = pieces["round_x"].format(m=rows, **sizes)
+    pieces = product_pieces(half, "%a3", f"{rows}x{sizes['quads']}x4")
     return _MM_I8_ONE.format(name=name, m=rows, **pieces, **sizes)
 
 

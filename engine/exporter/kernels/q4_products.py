@@ -13,7 +13,7 @@ import torch
 from ...config import Q4_TILE_ROWS as Q4_TILE
 from . import dot_products, prefill_products
 from .plan import active
-from .registry import MV_X86, Kit, cpu_lowering, registered, with_rows
+from .registry import MV_X86, Kit, cpu_lowering, product_pieces, registered, with_rows
 
 if TYPE_CHECKING:
     from iree.turbine.runtime.op_reg import KernelBuilder, KernelSelection
@@ -115,7 +115,7 @@ util.func private @{name}(%a: tensor<?x{k}xf32>, """ + _Q4_ARGS + r""") -> tenso
 # read as bytes, each position's nibble shifted out: as i4, SPIR-V lowering failed on `vector.bitcast vector<1xi8> to
 # vector<2xi4>`. Rows fixed (with_rows). On a device with matrix units (Device.matrix_units: cuda's tensor cores) the
 # matrix is widened to float16 and x rounded to it, inside the same dispatch, and their products summed in float32
-# (`{wt}` f16, _ONE_F16's pieces), which IREE gives the units: `mma.m16n8k16...f32` for sm_89 at a 1B's widths, none
+# (`{wt}` f16: registry.product_pieces), which IREE gives the units: `mma.m16n8k16...f32` for sm_89 at a 1B's widths, none
 # in float32.
 _MM_Q4_ONE = r"""
 module {{
@@ -170,28 +170,11 @@ util.func private @{name}(%a: tensor<{m}x{k}xf32>, """ + _Q4_ARGS + r""") -> ten
 """
 
 
-# _MM_Q4_ONE's pieces in float32 and in float16 (matrix units).
-_ONE_F32 = dict(wt="f32", narrow="\n    linalg.yield %3 : f32", round_x="", xa="%a6", widen="", xv="%x", yv="%y")
-_ONE_F16 = dict(wt="f16", narrow="\n    %4 = arith.truncf %3 : f32 to f16\n    linalg.yield %4 : f16", xa="%xh",
-                round_x="""
-  %xe = tensor.empty() : tensor<{m}x{supers}x{per}x2x4x4xf16>
-  %xh = linalg.generic {{
-      indexing_maps = [affine_map<(i, s, c, u, h, j) -> (i, s, c, u, h, j)>,
-                       affine_map<(i, s, c, u, h, j) -> (i, s, c, u, h, j)>],
-      iterator_types = ["parallel", "parallel", "parallel", "parallel", "parallel", "parallel"]}}
-      ins(%a6 : tensor<{m}x{supers}x{per}x2x4x4xf32>) outs(%xe : tensor<{m}x{supers}x{per}x2x4x4xf16>) {{
-  ^bb0(%xi: f32, %xo: f16):
-    %xt = arith.truncf %xi : f32 to f16
-    linalg.yield %xt : f16
-  }} -> tensor<{m}x{supers}x{per}x2x4x4xf16>""",
-                widen="\n    %xf = arith.extf %x : f16 to f32\n    %yf = arith.extf %y : f16 to f32", xv="%xf", yv="%yf")
-
-
 def _one_form(name: str, rows: int, sizes: dict, half: bool) -> str:
     """_MM_Q4_ONE as @name for `rows` rows, its products in float16 (`half`: matrix units) or float32."""
-    pieces = dict(_ONE_F16 if half else _ONE_F32)
-    pieces["round_x"] = pieces["round_x"].format(m=rows, **sizes)
-    return _MM_Q4_ONE.format(name=name, m=rows, **pieces, **sizes)
+    pieces = product_pieces(half, "%a6", f"{rows}x{sizes['supers']}x{sizes['per']}x2x4x4")
+    narrow = "\n    %4 = arith.truncf %3 : f32 to f16\n    linalg.yield %4 : f16" if half else "\n    linalg.yield %3 : f32"
+    return _MM_Q4_ONE.format(name=name, m=rows, narrow=narrow, **pieces, **sizes)
 
 
 # q4, decode (one row), the generic form of CPUs without a hand-written one (GPUs: _MV_Q4_BYTES): out[b, r] = sum

@@ -82,12 +82,39 @@ class Kit:
 def with_rows(asm: str, rows: int) -> str:
     """A template written for a dynamic count of rows, as text (after format) for `rows` fixed ones (a GPU build's
     calls, engine/shapes.py; < 0: dynamic, left as it is). The op's types keep fixed rows (Kit.select's
-    fixed_rows) because a formed dispatch (q4_products._MM_Q4_ONE, i8_products._MM_I8_ONE) needs them: with dynamic rows it failed iree-compile for
-    llvm-cpu ("dispatch.tensor.store ... 0 dimension values are attached")."""
+    fixed_rows) because a formed dispatch (q4_products._MM_Q4_ONE, i8_products._MM_I8_ONE) needs them: with
+    dynamic rows it failed iree-compile for llvm-cpu ("dispatch.tensor.store ... 0 dimension values are attached")."""
     if rows < 0:
         return asm
     return (asm.replace("tensor<?x", f"tensor<{rows}x").replace("tensor.empty(%rows)", "tensor.empty()")
             .replace("[%rows, ", f"[{rows}, ").replace("{%rows}", ""))
+
+
+# x rounded to float16 inside a formed product (q4_products._MM_Q4_ONE, i8_products._MM_I8_ONE on matrix units).
+_ROUND_X = """
+  %xe = tensor.empty() : tensor<{dims}xf16>
+  %xh = linalg.generic {{
+      indexing_maps = [{same}, {same}],
+      iterator_types = [{iterators}]}}
+      ins({x} : tensor<{dims}xf32>) outs(%xe : tensor<{dims}xf16>) {{
+  ^bb0(%xi: f32, %xo: f16):
+    %xt = arith.truncf %xi : f32 to f16
+    linalg.yield %xt : f16
+  }} -> tensor<{dims}xf16>"""
+
+
+def product_pieces(half: bool, x: str, dims: str) -> dict[str, str]:
+    """A formed product's pieces in float16 (`half`: matrix units) or float32, for x `x` of shape `dims` ("17x64x4"):
+    `wt` the multiplied type, `round_x` x's rounding (none in float32), `xa` the x it multiplies, `widen` and `xv`,
+    `yv`: the product's operands widened to float32 in its body."""
+    if not half:
+        return dict(wt="f32", round_x="", xa=x, widen="", xv="%x", yv="%y")
+    rank = dims.count("x") + 1
+    loops = ", ".join(f"d{i}" for i in range(rank))
+    same = f"affine_map<({loops}) -> ({loops})>"
+    return dict(wt="f16", xa="%xh", xv="%xf", yv="%yf",
+                round_x=_ROUND_X.format(dims=dims, same=same, iterators=", ".join(['"parallel"'] * rank), x=x),
+                widen="\n    %xf = arith.extf %x : f16 to f32\n    %yf = arith.extf %y : f16 to f32")
 
 
 def cpu_lowering(tiles: int, reduction_dims: int, tile: int = TILE) -> str:
