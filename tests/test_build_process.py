@@ -85,6 +85,60 @@ def test_builds_that_differ_only_in_the_cpu_share_one_export(tmp_path: Path, mon
     assert len(list((tmp_path / "exports").glob("*.mlir"))) == 2
 
 
+def test_a_model_of_a_shape_built_before_takes_its_module_and_writes_only_its_weights(tmp_path: Path,
+                                                                                       monkeypatch) -> None:
+    """A fine-tune, or another file of a model already built here, has the module of that build: no export and no
+    compiler run, the module file is the same (a hard link), and the logits are the new weights' own (transformers'
+    class on them). Another CPU or other settings compile their own."""
+    import torch
+    from dataclasses import replace
+    from safetensors.torch import save_file
+
+    from conftest import transformers_model
+    from engine.artefacts.progress import REUSED_MODULE
+    from engine.artefacts.store import ensure_artefacts, read_manifest
+    from engine.checkpoint import load_state_dict, read_config, resolve_model, save_tokenizer
+    from engine.config import ModelConfig
+    from engine.artefacts.export_code import module_key
+    from engine.loader import open_folder
+
+    monkeypatch.setenv("EDDY_CACHE_DIR", str(tmp_path / "cache"))
+    tiny = resolve_model("tiny-random")
+    cfg, state = read_config(tiny), load_state_dict(tiny)
+    first = ensure_artefacts(tiny, SETTINGS)
+    # The same shape, other weights: a Hugging Face folder, as a fine-tune comes.
+    tuned = {k: v * torch.linspace(0.5, 1.5, v.shape[-1]) for k, v in state.items()}
+    folder = tmp_path / "tuned"
+    save_tokenizer(resolve_model(None), folder)
+    chat = json.loads((folder / "chat.json").read_text())
+    (folder / "chat.json").unlink()
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": chat["bos_token"], "eos_token": chat["eos_token"], "chat_template": chat["chat_template"]}))
+    (folder / "config.json").write_text(json.dumps({**cfg, "architectures": ["LlamaForCausalLM"]}))
+    save_file(tuned, str(folder / "model.safetensors"))
+    source = resolve_model(str(folder))
+    reports: list[tuple[str, str]] = []
+    second = ensure_artefacts(source, SETTINGS, lambda s, f, d: reports.append((s, d)))
+
+    assert second != first
+    assert ("exporting", REUSED_MODULE) in reports
+    assert not any(d.startswith("iree-compile running") for _, d in reports)  # the compiler never ran
+    manifests = [read_manifest(f) for f in (first, second)]
+    assert manifests[0]["module_key"] == manifests[1]["module_key"] and "compile" not in manifests[1]["build_seconds"]
+    a, b = (os.stat(f / "module.vmfb") for f in (first, second))
+    assert (a.st_ino, a.st_dev) == (b.st_ino, b.st_dev)
+    ids = [5, 6, 7, 8, 9]
+    old, new = (open_folder(f, s).engine.prefill(ids) for f, s in ((first, tiny), (second, source)))
+    with torch.no_grad():
+        want = transformers_model(cfg, tuned)(torch.tensor([ids])).logits[0, -1].numpy()
+    assert np.abs(new - want).max() < 1e-4 and np.abs(old - want).max() > 1e-2
+    # What iree-compile is told is in the key: another CPU, other settings, another module.
+    model_cfg = ModelConfig.from_hf(cfg)
+    keys = {module_key(model_cfg, s) for s in (SETTINGS, replace(SETTINGS, target_cpu="x86-64-v3"),
+                                               replace(SETTINGS, window=30))}
+    assert len(keys) == 3
+
+
 def test_an_engine_error_in_the_child_arrives_as_the_same_class(tmp_path: Path) -> None:
     from engine.exporter.process import build_in_child
     from engine.checkpoint import ModelSource
@@ -156,11 +210,15 @@ def test_the_build_clock_counts_the_longer_of_the_two_halves_and_each_part_s_own
     manifests = [{"build_seconds": {"export": 16.0, "compile": 8.0, "save": 10.0, "tokenizer": 1.5},
                   "config": {"n_layers": 16}, "files": {"weights.irpa": {"size": 10 ** 9}}},
                  {"build_seconds": {"export": 0.01, "compile": 8.0, "save": 10.0},  # an export reused
+                  "config": {"n_layers": 16}, "files": {"weights.irpa": {"size": 10 ** 9}}},
+                 {"build_seconds": {"export": 0.01, "save": 10.0},  # a module reused: no compiler ran
                   "config": {"n_layers": 16}, "files": {"weights.irpa": {"size": 10 ** 9}}}, {"broken": True}]
     e = Expected.from_manifests(manifests)
     assert (e.export_per_layer_s, e.compile_per_layer_s, e.save_per_byte_s, e.tokenizer_s) == (0.875, 0.25, 1e-8, 1.5)
     assert e.seconds(16, 10 ** 9, False) == {"export": 16.0, "compile": 8.0, "save": 11.0, "tokenizer": 1.5}
     assert e.seconds(16, 10 ** 9, True)["export"] == 0.5
+    assert e.seconds(16, 10 ** 9, True, reused_module=True) == {"export": 0.1, "compile": 0.0, "save": 11.0,
+                                                                 "tokenizer": 1.5}
 
 
 def test_a_gpu_builds_expected_time_counts_its_programs():

@@ -34,6 +34,9 @@ def ignore(stage: str, fraction: float, detail: str = "") -> None:
 # The exporting stage's detail when the build copies an export kept from a build of the same model shape and
 # settings (engine.exporter.export.kept_export): seconds instead of minutes.
 REUSED_EXPORT = "reusing the export of a model of the same shape"
+# Its detail when the build takes the compiled module of an earlier build of the same shape and settings for this
+# device (engine.artefacts.store.built_module): no export and no compiler, only the weights file.
+REUSED_MODULE = "reusing the compiled module of a model of the same shape"
 
 
 def megabytes(n: float) -> str:
@@ -92,7 +95,8 @@ class Expected:
                 size = int(m["files"]["weights.irpa"]["size"])
                 if float(t.get("export", 0)) > 1.0:  # a reused export says nothing of the trace's speed
                     export.append(max(0.0, float(t["export"]) - Expected.EXPORT_FIXED_S) / layers)
-                compile_.append(max(0.0, float(t["compile"]) - Expected.COMPILE_FIXED_S) / layers)
+                if "compile" in t:  # none where the module was reused
+                    compile_.append(max(0.0, float(t["compile"]) - Expected.COMPILE_FIXED_S) / layers)
                 if size > 1 << 24:  # a tiny model's file is all fixed cost
                     save.append(float(t["save"]) / size)
                 if "tokenizer" in t:
@@ -104,8 +108,12 @@ class Expected:
         return Expected(pick(export, d.export_per_layer_s), pick(compile_, d.compile_per_layer_s),
                         pick(save, d.save_per_byte_s), pick(tokenizer, d.tokenizer_s))
 
-    def seconds(self, layers: float, weights_bytes: int, reused_export: bool) -> dict[str, float]:
+    def seconds(self, layers: float, weights_bytes: int, reused_export: bool,
+                reused_module: bool = False) -> dict[str, float]:
         """BuildClock's expected seconds for a build of `layers` layers (traced_layers) writing `weights_bytes`."""
+        if reused_module:
+            return {"export": 0.1, "compile": 0.0, "save": 1.0 + self.save_per_byte_s * weights_bytes,
+                    "tokenizer": self.tokenizer_s}
         return {"export": 0.5 if reused_export else self.EXPORT_FIXED_S + self.export_per_layer_s * layers,
                 "compile": self.COMPILE_FIXED_S + self.compile_per_layer_s * layers,
                 "save": 1.0 + self.save_per_byte_s * weights_bytes, "tokenizer": self.tokenizer_s}

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Callable
 from ..config import AUTO_DTYPE, BuildSettings, ModelConfig, auto_kv_dtype
 from ..errors import ArtefactError, ModelError
 from ..paths import artefacts_root
-from .export_code import export_code_hash
+from .export_code import export_code_hash, module_key
 
 if TYPE_CHECKING:
     from ..checkpoint import ModelSource
@@ -301,6 +301,23 @@ def remove_stale_staging(root: Path) -> list[Path]:
     return removed
 
 
+def built_module(key: str) -> Path | None:
+    """The module.vmfb of a sound cache entry compiled from what `key` (export_code.module_key) names, if
+    any: a model of the same shape, built with the same settings for the same device and CPU, whatever its
+    weights."""
+    for found in sorted(artefacts_root().glob(f"*/{MANIFEST}")):
+        try:
+            if json.loads(found.read_text()).get("module_key") != key:
+                continue
+            manifest = read_manifest(found.parent)
+        except (OSError, ValueError, ArtefactError):
+            continue
+        vmfb = found.parent / "module.vmfb"
+        if manifest.get("module_key") == key and vmfb.is_file():
+            return vmfb
+    return None
+
+
 def ensure_artefacts(source: "ModelSource", settings: BuildSettings,
                      progress: "Progress | None" = None,
                      should_cancel: Callable[[], bool] | None = None) -> Path:
@@ -343,6 +360,8 @@ def ensure_artefacts(source: "ModelSource", settings: BuildSettings,
             # What "auto" picks for this checkpoint: a packaged entry is found for it without the checkpoint.
             "auto_dtype": source.auto_dtype(),
             "build_seconds": built["seconds"],
+            # A later build of a model of the same shape and settings takes this module (built_module).
+            "module_key": module_key(cfg, settings),
             "files": {n: {"size": (staging / n).stat().st_size, "digest": file_digest(staging / n)} for n in BUILT_FILES},
         }
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=1))

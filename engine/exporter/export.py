@@ -19,14 +19,14 @@ import torch
 import iree.turbine.aot as aot
 from iree.turbine.aot.compiled_module import ExportTargetDef
 
-from ..config import ATTEND_STEP, QUANTISED, BuildSettings, ModelConfig
-from ..devices import TABLE, compile_flags, dot_form, fixed_shapes
+from ..config import ATTEND_STEP, BuildSettings, ModelConfig
+from ..devices import TABLE, compile_flags, dot_form
 from ..errors import ArtefactError, BuildCancelled
 from ..paths import artefacts_root, cache_dir
 from ..shapes import score_name
 from . import kernels
 from .kernels import prefill_products
-from ..artefacts.export_code import export_code_hash
+from ..artefacts.export_code import export_key, module_key
 from .model import StreamingLlama
 from .child import tied_to_me
 
@@ -187,25 +187,6 @@ def zero_init_cache(mlir: str) -> str:
 EXPORTS_KEPT_BYTES = 64 << 20
 
 
-def export_key(cfg: ModelConfig, settings: BuildSettings) -> str:
-    """What the exported MLIR depends on: the model's shape and the build settings, but neither its weights (they
-    are external parameters) nor the CPU or GPU it is then compiled for (only iree-compile sees those), but for
-    the instructions the quantised types' hand-written decode products are written with and whether a GPU target
-    takes fixed shapes. Builds that differ in just those share one export: the package's two CPU levels, a test
-    suite's models of one shape."""
-    from ..checkpoint.source import dist_version
-
-    parts = {"config": cfg.to_dict(), "settings": replace(settings, target_cpu="host", gpu_target="").to_dict(),
-             # q4's and q8's decode products are written for the target's instructions: CPUs that differ in them
-             # differ here.
-             "dot_form": dot_form(settings.device, settings.target_cpu) if settings.dtype in QUANTISED else None,
-             # Most GPU targets take programs of fixed shapes, a few dynamic ones (devices.DYNAMIC_TARGETS).
-             "fixed_shapes": fixed_shapes(settings.device, settings.target),
-             "export": export_code_hash(),
-             "versions": [dist_version(d) for d in ("torch", "iree-turbine", "iree-base-compiler")]}
-    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
-
-
 def kept_export(cfg: ModelConfig, settings: BuildSettings) -> Path:
     """Where the export for this shape and these settings is kept (it may not be there yet)."""
     return cache_dir() / "exports" / f"{export_key(cfg, settings)}.mlir"
@@ -266,7 +247,7 @@ def compile_mlir(mlir_path: Path, vmfb_path: Path, device: str, progress: Progre
 
 
 def expected_times(cfg: ModelConfig, settings: BuildSettings, weights_bytes: int,
-                   reused_export: bool) -> dict[str, float]:
+                   reused_export: bool, reused_module: bool = False) -> dict[str, float]:
     """What each part of this build should take here, from the builds this machine has made."""
     from ..artefacts.progress import Expected, traced_layers
 
@@ -277,7 +258,16 @@ def expected_times(cfg: ModelConfig, settings: BuildSettings, weights_bytes: int
         except (OSError, ValueError):
             continue
     return Expected.from_manifests(manifests).seconds(traced_layers(cfg.to_dict(), settings.to_dict()),
-                                                      weights_bytes, reused_export)
+                                                      weights_bytes, reused_export, reused_module)
+
+
+def _take_module(built: Path, out: Path) -> None:
+    """The module of an earlier build as `out`: a hard link where the file system has them (no second copy on
+    disk; deleting either entry leaves the other's), else a copy."""
+    try:
+        os.link(built, out)
+    except OSError:
+        shutil.copyfile(built, out)
 
 
 class _SideJob:
@@ -339,6 +329,35 @@ class _SideJob:
         self._reader.join(timeout=5)
 
 
+def _export_and_compile(model: StreamingLlama, settings: BuildSettings, out_dir: Path, kept: Path,
+                        clock: "BuildClock", half: _SideJob, say: Callable[[str, str], None],
+                        cancelled: Callable[[], bool]) -> dict[str, float]:
+    """The export (or the kept one) and iree-compile, into out_dir / "module.vmfb": their seconds."""
+    from ..artefacts.progress import compile_detail, finished
+
+    times = {}
+    mlir_path = out_dir / "module.mlir"
+    write_export(model, mlir_path, kept)
+    times["export"] = clock.end("export")
+    say("exporting", finished(times["export"]))
+    half.check()
+    if cancelled():
+        raise BuildCancelled("cancelled before compiling")
+    clock.begin("compile")
+    t = time.perf_counter()
+    expected = clock.expected("compile")
+
+    def compiling(name: str, fraction: float) -> None:
+        half.check()
+        say("compiling", compile_detail(time.perf_counter() - t, expected))
+
+    compile_mlir(mlir_path, out_dir / "module.vmfb", settings.device, compiling, cancelled, expected, settings.target)
+    mlir_path.unlink()
+    times["compile"] = clock.end("compile")
+    say("compiling", finished(times["compile"]))
+    return times
+
+
 def build(source: "ModelSource", cfg: ModelConfig, settings: BuildSettings, out_dir: Path,
           progress: Callable[..., None] | None = None, should_cancel: Callable[[], bool] | None = None,
           side: subprocess.Popen | None = None) -> dict[str, float]:
@@ -354,7 +373,8 @@ def build(source: "ModelSource", cfg: ModelConfig, settings: BuildSettings, out_
     side job already started for this build (engine/exporter/process.py starts it before importing torch)."""
     from . import side_job
     from ..checkpoint import open_tensors
-    from ..artefacts.progress import REUSED_EXPORT, BuildClock, compile_detail, finished, ignore
+    from ..artefacts.progress import REUSED_EXPORT, REUSED_MODULE, BuildClock, finished, ignore
+    from ..artefacts.store import built_module
 
     report = progress or ignore
     cancelled = should_cancel or (lambda: False)
@@ -380,7 +400,9 @@ def build(source: "ModelSource", cfg: ModelConfig, settings: BuildSettings, out_
         side.wait()
         raise
     kept = kept_export(cfg, settings)
-    clock = BuildClock(expected_times(cfg, settings, side_job.piece_bytes(model)[1], kept.is_file()))
+    module = built_module(module_key(cfg, settings))
+    clock = BuildClock(expected_times(cfg, settings, side_job.piece_bytes(model)[1], kept.is_file(),
+                                      module is not None))
 
     def say(stage: str, detail: str) -> None:
         with lock:
@@ -388,30 +410,20 @@ def build(source: "ModelSource", cfg: ModelConfig, settings: BuildSettings, out_
 
     # Said before the side job's answers are read: the stages start in STAGES' order, whichever runs faster.
     clock.begin("export")
-    say("exporting", REUSED_EXPORT if kept.is_file() else f"tracing {cfg.n_layers} layers")
+    say("exporting", REUSED_MODULE if module else REUSED_EXPORT if kept.is_file() else f"tracing {cfg.n_layers} layers")
     half = _SideJob(side, clock, say)
     try:
-        mlir_path = out_dir / "module.mlir"
-        write_export(model, mlir_path, kept)
+        if module is not None:
+            # Only the weights and the tokenizer are this model's own: no export, no compiler. Times without a
+            # "compile" say so to the next build's estimate (progress.Expected).
+            _take_module(module, out_dir / "module.vmfb")
+            times["export"] = clock.end("export")
+            clock.end("compile")
+            say("exporting", finished(times["export"]))
+            say("compiling", finished(0.0))
+        else:
+            times.update(_export_and_compile(model, settings, out_dir, kept, clock, half, say, cancelled))
         del model
-        times["export"] = clock.end("export")
-        say("exporting", finished(times["export"]))
-        half.check()
-        if cancelled():
-            raise BuildCancelled("cancelled before compiling")
-        clock.begin("compile")
-        t = time.perf_counter()
-        expected = clock.expected("compile")
-
-        def compiling(name: str, fraction: float) -> None:
-            half.check()
-            say("compiling", compile_detail(time.perf_counter() - t, expected))
-
-        compile_mlir(mlir_path, out_dir / "module.vmfb", settings.device, compiling, cancelled, expected,
-                     settings.target)
-        mlir_path.unlink()
-        times["compile"] = clock.end("compile")
-        say("compiling", finished(times["compile"]))
         times.update(half.wait(cancelled))
     except BaseException:
         half.stop()
