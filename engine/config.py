@@ -32,14 +32,23 @@ TILE_ROWS = 32
 # q4's tiles are of 16 rows: one AVX-512 register of int32 sums in its hand-written decode product
 # (engine/exporter/kernels/dot_products.py), whose layout groups a tile's codes in blocks of 16 rows x 4 positions.
 Q4_TILE_ROWS = 16
-# A multiplied q4 matrix's group numbers are 8-bit factors of a float16 pair per super-block of at most this many
-# groups along a row (Q4_K's 256 weights): 4.625 bits a weight instead of float16 numbers' 5 (engine/exporter/q4.py).
+# A multiplied q4 matrix's group numbers are 8-bit factors of three float16 units per super-block of groups along a
+# row (engine/exporter/q4.py): at most Q4_SUPER_GROUPS (Q4_K's 256 weights, 4.69 bits a weight instead of float16
+# numbers' 5) in a row narrower than Q4_WIDE_GROUPS groups (2048 weights), at most Q4_WIDE_SUPER_GROUPS (1024
+# weights, 4.55 bits) from there. Decode at 1B-8B reads its matrices at the memory's speed: the longer blocks took the
+# 8B's decode at 1000 up 3-11 % (bench/decode_ab.py, docs/BENCHMARKS.md). The default model (576 wide), bound by its
+# dispatches rather than its bytes, gained nothing measurable with them and lost 0.12 % perplexity (docs/QUALITY.md),
+# so narrower models keep the blocks of 8 and their builds are what they were.
 Q4_SUPER_GROUPS = 8
+Q4_WIDE_SUPER_GROUPS = 32
+Q4_WIDE_GROUPS = 64
 
 
 def super_groups(groups: int) -> int:
-    """q4 groups per super-block in a row of `groups` groups: the most, up to Q4_SUPER_GROUPS, that divide it."""
-    return max(g for g in range(1, Q4_SUPER_GROUPS + 1) if groups % g == 0)
+    """q4 groups per super-block in a row of `groups` groups: the most that divide it, up to Q4_SUPER_GROUPS, or
+    Q4_WIDE_SUPER_GROUPS in a row of Q4_WIDE_GROUPS or more."""
+    limit = Q4_WIDE_SUPER_GROUPS if groups >= Q4_WIDE_GROUPS else Q4_SUPER_GROUPS
+    return max(g for g in range(1, limit + 1) if groups % g == 0)
 
 # llvm-cpu targets: "host" (this machine's CPU, fastest, for local builds) or a portable one for packages
 # that run on other machines (a module built for "host" can die of illegal instructions elsewhere).

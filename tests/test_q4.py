@@ -64,7 +64,7 @@ def test_a_multiplied_matrix_is_tiled_with_the_same_codes_and_its_numbers_split(
     units, tiled the same way; untile_q4 gives back the codes exactly and the numbers as the products use them."""
     from engine.exporter.q4 import TILE, join_numbers, split_numbers, tile_q4, untile_q4
 
-    rows_n, cols = 2 * TILE, 12 * Q4_GROUP  # 12 groups: super-blocks of 6
+    rows_n, cols = 2 * TILE, 64 * Q4_GROUP  # 64 groups, 2048 wide: two super-blocks of 32
     w = torch.from_numpy(np.random.RandomState(2).standard_normal((rows_n, cols)).astype(np.float32))
     rows = quantise_q4(w)
     tiled = tile_q4(rows)
@@ -73,17 +73,26 @@ def test_a_multiplied_matrix_is_tiled_with_the_same_codes_and_its_numbers_split(
     assert tiled["units"].shape == (2, 2, 3, TILE) and tiled["units"].dtype == torch.float16
     split = split_numbers(rows["scale"], rows["offset"])
     codes, tiled_codes = unpack_q4(rows["weight"]), unpack_q4(tiled["weight"])  # [tile, group, nibble in group]
-    for r, k in ((0, 0), (1, 5), (TILE + 3, cols - 1), (rows_n - 1, 77), (7, 16 + 6), (9, 32 + 15), (4, 200)):
+    for r, k in ((0, 0), (1, 5), (TILE + 3, cols - 1), (rows_n - 1, 77), (7, 16 + 6), (9, 32 + 15), (4, 800)):
         p, lane = k % Q4_GROUP, r % TILE
         byte = 64 * (p % 16 // 4) + 4 * lane + p % 4
         assert tiled_codes[r // TILE, k // Q4_GROUP, 2 * byte + p // 16] == codes[r, k]
         for name in ("scale", "offset"):
             assert tiled[name][r // TILE, k // Q4_GROUP, lane] == split[name][r, k // Q4_GROUP]
-        assert torch.equal(tiled["units"][r // TILE, k // 192, :, lane], split["units"][r, k // 192])
+        assert torch.equal(tiled["units"][r // TILE, k // 1024, :, lane], split["units"][r, k // 1024])
     back = untile_q4(tiled)
     assert torch.equal(back["weight"], rows["weight"])
     scale, offset = join_numbers(split)
     assert torch.equal(back["scale"], scale) and torch.equal(back["offset"], offset)
+
+
+def test_super_blocks_are_of_8_groups_in_narrow_rows_and_of_32_from_2048_wide():
+    """The most groups that divide a row, up to 8 below 2048 wide (the default model's 576 and 1536: its build as it
+    was), up to 32 from there (1B-8B, whose decode reads its bytes at the memory's speed)."""
+    from engine.config import super_groups
+
+    widths = {576: 6, 1536: 8, 896: 7, 2016: 7, 2048: 32, 4096: 32, 8192: 32, 14336: 32, 4864: 19, 11008: 8}
+    assert {w: super_groups(w // Q4_GROUP) for w in widths} == widths
 
 
 def test_split_numbers_round_each_group_number_to_a_factor_of_its_super_blocks_units():
@@ -95,16 +104,16 @@ def test_split_numbers_round_each_group_number_to_a_factor_of_its_super_blocks_u
     from engine.exporter.q4 import join_numbers, split_numbers, tile_q4, untile_q4
 
     rng = np.random.RandomState(4)
-    scale = torch.from_numpy(rng.uniform(0.001, 0.05, (32, 16)).astype(np.float32)).to(torch.float16)
-    offset = torch.from_numpy(rng.uniform(-0.4, 0.3, (32, 16)).astype(np.float32)).to(torch.float16)
+    scale = torch.from_numpy(rng.uniform(0.001, 0.05, (32, 64)).astype(np.float32)).to(torch.float16)
+    offset = torch.from_numpy(rng.uniform(-0.4, 0.3, (32, 64)).astype(np.float32)).to(torch.float16)
     split = split_numbers(scale, offset)
-    assert split["units"].shape == (32, 2, 3)  # 16 groups: two super-blocks of 8
+    assert split["units"].shape == (32, 2, 3)  # 64 groups: two super-blocks of 32
     s, o = join_numbers(split)
-    s_unit, o_unit = (split["units"][..., i].float().repeat_interleave(8, dim=1) for i in (0, 1))
+    s_unit, o_unit = (split["units"][..., i].float().repeat_interleave(32, dim=1) for i in (0, 1))
     for code in (0.0, 7.0, 15.0):
         want, got = code * scale.float() + offset.float(), code * s + o
         assert ((got - want).abs() <= s_unit * 0.5 * abs(code - 7.5) + o_unit * 0.5 + 1e-6).all()
-    factors = {n: split[n].view(torch.uint8).reshape(32, 2, 8) for n in ("scale", "offset")}
+    factors = {n: split[n].view(torch.uint8).reshape(32, 2, 32) for n in ("scale", "offset")}
     assert (factors["scale"].amax(-1) == 255).all()
     assert (factors["offset"].amin(-1) <= 1).all() and (factors["offset"].amax(-1) >= 254).all()
     # A negative scale: the group's codes become 15 - code, and its weights stay.

@@ -18,12 +18,13 @@ prefill_products.py): one load and two masks feed two of them. The generic forms
 the same bytes through a view.
 
 A tiled matrix's group numbers are two-level, as Q4_K's are (`split_numbers`): per group an 8-bit factor of its
-scale and one of its offset, and per super-block of up to Q4_SUPER_GROUPS groups along a row three float16 numbers
-(scale = unit x factor, offset = base + unit x factor). That is 2 bytes a group and 6 a super-block instead of 4 a
-group: 4.69 bits a weight instead of 5. Decode at 1B-8B reads its weights at the memory's bandwidth
-(docs/BENCHMARKS.md), so 6 % fewer bytes are about as much time. The codes are kept as they are: on the default
-model's Q4_1 file the numbers' rounding adds 0.06 % to the variance of the codes' own error. Factors
-[out/16, groups, 16] (int8 tensors holding unsigned bytes), units [out/16, supers, 3, 16] (float16).
+scale and one of its offset, and per super-block of groups along a row three float16 numbers (scale = unit x factor,
+offset = base + unit x factor). A super-block is of up to 8 groups (Q4_K's 256 weights) in a row narrower than 2048,
+of up to 32 from there (config.super_groups): 2 bytes a group and 6 a super-block instead of 4 a group, 4.69 or 4.55
+bits a weight instead of 5. Decode at 1B-8B reads its weights at the memory's bandwidth (docs/BENCHMARKS.md), so
+fewer bytes are about as much time. The codes are kept as they are: on the default model's Q4_1 file the numbers'
+rounding adds 0.08 % to the variance of the codes' own error (0.14 % with blocks of 32). Factors [out/16, groups, 16]
+(int8 tensors holding unsigned bytes), units [out/16, supers, 3, 16] (float16).
 
 Bytes are stored in int8 tensors: the bytes are what matter, and int8 is the byte type turbine's parameters carry
 unchanged.
