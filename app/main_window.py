@@ -306,10 +306,11 @@ class MainWindow(QMainWindow):
         self.catalog.folders = [Path(f).expanduser() for f in c.settings.model_folders.split("|") if f.strip()]
         self.catalog.refresh([c.model_spec, *c.settings.recent_models.split("|")], c.settings.build_settings())
 
-    def _show_models(self, entries: list, found: list, built: set, times: object) -> None:
+    def _show_models(self, entries: list, found: list, built: set, times: object, shaped: set) -> None:
         c = self.controller
         recent = [m for m in c.settings.recent_models.split("|") if m]
-        self.model_picker.set_choices(choices(recent, entries, found, c.model_spec, built, times), c.model_spec)
+        self.model_picker.set_choices(choices(recent, entries, found, c.model_spec, built, times, shaped),
+                                      c.model_spec)
 
     def dragEnterEvent(self, event) -> None:  # noqa: N802 (Qt API)
         if _dropped_gguf(event.mimeData()) is not None:

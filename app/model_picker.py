@@ -19,6 +19,9 @@ from PySide6.QtGui import QStandardItem, QStandardItemModel
 from PySide6.QtWidgets import QComboBox, QWidget
 
 SCAN_SECONDS = 5.0  # a scan of the disk stops after this long, with what it found
+# A weights-only build's start beside its weights: the build's processes and torch's import (5 s of a 1B fine-tune's
+# 14, bench/new_model.py --tuned, Zen 5, 2026-12-07).
+WEIGHTS_ONLY_FIXED_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -60,11 +63,17 @@ class BuildTimes:
         seconds = self.fixed_s + self.per_byte_s * size_bytes
         return f"first build about {max(1, round(seconds / 60))} min"
 
+    def weights_only(self, size_bytes: int) -> str:
+        """A model whose shape is built here: its build takes that module and writes only its weights."""
+        return f"weights only, about {_clock(self.per_byte_s * size_bytes + WEIGHTS_ONLY_FIXED_S)}"
+
 
 def choices(recent: list[str], entries: list[Any], found: list[Any], current: str,
-            built: set[str] | frozenset[str] = frozenset(), times: BuildTimes = BuildTimes()) -> list[ModelChoice]:
+            built: set[str] | frozenset[str] = frozenset(), times: BuildTimes = BuildTimes(),
+            shaped: set[str] | frozenset[str] = frozenset()) -> list[ModelChoice]:
     """Every model to offer, recent first, each once (by its spec). `built`: the specs whose build for the
-    current settings is in the cache (ModelCatalog works them out)."""
+    current settings is in the cache; `shaped`: those whose build would take a module built before (ModelCatalog
+    works both out)."""
     from engine.checkpoint import DEFAULT_MODEL
 
     out: dict[str, ModelChoice] = {}
@@ -75,7 +84,9 @@ def choices(recent: list[str], entries: list[Any], found: list[Any], current: st
             out[key] = choice
 
     def state(spec: str, size: int = 0) -> str:
-        return "built" if spec in built else times.first_build(size)
+        if spec in built:
+            return "built"
+        return times.weights_only(size) if spec in shaped else times.first_build(size)
 
     for spec in [current, *recent]:
         remote = spec.startswith(("http://", "https://"))
@@ -109,6 +120,29 @@ def built_specs(specs: list[str], settings: Any) -> set[str]:
     return out
 
 
+def shaped_specs(specs: list[str], settings: Any) -> set[str]:
+    """Which of `specs` would build by taking a module built before: a fine-tune of a model built here
+    (engine.artefacts.store.takes_a_built_module)."""
+    from engine.artefacts.store import takes_a_built_module
+    from engine.checkpoint import resolve_model
+
+    out = set()
+    for spec in specs:
+        if spec.startswith(("http://", "https://")):
+            continue
+        try:
+            if takes_a_built_module(resolve_model(spec or None), settings):
+                out.add(spec)
+        except Exception:  # a model that cannot be resolved or read builds in full, if at all
+            continue
+    return out
+
+
+def _clock(seconds: float) -> str:
+    s = max(1, round(seconds))
+    return f"{s} s" if s < 60 else f"{s // 60}:{s % 60:02d} min"
+
+
 def _name(spec: str) -> str:
     if spec.startswith(("http://", "https://")):
         return spec
@@ -124,8 +158,8 @@ def _size(n: int) -> str:
 class ModelCatalog(QObject):
     """Finds the models in the background (the cache and a bounded scan of the disk); `ready` hands them over."""
 
-    # (cache entries, found models, the specs built for the settings, BuildTimes)
-    ready = Signal(object, object, object, object)
+    # (cache entries, found models, the specs built for the settings, BuildTimes, the specs whose shape is built)
+    ready = Signal(object, object, object, object, object)
 
     def __init__(self, parent: QObject | None = None) -> None:
         super().__init__(parent)
@@ -158,9 +192,12 @@ class ModelCatalog(QObject):
         except Exception:
             pass
         built: set[str] = set()
+        shaped: set[str] = set()
         if settings is not None:
-            built = built_specs(["", *specs, *(str(f.path) for f in found if f.runnable)], settings)
-        self.ready.emit(entries, found, built, BuildTimes.of([e.folder for e in entries]))
+            candidates = ["", *specs, *(str(f.path) for f in found if f.runnable)]
+            built = built_specs(candidates, settings)
+            shaped = shaped_specs([s for s in candidates if s not in built], settings)
+        self.ready.emit(entries, found, built, BuildTimes.of([e.folder for e in entries]), shaped)
 
     def _next(self, *_: object) -> None:  # on the GUI thread, after each scan
         self._busy = False

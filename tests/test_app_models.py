@@ -86,3 +86,20 @@ def test_the_picker_lists_built_found_and_refused_models_and_a_switch_keeps_the_
                                 Qt.KeyboardModifier.NoModifier))
     qtbot.waitUntil(lambda: c.model_state == "failed", timeout=LOAD_TIMEOUT_MS)
     assert c.settings.model == str(extra / "cut.gguf")
+
+
+def test_a_model_whose_shape_is_built_offers_a_build_of_its_weights_only():
+    """A fine-tune of a model built here builds by taking that module (engine.artefacts.store.takes_a_built_module,
+    tests/test_build_process.py): the picker says so, with the time its weights take, where another model gets the
+    whole build's estimate."""
+    from pathlib import Path
+
+    from app.model_picker import BuildTimes, choices
+    from engine.discover import FoundModel
+
+    times = BuildTimes(fixed_s=60.0, per_byte_s=1e-8)
+    found = [FoundModel(Path(f"/models/{n}.gguf"), "folder", n, "llama", 800_000_000, "Q4_K_M", "1.2B", True)
+             for n in ("tuned", "other")]
+    detail = {c.label: c.detail for c in choices([], [], found, "", set(), times, {"/models/tuned.gguf"})}
+    assert "weights only, about 13 s" in detail["tuned"] and "first build" not in detail["tuned"]
+    assert "first build about 1 min" in detail["other"]

@@ -96,7 +96,7 @@ def test_a_model_of_a_shape_built_before_takes_its_module_and_writes_only_its_we
 
     from conftest import transformers_model
     from engine.artefacts.progress import REUSED_MODULE
-    from engine.artefacts.store import ensure_artefacts, read_manifest
+    from engine.artefacts.store import ensure_artefacts, read_manifest, takes_a_built_module
     from engine.checkpoint import load_state_dict, read_config, resolve_model, save_tokenizer
     from engine.config import ModelConfig
     from engine.artefacts.export_code import module_key
@@ -117,6 +117,8 @@ def test_a_model_of_a_shape_built_before_takes_its_module_and_writes_only_its_we
     (folder / "config.json").write_text(json.dumps({**cfg, "architectures": ["LlamaForCausalLM"]}))
     save_file(tuned, str(folder / "model.safetensors"))
     source = resolve_model(str(folder))
+    # What the model picker says of it before it is built: its build is its weights.
+    assert takes_a_built_module(source, SETTINGS) and not takes_a_built_module(source, replace(SETTINGS, window=30))
     reports: list[tuple[str, str]] = []
     second = ensure_artefacts(source, SETTINGS, lambda s, f, d: reports.append((s, d)))
 

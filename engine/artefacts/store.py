@@ -318,6 +318,15 @@ def built_module(key: str) -> Path | None:
     return None
 
 
+def takes_a_built_module(source: "ModelSource", settings: BuildSettings) -> bool:
+    """Whether a build of `source` with `settings` would take a module built before (built_module): a fine-tune
+    of a model built here costs its weights file, not a whole build."""
+    from ..checkpoint import read_config
+
+    cfg = ModelConfig.from_hf(read_config(source))
+    return built_module(module_key(cfg, settings.for_source(source))) is not None
+
+
 def ensure_artefacts(source: "ModelSource", settings: BuildSettings,
                      progress: "Progress | None" = None,
                      should_cancel: Callable[[], bool] | None = None) -> Path:
