@@ -192,15 +192,16 @@ def _host_forms() -> list[str | None]:
     return [None, *host_dot_forms()]
 
 
-def _forms_and_steps() -> list[tuple[str, str | None, int]]:
-    """(dtype, form, steps): every form for q4 and q8 with prefill's two steps, and q4's hand-written prefill
-    products with one (a model from ONE_STEP_FROM_WIDTH wide)."""
-    both = [(dtype, form, STEPS) for dtype in ("q4", "q8") for form in _host_forms()]
-    return both + [("q4", form, 1) for form in _host_forms() if form is not None]
+def _forms_and_steps() -> list[tuple[str, str | None, int, int]]:
+    """(dtype, form, steps, groups): every form for q4 and q8 with prefill's two steps in rows of 12 groups (q4's
+    numbers in two super-blocks of 6), and q4's with one step in rows of 64 (2048 wide, as a model that takes one
+    step: two super-blocks of 32, config.super_groups)."""
+    both = [(dtype, form, STEPS, 12) for dtype in ("q4", "q8") for form in _host_forms()]
+    return both + [("q4", form, 1, 64) for form in _host_forms()]
 
 
-@pytest.mark.parametrize(("dtype", "form", "steps"), _forms_and_steps())
-def test_each_product_form_is_the_codes_times_x_quantised_per_group(dtype, form, steps, tmp_path):
+@pytest.mark.parametrize(("dtype", "form", "steps", "groups"), _forms_and_steps())
+def test_each_product_form_is_the_codes_times_x_quantised_per_group(dtype, form, steps, groups, tmp_path):
     """Each product form this CPU runs, compiled, for q4 and q8, in one row (decode) and many (prefill): the generic
     ones compute the dequantised weights times x (float32 parity); a hand-written one (engine/exporter/kernels/dot_products.py,
     prefill_products.py) x quantised to int8 per group of 32 (dx = max|x| / 127), exactly as llama.cpp's Q8_1
@@ -221,8 +222,7 @@ def test_each_product_form_is_the_codes_times_x_quantised_per_group(dtype, form,
     from engine.exporter.linear import Linear, stored_matrix
     from engine.devices import compile_flags
 
-    # 12 groups: q4's numbers in two super-blocks of 6 (engine/exporter/q4.py).
-    out_f, in_f = 9 * (16 if dtype == "q4" else 32), 12 * Q4_GROUP
+    out_f, in_f = 9 * (16 if dtype == "q4" else 32), groups * Q4_GROUP
     n_rows = ROWS_PER_WORKGROUP // steps + ROW_BLOCK // (2 * steps) + 1
     n_few = FEW_ROW_GROUPS * ROWS_PER_WORKGROUP // steps - ROW_BLOCK // steps - 1
     rng = np.random.RandomState(4)
