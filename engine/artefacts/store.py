@@ -361,7 +361,9 @@ def ensure_artefacts(source: "ModelSource", settings: BuildSettings,
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
-        built = build_in_child(source, settings, staging, progress, should_cancel)
+        # A module built before for this shape and these settings spares the export and the compiler.
+        key = module_key(cfg, settings)
+        built = build_in_child(source, settings, staging, progress, should_cancel, built_module(key))
         manifest = {
             "model": source.name,
             "config": built["config"],
@@ -370,7 +372,7 @@ def ensure_artefacts(source: "ModelSource", settings: BuildSettings,
             "auto_dtype": source.auto_dtype(),
             "build_seconds": built["seconds"],
             # A later build of a model of the same shape and settings takes this module (built_module).
-            "module_key": module_key(cfg, settings),
+            "module_key": key,
             "files": {n: {"size": (staging / n).stat().st_size, "digest": file_digest(staging / n)} for n in BUILT_FILES},
         }
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=1))

@@ -24,7 +24,7 @@ from ..paths import artefacts_root, cache_dir
 from ..shapes import score_name
 from . import kernels
 from .kernels import prefill_products
-from ..artefacts.export_code import export_key, module_key
+from ..artefacts.export_code import export_key
 from .model import StreamingLlama
 from .child import tied_to_me
 
@@ -358,7 +358,7 @@ def _export_and_compile(model: StreamingLlama, settings: BuildSettings, out_dir:
 
 def build(source: "ModelSource", cfg: ModelConfig, settings: BuildSettings, out_dir: Path,
           progress: Callable[..., None] | None = None, should_cancel: Callable[[], bool] | None = None,
-          side: subprocess.Popen | None = None) -> dict[str, float]:
+          side: subprocess.Popen | None = None, module: Path | None = None) -> dict[str, float]:
     """Writes module.vmfb, weights.irpa and the tokenizer files into out_dir; returns seconds per stage.
 
     The export and then iree-compile run here while a second process (engine/exporter/side_job.py) writes the
@@ -368,11 +368,12 @@ def build(source: "ModelSource", cfg: ModelConfig, settings: BuildSettings, out_
     Memory follows the largest tensor, not the model: the export traces a skeleton whose weights are never
     written (they are external parameters), and weights.irpa is written straight from the checkpoint one
     tensor at a time (engine/exporter/weights_file.py). progress is an engine.artefacts.progress.Progress; `side`, the
-    side job already started for this build (engine/exporter/process.py starts it before importing torch)."""
+    side job already started for this build (engine/exporter/process.py starts it before importing torch); `module`,
+    a module.vmfb built before from the same export and compiler flags (store.built_module, which the parent looks
+    up), taken instead of an export and a compile."""
     from . import side_job
     from ..checkpoint import open_tensors
     from ..artefacts.progress import REUSED_EXPORT, REUSED_MODULE, BuildClock, finished, ignore
-    from ..artefacts.store import built_module
 
     report = progress or ignore
     cancelled = should_cancel or (lambda: False)
@@ -381,7 +382,8 @@ def build(source: "ModelSource", cfg: ModelConfig, settings: BuildSettings, out_
     if side is None:
         side = side_job.start({"source": {"name": source.name, "kind": source.kind,
                                           "path": str(source.path) if source.path else None},
-                               "settings": settings.to_dict(), "out": str(out_dir)})
+                               "settings": settings.to_dict(), "out": str(out_dir),
+                               "module": str(module) if module else None})
     try:
         # "loading weights" checks the checkpoint's tensors against its config (headers only), so a bad
         # checkpoint fails before anything else is spent on it.
@@ -398,7 +400,6 @@ def build(source: "ModelSource", cfg: ModelConfig, settings: BuildSettings, out_
         side.wait()
         raise
     kept = kept_export(cfg, settings)
-    module = built_module(module_key(cfg, settings))
     clock = BuildClock(expected_times(cfg, settings, side_job.piece_bytes(model)[1], kept.is_file(),
                                       module is not None))
 

@@ -42,15 +42,17 @@ POLL_S = 0.1
 
 def build_in_child(source: "ModelSource", settings: BuildSettings, out_dir: Path,
                    progress: Progress | None = None,
-                   should_cancel: Callable[[], bool] | None = None) -> dict:
-    """Writes the tokenizer files, module.vmfb and weights.irpa into out_dir from a child process.
+                   should_cancel: Callable[[], bool] | None = None, module: Path | None = None) -> dict:
+    """Writes the tokenizer files, module.vmfb and weights.irpa into out_dir from a child process; `module`, a
+    module.vmfb built before for this shape and these settings (store.built_module), is taken instead of an export
+    and a compile.
 
     Returns {"config": ModelConfig dict, "seconds": per-stage times}. Raises the child's EddyError as the
     same class, BuildCancelled as soon as should_cancel() says so, ArtefactError if the child dies."""
     report = progress or ignore
     cancelled = should_cancel or (lambda: False)
     job = {"source": {"name": source.name, "kind": source.kind, "path": str(source.path) if source.path else None},
-           "settings": settings.to_dict(), "out": str(out_dir)}
+           "settings": settings.to_dict(), "out": str(out_dir), "module": str(module) if module else None}
     env = child_env()
     with tempfile.TemporaryFile() as log:
         # A session of its own, so Cancel can end the child and the iree-compile it started in one go.
@@ -159,7 +161,8 @@ def _child(job: dict) -> None:
         source = ModelSource(s["name"], s["kind"], Path(s["path"]) if s["path"] else None)
         cfg = ModelConfig.from_hf(read_config(source))
         seconds = export.build(source, cfg, BuildSettings(**job["settings"]), Path(job["out"]),
-                               lambda stage, f, detail="": say({"progress": [stage, f, detail]}), side=side)
+                               lambda stage, f, detail="": say({"progress": [stage, f, detail]}), side=side,
+                               module=Path(job["module"]) if job.get("module") else None)
         say({"done": {"config": cfg.to_dict(), "seconds": seconds}})
 
     answer(job, work, "building the model")
