@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from PySide6.QtCore import QObject, Qt, Signal
 from PySide6.QtGui import QStandardItem, QStandardItemModel
@@ -102,10 +102,8 @@ def choices(recent: list[str], entries: list[Any], found: list[Any], current: st
     return list(out.values())
 
 
-def built_specs(specs: list[str], settings: Any) -> set[str]:
-    """Which of `specs` have their build for `settings` in the artefact cache (the key hashes a file's first
-    and last MiB: cheap even for a large GGUF)."""
-    from engine.artefacts.store import artefact_dir
+def _specs_where(specs: list[str], holds: Callable[[Any], bool]) -> set[str]:
+    """The local `specs` whose model (a ModelSource) `holds`; one that cannot be resolved or read does not."""
     from engine.checkpoint import resolve_model
 
     out = set()
@@ -113,29 +111,27 @@ def built_specs(specs: list[str], settings: Any) -> set[str]:
         if spec.startswith(("http://", "https://")):
             continue
         try:
-            if artefact_dir(resolve_model(spec or None), settings).is_dir():
+            if holds(resolve_model(spec or None)):
                 out.add(spec)
-        except Exception:  # a model that cannot be resolved is not built
+        except Exception:
             continue
     return out
+
+
+def built_specs(specs: list[str], settings: Any) -> set[str]:
+    """Which of `specs` have their build for `settings` in the artefact cache (the key hashes a file's first
+    and last MiB: cheap even for a large GGUF)."""
+    from engine.artefacts.store import artefact_dir
+
+    return _specs_where(specs, lambda source: artefact_dir(source, settings).is_dir())
 
 
 def shaped_specs(specs: list[str], settings: Any) -> set[str]:
     """Which of `specs` would build by taking a module built before: a fine-tune of a model built here
     (engine.artefacts.store.takes_a_built_module)."""
     from engine.artefacts.store import takes_a_built_module
-    from engine.checkpoint import resolve_model
 
-    out = set()
-    for spec in specs:
-        if spec.startswith(("http://", "https://")):
-            continue
-        try:
-            if takes_a_built_module(resolve_model(spec or None), settings):
-                out.add(spec)
-        except Exception:  # a model that cannot be resolved or read builds in full, if at all
-            continue
-    return out
+    return _specs_where(specs, lambda source: takes_a_built_module(source, settings))
 
 
 def _clock(seconds: float) -> str:

@@ -110,12 +110,11 @@ class Expected:
 
     def seconds(self, layers: float, weights_bytes: int, reused_export: bool,
                 reused_module: bool = False) -> dict[str, float]:
-        """BuildClock's expected seconds for a build of `layers` layers (traced_layers) writing `weights_bytes`."""
-        if reused_module:
-            return {"export": 0.1, "compile": 0.0, "save": 1.0 + self.save_per_byte_s * weights_bytes,
-                    "tokenizer": self.tokenizer_s}
-        return {"export": 0.5 if reused_export else self.EXPORT_FIXED_S + self.export_per_layer_s * layers,
-                "compile": self.COMPILE_FIXED_S + self.compile_per_layer_s * layers,
+        """BuildClock's expected seconds for a build of `layers` layers (traced_layers) writing `weights_bytes`; one
+        that takes a module built before runs neither the export nor the compiler."""
+        export = self.EXPORT_FIXED_S + self.export_per_layer_s * layers
+        return {"export": 0.1 if reused_module else 0.5 if reused_export else export,
+                "compile": 0.0 if reused_module else self.COMPILE_FIXED_S + self.compile_per_layer_s * layers,
                 "save": 1.0 + self.save_per_byte_s * weights_bytes, "tokenizer": self.tokenizer_s}
 
 
