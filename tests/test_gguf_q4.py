@@ -60,3 +60,20 @@ def test_tiling_paired_bytes_is_tiling_the_codes() -> None:
     paired = tile_paired({**rows, "weight": pair_q4(codes)})
     for name, t in tile_q4(rows).items():
         assert torch.equal(paired[name], t), name
+
+
+def test_own_q6_k_dequantiser_gives_gguf_pys_floats_bit_for_bit() -> None:
+    """engine/checkpoint/gguf_dequant.py's Q6_K (every bit pattern of codes and int8 scales, float16 d of both
+    signs) against gguf-py's on the same bytes; a type it does not have is left to gguf-py."""
+    from engine.checkpoint.gguf_dequant import dequantise_into
+
+    rows, cols = 40, 768
+    rng = np.random.default_rng(3)
+    raw = rng.integers(0, 256, size=(rows, cols // 256, 210), dtype=np.uint8)
+    raw[..., 208:210] = rng.uniform(-2e-3, 2e-3, size=(rows, cols // 256, 1)).astype(np.float16).view(np.uint8)
+    raw = raw.reshape(rows, -1)
+    want = dequantize(raw, GGMLQuantizationType.Q6_K).reshape(rows, cols)
+    got = np.full((rows, cols), np.nan, dtype=np.float32)
+    assert dequantise_into(raw, "Q6_K", got)
+    np.testing.assert_array_equal(got, want)
+    assert not dequantise_into(random_blocks("Q4_1", 4, 64), "Q4_1", np.zeros((4, 64), dtype=np.float32))

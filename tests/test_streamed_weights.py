@@ -125,6 +125,34 @@ def test_a_bf16_folder_streams_what_its_float32_widening_builds(tmp_path):
         assert_same_archives(tmp_path / f"{dtype}-streamed.irpa", tmp_path / f"{dtype}-memory.irpa")
 
 
+def test_a_gguf_streams_its_single_matrices_a_block_of_rows_at_a_time(tmp_path):
+    """A GGUF matrix that takes the float path and is a piece of its own (the LM head, down projections) is read a
+    block of rows at a time (gguf.GGUFRows), never whole in float32; the file is still the in-memory build's.
+    Q8_0 here: the gguf package quantises it (Q6_K's own dequantiser is held to gguf-py's in test_gguf_q4)."""
+    from gguf_writer import write_gguf
+
+    from engine.checkpoint import load_state_dict, open_tensors, read_config, resolve_model
+    from engine.checkpoint.gguf import GGUFRows
+    from engine.exporter.linear import CONVERT_ROWS
+
+    tiny = resolve_model("tiny-random")
+    cfg = read_config(tiny)
+    source = resolve_model(str(write_gguf(tmp_path / "tiny-q8_0.gguf", "llama", cfg,
+                                          {k: v.numpy() for k, v in load_state_dict(tiny).items()}, quant="Q8_0")))
+    tensors = open_tensors(source)
+    down = tensors.read_rows("model.layers.0.mlp.down_proj.weight")
+    assert isinstance(down, GGUFRows) and down.shape == tensors.shapes["model.layers.0.mlp.down_proj.weight"]
+    whole = tensors.read_stored("model.layers.0.mlp.down_proj.weight")
+    assert torch.equal(down[3:7], whole[3:7]) and torch.equal(down.contiguous(), whole)
+    assert tensors.read_rows("model.layers.0.self_attn.q_proj.weight") is None  # rows permuted by llama.cpp
+    assert cfg["vocab_size"] > CONVERT_ROWS  # the embedding (the tied head) is read in blocks below
+    for dtype in ("q8", "q4"):
+        settings = replace(TINY_SETTINGS, dtype=dtype)
+        streamed_archive(source, settings, tmp_path / f"{dtype}-streamed.irpa")
+        in_memory_archive(source, settings, tmp_path / f"{dtype}-memory.irpa")
+        assert_same_archives(tmp_path / f"{dtype}-streamed.irpa", tmp_path / f"{dtype}-memory.irpa")
+
+
 def test_archive_writer_refuses_a_wrong_length_and_a_missing_tensor(tmp_path):
     from engine.exporter.irpa import ArchiveWriter, Entry
 
@@ -134,3 +162,27 @@ def test_archive_writer_refuses_a_wrong_length_and_a_missing_tensor(tmp_path):
     writer.write("a", bytes(8))
     with pytest.raises(ValueError, match="never written, e.g. b"):
         writer.close()
+
+
+def test_archive_writer_raises_a_failed_write_from_its_thread(tmp_path):
+    """The writer's bytes go out from a thread of its own; a write the OS refuses (here a file-size limit:
+    EFBIG, as a full disk gives ENOSPC) is raised in the caller's thread, by close; a closed writer takes
+    nothing more."""
+    import resource
+    import signal
+
+    from engine.exporter.irpa import ArchiveWriter, Entry
+
+    writer = ArchiveWriter(tmp_path / "w.irpa", [Entry("a", 1 << 16), Entry("b", 1 << 16)])
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # an error from pwrite instead of the signal
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64, limits[1]))
+    try:
+        writer.write("a", bytes(1 << 16))
+        with pytest.raises(OSError, match="cannot write .*w.irpa"):
+            writer.close()
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+        signal.signal(signal.SIGXFSZ, handler)
+    with pytest.raises(ValueError, match="closed"):
+        writer.write("b", bytes(1 << 16))

@@ -444,11 +444,12 @@ DEQUANT_ROWS = 2048
 
 def gguf_tensors(source: "ModelSource", cfg: dict[str, Any]
                  ) -> tuple[dict[str, tuple[int, ...]], Callable[[str], "torch.Tensor"],
-                            Callable[[str], "dict[str, torch.Tensor] | None"]]:
+                            Callable[[str], "dict[str, torch.Tensor] | None"], Callable[[str], "GGUFRows | None"]]:
     """The weights' HF names and shapes from the header, a reader of one tensor by HF name (float32, with what
-    llama.cpp's converter did to each family's tensors undone), and a reader of a matrix's 4-bit codes as q4
-    rows where its type keeps them (engine/checkpoint/gguf_q4.py; None otherwise). Each read opens the file
-    and reads just that tensor's bytes (no mapping of the whole file that would stay resident)."""
+    llama.cpp's converter did to each family's tensors undone), a reader of a matrix's 4-bit codes as q4
+    rows where its type keeps them (engine/checkpoint/gguf_q4.py; None otherwise), and one of a matrix as
+    GGUFRows, read a block of rows at a time (None for a permuted one). Each read opens the file and reads just
+    the bytes it needs (no mapping of the whole file that would stay resident)."""
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
     assert source.path is not None
@@ -489,55 +490,109 @@ def gguf_tensors(source: "ModelSource", cfg: dict[str, Any]
             rows[k] = torch.from_numpy(np.ascontiguousarray(_undo_permute(v, hf_name, cfg, fam)))
         return rows
 
+    def read_rows(hf_name: str) -> GGUFRows | None:
+        gname, t = where[hf_name]
+        if len(t.shape) != 2 or _permuted_heads(hf_name, cfg, fam):
+            return None
+        return GGUFRows(source, info.path, gname, t)
+
     # numpy order is ggml's reversed.
-    return {name: tuple(reversed(t.shape)) for name, (_, t) in where.items()}, read, read_q4
+    return {name: tuple(reversed(t.shape)) for name, (_, t) in where.items()}, read, read_q4, read_rows
 
 
-def _read_raw(source: "ModelSource", path: Path, gname: str, t: _GGUFTensorInfo) -> "np.ndarray":
-    """The tensor's bytes as uint8 [rows, bytes a row]: rows of raw blocks, as dequantize and q4_rows take them."""
+def _read_raw(source: "ModelSource", path: Path, gname: str, t: _GGUFTensorInfo,
+              rows: tuple[int, int] | None = None) -> "np.ndarray":
+    """The tensor's bytes as uint8 [rows, bytes a row]: rows of raw blocks, as dequantize and q4_rows take them;
+    `rows` (start, stop) reads just those."""
     import numpy as np
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
     block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(t.ggml_type)]
-    raw = np.empty(t.nbytes, dtype=np.uint8)
+    row_bytes = t.shape[0] // block * type_size
+    start, stop = rows if rows is not None else (0, t.nbytes // row_bytes)
+    raw = np.empty((stop - start) * row_bytes, dtype=np.uint8)
     try:
         with open(path, "rb") as fh:
-            fh.seek(t.offset)
+            fh.seek(t.offset + start * row_bytes)
             got = fh.readinto(raw)
     except OSError as exc:
         raise ModelError(f"{path}: cannot read the file ({exc}).") from None
-    if got != t.nbytes:
+    if got != raw.nbytes:
         raise ModelError(f"{path.name}: the GGUF file is truncated (tensor {gname} is cut short). Download it again.")
-    return raw.reshape(-1, t.shape[0] // block * type_size)
+    return raw.reshape(-1, row_bytes)
+
+
+class GGUFRows:
+    """A GGUF matrix whose rows are read and dequantised to float32 when sliced (`m[start:stop]`), for a build
+    that converts a matrix a block of rows at a time (engine/exporter/linear.py's stored_matrix): an 8B's Q6_K LM
+    head is 2.1 GB in float32, which the build held whole beside its q8 copy. Only for matrices whose rows come
+    back in the file's order (not a llama-arch q or k, whose rows are permuted)."""
+
+    def __init__(self, source: "ModelSource", path: Path, gname: str, t: _GGUFTensorInfo) -> None:
+        import torch
+
+        self.dtype = torch.float32
+        self.shape = tuple(reversed(t.shape))
+        self._where = (source, path, gname, t)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, rows: slice) -> "torch.Tensor":
+        import torch
+
+        start, stop, step = rows.indices(self.shape[0])
+        assert step == 1, "rows are read in runs"
+        source, path, gname, t = self._where
+        return torch.from_numpy(_dequantised(source, gname, t, _read_raw(source, path, gname, t, (start, stop))))
+
+    def contiguous(self) -> "torch.Tensor":
+        return self[:]
+
+
+def _dequantised(source: "ModelSource", gname: str, t: _GGUFTensorInfo, raw: "np.ndarray") -> "np.ndarray":
+    """float32 [rows, weights a row] from rows of raw blocks, DEQUANT_ROWS at a time (ours where we have the type,
+    engine/checkpoint/gguf_dequant.py, else gguf-py's)."""
+    import numpy as np
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from .gguf_dequant import dequantise_into
+
+    qtype = GGMLQuantizationType(t.ggml_type)
+    w = np.empty((raw.shape[0], t.shape[0]), dtype=np.float32)
+    try:
+        for start in range(0, raw.shape[0], DEQUANT_ROWS):
+            chunk = raw[start:start + DEQUANT_ROWS]
+            if not dequantise_into(chunk, qtype.name, w[start:start + DEQUANT_ROWS]):
+                w[start:start + DEQUANT_ROWS] = dequantize(chunk, qtype)
+    except NotImplementedError:
+        raise ModelError(f"{source.name}: tensor {gname} uses {qtype.name}, which Eddy cannot dequantise.") from None
+    return w
+
+
+def _permuted_heads(hf_name: str, cfg: dict[str, Any], fam: arch.Family) -> int | None:
+    """The head count a llama-arch q or k matrix's rows were permuted by (llama.cpp's converter), else None."""
+    if fam.gguf_permute_qk and hf_name.endswith("self_attn.q_proj.weight"):
+        return cfg["num_attention_heads"]
+    if fam.gguf_permute_qk and hf_name.endswith("self_attn.k_proj.weight"):
+        return cfg["num_key_value_heads"]
+    return None
 
 
 def _undo_permute(w: "np.ndarray", hf_name: str, cfg: dict[str, Any], fam: arch.Family) -> "np.ndarray":
     """Rows of a llama-arch q or k matrix (or of anything aligned with its rows) back in HF's order."""
-    if fam.gguf_permute_qk and hf_name.endswith("self_attn.q_proj.weight"):
-        return _unpermute(w, cfg["num_attention_heads"])
-    if fam.gguf_permute_qk and hf_name.endswith("self_attn.k_proj.weight"):
-        return _unpermute(w, cfg["num_key_value_heads"])
-    return w
+    heads = _permuted_heads(hf_name, cfg, fam)
+    return w if heads is None else _unpermute(w, heads)
 
 
 def _read_gguf_tensor(source: "ModelSource", path: Path, gname: str, t: _GGUFTensorInfo, hf_name: str,
                       cfg: dict[str, Any], fam: arch.Family) -> "torch.Tensor":
     import numpy as np
     import torch
-    from gguf.constants import GGMLQuantizationType
-    from gguf.quants import dequantize
 
-    qtype = GGMLQuantizationType(t.ggml_type)
-    np_shape = tuple(reversed(t.shape))
-    raw = _read_raw(source, path, gname, t)
-    w = np.empty((raw.shape[0], t.shape[0]), dtype=np.float32)
-    try:
-        for start in range(0, raw.shape[0], DEQUANT_ROWS):
-            w[start:start + DEQUANT_ROWS] = dequantize(raw[start:start + DEQUANT_ROWS], qtype)
-    except NotImplementedError:
-        raise ModelError(f"{source.name}: tensor {gname} uses {qtype.name}, which Eddy cannot dequantise.") from None
-    del raw
-    w = _undo_permute(w.reshape(np_shape), hf_name, cfg, fam)
+    w = _dequantised(source, gname, t, _read_raw(source, path, gname, t))
+    w = _undo_permute(w.reshape(tuple(reversed(t.shape))), hf_name, cfg, fam)
     if fam.norm_offset and gname.endswith("norm.weight"):
         w = w - fam.norm_offset  # llama.cpp stores Gemma's (1 + w) norms with the 1 added
     return torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))

@@ -19,6 +19,7 @@ import numpy as np
 # bytes of codes, for 256 weights.
 Q4_BLOCK_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 F16_MAX = 65504.0
+LOW_NIBBLES = np.uint64(0x0F0F0F0F0F0F0F0F)
 
 
 def q4_rows(raw: np.ndarray, qtype: str) -> dict[str, np.ndarray] | None:
@@ -38,12 +39,14 @@ def q4_rows(raw: np.ndarray, qtype: str) -> dict[str, np.ndarray] | None:
         m = m.reshape(rows, n, 8).astype(np.float32)
         scale, offset = d * sc, -(dmin * m)
         # Each 32-byte chunk holds 64 weights: group 2c in its low nibbles, group 2c + 1 in its high ones, byte l
-        # holding position l of both. Paired, a group's byte p holds its positions p and p + 16.
-        chunk = blocks[..., 16:].reshape(rows, n, 4, 2, 16)
-        first, second = chunk[..., 0, :], chunk[..., 1, :]  # positions 0-15 and 16-31
-        low = (first & 15) | ((second & 15) << 4)
-        high = (first >> 4) | (second & 0xF0)
-        paired = np.stack([low, high], axis=3).reshape(rows, -1)
+        # holding position l of both. Paired, a group's byte p holds its positions p and p + 16. Worked 8 bytes
+        # at a time (a block is 18 words, its codes words 2-17): masks keep every shift within its byte.
+        words = np.ascontiguousarray(raw).view(np.uint64).reshape(rows, n, 18)[..., 2:].reshape(rows, n, 4, 2, 2)
+        first, second = words[..., 0, :], words[..., 1, :]  # positions 0-15 and 16-31
+        paired = np.empty((rows, n, 4, 2, 2), dtype=np.uint64)
+        np.bitwise_or(first & LOW_NIBBLES, (second & LOW_NIBBLES) << np.uint64(4), out=paired[..., 0, :])
+        np.bitwise_or((first >> np.uint64(4)) & LOW_NIBBLES, second & ~LOW_NIBBLES, out=paired[..., 1, :])
+        paired = paired.reshape(rows, -1).view(np.uint8)
     elif qtype in ("Q4_0", "Q4_1"):
         size = 18 if qtype == "Q4_0" else 20
         blocks = raw.reshape(rows, -1, size)

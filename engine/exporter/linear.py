@@ -12,8 +12,7 @@ from torch import nn
 from ..config import Q4_TILE_ROWS, TILE_ROWS, super_groups
 from .kernels import (f16_linear, i8_linear, i8_linear_scaled, q4_linear, q4_linear_parts, tile_q8, tileable,
                       tiled_rows)
-from .q4 import (Q4_GROUP, dequantise_q4, pack_q4, packable, pair_q4, quantise_q4, tile_paired, tile_q4, unpack_q4,
-                 unpair_q4)
+from .q4 import Q4_GROUP, dequantise_q4, pack_q4, packable, quantise_q4, tile_paired, unpair_q4
 
 TORCH_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 
@@ -134,40 +133,45 @@ CONVERT_ROWS = 4096
 
 
 def stored_matrix(w: torch.Tensor, dtype: str, tiled: bool = False) -> dict[str, torch.Tensor]:
-    """A weight matrix (float32, or the checkpoint's own 16-bit type) as Linear stores it: {"weight"} in the build's
-    type, plus a per-row float32 {"scale"} for q8 (symmetric: the row's largest magnitude maps to 127), or the
-    packed codes with group {"scale", "offset"} for q4 (engine/exporter/q4.py).
+    """A weight matrix as Linear stores it: {"weight"} in the build's type, plus a per-row float32 {"scale"} for q8
+    (symmetric: the row's largest magnitude maps to 127), or the packed codes with group {"scale", "offset"} for
+    q4 (engine/exporter/q4.py). `w` is float32, or the checkpoint's own 16-bit type, or a GGUF's rows read when
+    sliced (checkpoint.gguf.GGUFRows: converted without ever being whole in float32).
 
-    Each block of rows is widened to float32 and converted on its own: a 16-bit matrix is never widened whole,
-    and since rows are independent (and widening 16-bit floats is exact) the bytes are those of converting the
-    float32 matrix at once. `tiled`: a multiplied matrix, whose q4 and q8 are stored in tiles of rows (in_tiles)."""
+    `tiled`: a multiplied matrix, whose q4 and q8 are stored in tiles of rows (in_tiles)."""
     dtype = matrix_dtype(dtype, w.shape[1], w.shape[0] if tiled else None)
     if dtype in TORCH_DTYPES and w.dtype == TORCH_DTYPES[dtype]:
         return {"weight": w.contiguous()}
+    tiles = in_tiles(dtype, w.shape[0], w.shape[1], tiled)
+    out = converted_rows(w, dtype, paired=tiles and dtype == "q4")
+    if not tiles:
+        return out
+    return tile_paired(out) if dtype == "q4" else {**out, "weight": tile_q8(out["weight"])}
+
+
+def converted_rows(w: torch.Tensor, dtype: str, paired: bool = False) -> dict[str, torch.Tensor]:
+    """stored_matrix's rows before any tiling; q4's codes in pair_q4's bytes with `paired`.
+
+    Each block of rows is widened to float32 and converted on its own: a 16-bit matrix is never widened whole,
+    and since rows are independent (and widening 16-bit floats is exact) the bytes are those of converting the
+    float32 matrix at once."""
     out: dict[str, torch.Tensor] = {}
     for start in range(0, w.shape[0], CONVERT_ROWS):
-        block = _convert_rows(w[start:start + CONVERT_ROWS].float(), dtype)
+        block = _convert_rows(w[start:start + CONVERT_ROWS].float(), dtype, paired)
         for name, t in block.items():
             if name not in out:  # allocated once: a second copy of a 1 GB embedding is what this avoids
                 out[name] = torch.empty((w.shape[0], *t.shape[1:]), dtype=t.dtype)
             out[name][start:start + len(t)] = t
-    if not in_tiles(dtype, w.shape[0], w.shape[1], tiled):
-        return out
-    return tile_q4(out) if dtype == "q4" else {**out, "weight": tile_q8(out["weight"])}
+    return out
 
 
-def _convert_rows(block: torch.Tensor, dtype: str) -> dict[str, torch.Tensor]:
+def _convert_rows(block: torch.Tensor, dtype: str, paired: bool) -> dict[str, torch.Tensor]:
     if dtype == "q4":
-        return quantise_q4(block)
+        return quantise_q4(block, paired)
     if dtype != "q8":
         return {"weight": block.to(TORCH_DTYPES[dtype])}
     s = (block.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
     return {"weight": torch.round(block / s.unsqueeze(1)).clamp(-127, 127).to(torch.int8), "scale": s}
-
-
-def _paired(rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """q4 rows (quantise_q4's bytes) in pair_q4's bytes."""
-    return {**rows, "weight": pair_q4(unpack_q4(rows["weight"]))}
 
 
 @dataclass(frozen=True)
@@ -184,12 +188,13 @@ class Piece:
     def convert(self, tensors: list[torch.Tensor | dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """The module's parameters by full name, from its source tensors (in `sources` order; float32, or the
         checkpoint's own floating type, which converts to the same bytes; for a q4 matrix, also q4 rows as a
-        GGUF's 4-bit blocks give them, CheckpointTensors.read_q4)."""
+        GGUF's 4-bit blocks give them, CheckpointTensors.read_q4; for a quantised matrix of one source, also rows
+        read when sliced, CheckpointTensors.read_rows)."""
         if any(isinstance(t, dict) for t in tensors):
             # A GGUF's 4-bit blocks in pair_q4's bytes (CheckpointTensors.read_q4), beside any float source of
             # the same piece: all taken to those bytes, joined by rows, then tiled by moving bytes.
             assert self.kind == "matrix" and self.dtype == "q4", f"{self.module}: q4 codes for a {self.dtype} piece"
-            parts = [t if isinstance(t, dict) else _paired(stored_matrix(t, "q4")) for t in tensors]
+            parts = [t if isinstance(t, dict) else converted_rows(t, "q4", paired=True) for t in tensors]
             joined = {k: torch.cat([p[k] for p in parts]) if len(parts) > 1 else parts[0][k] for k in parts[0]}
             if self.tiled:
                 made = tile_paired(joined)

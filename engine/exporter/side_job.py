@@ -21,12 +21,21 @@ from ..config import BuildSettings
 from .child import answer, child_env, tied_to_me
 
 
+# glibc maps each allocation over 32 MB on its own and unmaps it when freed, so every chunk of float32 rows,
+# every tile copy and every tensor of codes started as untouched pages: on the 2-core VM of docs/BENCHMARKS.md a
+# fresh page cost ~11 us (0.36 GB/s), and an 8B's weights file spent more time faulting pages in than converting
+# them. From the heap, freed chunks are reused: an 8B's weights file in 22 s instead of 42 (one thread), its peak
+# 2.2 GB instead of 1.9; the 1B's 4.2 s instead of 8.9.
+MALLOC_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}
+
+
 def start(job: dict) -> subprocess.Popen:
     """Starts the side job for a build job ({"source", "settings", "out"}, engine/exporter/process.py's)."""
     env = child_env()
     # numpy asks for transparent huge pages for large arrays; where the kernel then compacts memory on each fault
     # (defrag=madvise, the common default) a fresh gigabyte took 6.7 s to fill instead of 0.5 s.
     env["NUMPY_MADVISE_HUGEPAGE"] = "0"
+    env.update(MALLOC_ENV)
     return subprocess.Popen([sys.executable, "-m", "engine.exporter.side_job", json.dumps(job)],
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, env=env, preexec_fn=tied_to_me())
 

@@ -21,6 +21,7 @@ from .model import StreamingLlama
 
 if TYPE_CHECKING:
     from ..checkpoint import CheckpointTensors
+    from .linear import Piece
 
 
 def archive_entries(model: StreamingLlama) -> list[Entry]:
@@ -30,9 +31,13 @@ def archive_entries(model: StreamingLlama) -> list[Entry]:
             for name, p in model.named_parameters()]
 
 
-def _source(tensors: "CheckpointTensors", name: str, dtype: str):
-    """A piece's source tensor: for a q4 matrix a GGUF's 4-bit codes as they are, where the file has them."""
-    kept = tensors.read_q4(name) if dtype == "q4" else None
+def _source(tensors: "CheckpointTensors", name: str, piece: "Piece"):
+    """A piece's source tensor: for a q4 matrix a GGUF's 4-bit codes as they are, where the file has them; for a
+    quantised matrix of one source, its rows read a block at a time as stored_matrix converts them
+    (CheckpointTensors.read_rows), where the file can; else the whole tensor."""
+    kept = tensors.read_q4(name) if piece.dtype == "q4" else None
+    if kept is None and piece.kind == "matrix" and piece.dtype in ("q4", "q8") and len(piece.sources) == 1:
+        kept = tensors.read_rows(name)
     return kept if kept is not None else tensors.read_stored(name)
 
 
@@ -45,7 +50,7 @@ def write_weights(model: StreamingLlama, tensors: "CheckpointTensors", path: Pat
     pieces = model.pieces()
     with ArchiveWriter(path, archive_entries(model)) as archive, torch.no_grad():
         for done, piece in enumerate(pieces, 1):
-            made = piece.convert([_source(tensors, name, piece.dtype) for name in piece.sources])
+            made = piece.convert([_source(tensors, name, piece) for name in piece.sources])
             for name, t in made.items():
                 want = params[name]
                 if t.dtype != want.dtype or t.shape != want.shape:
