@@ -128,7 +128,8 @@ def _status(pid: int) -> tuple[str, int, int] | None:
     fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
     kb = lambda k: int(fields.get(k, "0 kB").split()[0]) * 1024  # noqa: E731
     label = "iree-compile" if any(b"iree-compile" in c for c in cmd[:1]) else (
-        "build child" if b"engine.exporter.process" in cmd else "eddy compile")
+        "build child" if b"engine.exporter.process" in cmd else
+        "side job" if b"engine.exporter.side_job" in cmd else "eddy compile")
     return label, kb("VmRSS"), kb("VmHWM")
 
 
