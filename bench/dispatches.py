@@ -65,7 +65,7 @@ def count_at(name: str, layers: int, settings, flags: list[str], work: Path) -> 
     skeleton = StreamingLlama.skeleton(ModelConfig.from_hf(shape_config(name, layers)), settings)
     aot.externalize_module_parameters(skeleton)
     mlir, flow = work / f"{layers}.mlir", work / f"{layers}.flow.mlir"
-    mlir.write_text(export.zero_init_cache(str(export.export_module(skeleton).mlir_module)))
+    mlir.write_text(export.export_text(export.export_module(skeleton)))
     subprocess.run([find_tool("iree-compile"), str(mlir), "-o", str(flow), "--compile-to=flow",
                     *compile_flags(settings.device, settings.target), *flags], check=True)
     return counts(flow.read_text())

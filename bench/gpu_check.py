@@ -445,7 +445,7 @@ def build_group(model: str, dtype: str, targets: list[tuple[str, str]], weights:
         aot.externalize_module_parameters(skeleton)
         output = export.export_module(skeleton)
         mlir = stage / f"module.{device}.mlir"
-        mlir.write_text(export.zero_init_cache(str(output.mlir_module)))
+        mlir.write_text(export.export_text(output))
         del output
         export_s += time.perf_counter() - t
         irpa = stage / "weights.irpa"
