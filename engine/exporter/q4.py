@@ -70,7 +70,7 @@ def quantise_q4(w: torch.Tensor, paired: bool = False) -> dict[str, torch.Tensor
     low = groups.amin(-1).to(torch.float16)
     # The smallest normal float16 step: a constant group (scale 0) keeps its codes at 0 and its value in the offset.
     scale = ((groups.amax(-1) - low.float()) / 15).clamp_min(6.2e-5).to(torch.float16)
-    # In place on one float32 temporary (a build's largest cost after the file's reading and writing).
+    # In place on one float32 temporary, where the division, rounding and clamp each made another.
     codes = groups - low.float().unsqueeze(-1)
     codes.div_(scale.float().unsqueeze(-1)).round_().clamp_(0, 15)
     codes = codes.to(torch.uint8).reshape(rows, cols)
