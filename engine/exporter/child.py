@@ -33,7 +33,8 @@ def answer(job: dict, work: Callable[[Callable[[dict], None]], None], what: str)
     """Runs a build process's `work(say)`, which answers one JSON object per line on stdout, and answers its
     failure as {"error": ...} and exit code 1: an EddyError as itself, a full disk (the room was checked before the
     build; something else filled it meanwhile, or the estimate was short) as DiskSpaceError, and running out of
-    memory, rather than a traceback. `what` names the work in the last ("building the model")."""
+    memory, rather than a traceback. `what` names the work in the last ("building the model"). Does not return: the
+    process ends, with 0 once the work is done."""
     out = sys.stdout
     sys.stdout = sys.stderr  # library prints must not mix with the answers
 
@@ -56,6 +57,11 @@ def answer(job: dict, work: Callable[[Callable[[dict], None]], None], what: str)
     except MemoryError:
         say({"error": {"type": "ArtefactError", "message": f"{what} ran out of memory"}})
         sys.exit(1)
+    # Everything the work wrote is closed by now (the weights file, the tokenizer's files; iree-compile and the side
+    # job have ended), so the interpreter's own ending (torch, turbine and the compiler's bindings, a second or
+    # more) is not waited for: the parent reads the end of this output as the build's end.
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def die_with_parent(parent: int | None = None) -> None:
