@@ -20,7 +20,7 @@ from PySide6.QtWidgets import QComboBox, QWidget
 
 SCAN_SECONDS = 5.0  # a scan of the disk stops after this long, with what it found
 # A weights-only build's start beside its weights: the build's processes and torch's import (5 s of a 1B fine-tune's
-# 10, bench/new_model.py --tuned, Zen 5, 2026-12-07).
+# 8, bench/new_model.py --tuned, Zen 5, 2026-12-07).
 WEIGHTS_ONLY_FIXED_S = 5.0
 
 
