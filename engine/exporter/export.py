@@ -186,8 +186,8 @@ def _trace_dynamic(fxb: "aot.FxProgramsBuilder", model: StreamingLlama) -> None:
 
 def export_text(output: "aot.ExportOutput") -> str:
     """The export as MLIR text, its cache's initial value a zero splat (zero_init_cache). Printed whole, the
-    cache's zeros were a resource blob of 1.7 GB of hex for a 1B (5 s of its export, and the build's peak memory)
-    that zero_init_cache then cut away; printed elided, the text is the same without it."""
+    inlined buffers' zeros (the cache, the sinks, the rows `score` reads: 38 MB at 1B) came as 77 MB of hex that
+    zero_init_cache then cut away; printed elided, the text is the same without them (0.06 s instead of 0.22)."""
     return zero_init_cache(output.mlir_module.operation.get_asm(large_resource_limit=64))
 
 
