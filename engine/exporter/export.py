@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import re
@@ -26,6 +27,7 @@ from ..shapes import score_name
 from . import kernels
 from .kernels import prefill_products
 from ..artefacts.export_code import export_key
+from .layers import export_repeated, probe
 from .model import StreamingLlama
 from .child import tied_to_me
 
@@ -98,7 +100,7 @@ class _Restore(_Entry):
 
 
 def _trace(fxb: "aot.FxProgramsBuilder", name: str, entry: _Entry, args: tuple, dynamic_shapes: dict | None = None,
-           one_pass: bool = True) -> None:
+           one_pass: bool = True, layers: str = "repeat") -> None:
     """Traces one entry point to functional ATen. turbine's export_program runs torch.export.export (pre-dispatch
     ATen, not yet functional) and then run_decompositions, which traces the whole model a second time: a third
     of a 1B model's build. `one_pass` goes straight there (torch's own former default, kept as
@@ -106,24 +108,33 @@ def _trace(fxb: "aot.FxProgramsBuilder", name: str, entry: _Entry, args: tuple, 
     fill, _to_copy for convert_element_type), which the CPU lowers alike and the parity tests hold to the same
     logits. IREE's GPU pipeline failed on the one-pass decode's attention (a reduction over dynamic slots with
     a negative read range), so GPU builds of dynamic shapes keep the two passes."""
-    if one_pass:
-        from torch.export._trace import _export
+    def run() -> torch.export.ExportedProgram:
+        if one_pass:
+            from torch.export._trace import _export
 
-        program = _export(entry, args, None, dynamic_shapes or None, strict=False, pre_dispatch=False)
-    else:
+            return _export(entry, args, None, dynamic_shapes or None, strict=False, pre_dispatch=False)
         from iree.turbine.aot.decompositions import current_aot_decompositions
 
         program = torch.export.export(entry, args, dynamic_shapes=dynamic_shapes or None, strict=False)
-        program = program.run_decompositions(current_aot_decompositions())
+        return program.run_decompositions(current_aot_decompositions())
+
+    # Through a few layers, the rest copied (engine/exporter/layers.py; LAYERS).
+    program = run() if layers == "all" else export_repeated(entry.root, run, strict=layers == "must-repeat")
     fxb.programs[name] = ExportTargetDef(program)
 
 
-def export_module(model: StreamingLlama) -> "aot.ExportOutput":
+# How an export traces the layers: "repeat" a few traced, the rest copied (or all traced where the copy does not
+# match), "all" traced, or "must-repeat": copied, or the export fails (tests/test_repeated_layers.py).
+LAYERS = ("repeat", "all", "must-repeat")
+
+
+def export_module(model: StreamingLlama, layers: str = "repeat") -> "aot.ExportOutput":
+    assert layers in LAYERS, layers
     with _no_stack_traces():
-        return _export_module(model)
+        return _export_module(model, functools.partial(_trace, layers=layers))
 
 
-def _export_module(model: StreamingLlama) -> "aot.ExportOutput":
+def _export_module(model: StreamingLlama, trace: Callable[..., None]) -> "aot.ExportOutput":
     cfg, settings = model.cfg, model.settings
     fxb = aot.FxProgramsBuilder(model)
     # One pass where it serves (_trace): not for IREE's fused attention, which it decomposes into matmuls (it keeps
@@ -132,20 +143,34 @@ def _export_module(model: StreamingLlama) -> "aot.ExportOutput":
     if model.shapes:  # a program per call shape (engine/shapes.py)
         for name, n, attended in model.shapes.programs():
             entry = (_Decode if name.startswith("decode") else _Prefill)(model)
-            _trace(fxb, name, entry, example_args(cfg, settings, n, attended), one_pass=one_pass)
+            trace(fxb, name, entry, example_args(cfg, settings, n, attended), one_pass=one_pass)
         for n in model.shapes.chunks:
-            _trace(fxb, score_name(n), _Score(model), (torch.zeros(n, dtype=torch.int64),), one_pass=one_pass)
+            trace(fxb, score_name(n), _Score(model), (torch.zeros(n, dtype=torch.int64),), one_pass=one_pass)
     else:
-        _trace_dynamic(fxb, model)
-    _trace(fxb, "reset", _Reset(model), (), one_pass=one_pass)
-    _trace(fxb, "snapshot", _Snapshot(model), (), one_pass=one_pass)
-    _trace(fxb, "restore", _Restore(model), tuple(torch.zeros_like(b) for b in model.state()), one_pass=one_pass)
+        _trace_dynamic(fxb, model, trace)
+    trace(fxb, "reset", _Reset(model), (), one_pass=one_pass)
+    trace(fxb, "snapshot", _Snapshot(model), (), one_pass=one_pass)
+    trace(fxb, "restore", _Restore(model), tuple(torch.zeros_like(b) for b in model.state()), one_pass=one_pass)
 
     # The custom ops are expanded as the programs are imported.
     plan = kernels.KernelPlan.of(settings.device, dot_form(settings.device, settings.target_cpu),
                                  prefill_products.x_steps(cfg.dim))
+    _remember_missing_dialects()
     with kernels.lowering(plan):
         return aot.export(fxb)
+
+
+def _remember_missing_dialects() -> None:
+    """MLIR's Python bindings look for a module of each op's dialect every time they wrap one, and do not remember a
+    miss: the torch dialects have none in iree.compiler, and a 1B export tried to import them 40,000 times (0.6 s
+    of its 4). An empty module is found once and remembered; nothing else imports these names."""
+    import importlib.util
+    import sys
+    import types
+
+    for name in ("iree.compiler.dialects.torch", "iree.compiler.dialects.torch_c"):
+        if name not in sys.modules and importlib.util.find_spec(name) is None:
+            sys.modules[name] = types.ModuleType(name)
 
 
 @contextlib.contextmanager
@@ -162,7 +187,7 @@ def _no_stack_traces() -> Iterator[None]:
         torch.fx.config.do_not_emit_stack_traces = was
 
 
-def _trace_dynamic(fxb: "aot.FxProgramsBuilder", model: StreamingLlama) -> None:
+def _trace_dynamic(fxb: "aot.FxProgramsBuilder", model: StreamingLlama, trace: Callable[..., None]) -> None:
     """prefill and decode, each one program of dynamic shapes: any token count up to the prefill bound, any
     whole number of blocks of attended slots."""
     cfg, settings = model.cfg, model.settings
@@ -179,9 +204,9 @@ def _trace_dynamic(fxb: "aot.FxProgramsBuilder", model: StreamingLlama) -> None:
     dyn = {"tokens": {0: n}, "slots": {0: n}, "rope": {2: n}, "shift": None, "slot_pos": slot_pos, "token_pos": {0: n}}
     one = {name: None if name != "slot_pos" else slot_pos for name in dyn}
     cpu = settings.device == "cpu"
-    _trace(fxb, "prefill", _Prefill(model), example_args(cfg, settings, 2), dyn, one_pass=cpu)
-    _trace(fxb, "decode", _Decode(model), example_args(cfg, settings, 1), one, one_pass=cpu)
-    _trace(fxb, "score", _Score(model), (torch.zeros(2, dtype=torch.int64),), {"targets": {0: n}}, one_pass=cpu)
+    trace(fxb, "prefill", _Prefill(model), example_args(cfg, settings, 2), dyn, one_pass=cpu)
+    trace(fxb, "decode", _Decode(model), example_args(cfg, settings, 1), one, one_pass=cpu)
+    trace(fxb, "score", _Score(model), (torch.zeros(2, dtype=torch.int64),), {"targets": {0: n}}, one_pass=cpu)
 
 
 def export_text(output: "aot.ExportOutput") -> str:
@@ -436,7 +461,9 @@ def build(source: "ModelSource", cfg: ModelConfig, settings: BuildSettings, out_
 
     # Said before the side job's answers are read: the stages start in STAGES' order, whichever runs faster.
     clock.begin("export")
-    say("exporting", REUSED_MODULE if module else REUSED_EXPORT if kept.is_file() else f"tracing {cfg.n_layers} layers")
+    traced = len(probe(model)[1])
+    say("exporting", REUSED_MODULE if module else REUSED_EXPORT if kept.is_file()
+        else f"tracing {traced} of {cfg.n_layers} layers" if traced < cfg.n_layers else f"tracing {traced} layers")
     half = _SideJob(side, clock, say)
     try:
         if module is not None:

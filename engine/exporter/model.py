@@ -436,6 +436,9 @@ class StreamingLlama(nn.Module):
         local = [i for i in range(cfg.n_layers) if own[i]]
         self.layers = nn.ModuleList(
             Block(cfg, settings, i, (local if own[i] else shared).index(i), own[i]) for i in range(cfg.n_layers))
+        # The layers a call runs, when not all of them: a trace of a few, which engine/exporter/layers.py repeats.
+        self.traced_layers: tuple[int, ...] | None = None
+        self.sink_tables = [cfg.rope_table(i) for i in shared]  # each shared layer's RoPE table (shift_sinks)
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, fam.norm_offset, one_dispatch=one_dispatch_norms(cfg, settings))
         self.output = None if cfg.tie_embeddings else Linear(cfg.vocab_size, cfg.dim, head, matrix_units=units)
         # One cache global for all shared layers (and one ring for the local ones): with many per-layer globals a
@@ -514,8 +517,8 @@ class StreamingLlama(nn.Module):
                     flat_rows(self.cache, slots) if flat else None,
                     flat_rows(self.ring_cache, ring_slots) if flat and ring else None)
         self.shift_sinks(shift)
-        for block in self.layers:
-            x = block(x, step)
+        for i in range(len(self.layers)) if self.traced_layers is None else self.traced_layers:
+            x = self.layers[i](x, step)
         return self.norm(x)
 
     def padding(self, slots: torch.Tensor) -> torch.Tensor:
@@ -529,7 +532,7 @@ class StreamingLlama(nn.Module):
         if self.sink_keys is None:
             return
         sinks, (layers, _, heads, d) = self.settings.sink_slots, self.sink_keys.shape
-        tables = [self.cfg.rope_table(i) for i, b in enumerate(self.layers) if not b.attention.own_ring]
+        tables = self.sink_tables
         # Each layer's table [layers or 1 for all, 2, D/2], by slices: a tensor of the indices was a constant that
         # IREE lost in compiling (Gemma 3, "resource does not exist").
         rot = shift[tables[0]].unsqueeze(0) if len(set(tables)) == 1 else torch.stack([shift[t] for t in tables])
