@@ -1,7 +1,8 @@
 """engine/exporter/layers.py: an export that traces a few layers and copies the rest is, byte for byte, the MLIR of
 the export that traces every layer: each family at its smallest checkpoint's real widths (engine/checkpoint/shapes.py)
-with its own pattern of local and global layers, a float32 build's pinned sink slots, and the GPUs' programs of
-fixed shapes (vulkan's first layer is a kind of its own). Export only: the same MLIR compiles to the same module."""
+with its own pattern of local and global layers, a float32 build's pinned sink slots, a q8 build without sinks, and
+the GPUs' programs of fixed shapes (vulkan's first layer is a kind of its own). Export only: the same MLIR compiles to
+the same module. "must-repeat" fails where the copy does not match, instead of tracing every layer."""
 from __future__ import annotations
 
 import pytest
@@ -14,7 +15,7 @@ from engine.checkpoint.shapes import SMALLEST
 # short window and chunk keep them few (engine/shapes.py).
 GPU = {"window": 60, "max_chunk": 8}
 CASES = [(SMALLEST[fam], {"gemma2": 5, "gemma3": 7}.get(fam, 3), {"dtype": "q4"}) for fam in FAMILIES]
-CASES += [("llama-3.2-1b", 3, {"dtype": "f32", "max_sinks": 64}),
+CASES += [("llama-3.2-1b", 3, {"dtype": "f32", "max_sinks": 64}), ("qwen2.5-0.5b", 3, {"dtype": "q8", "sinks": 0}),
           ("llama-3.2-1b", 4, {"dtype": "f16", "device": "vulkan", **GPU}),
           ("qwen3-0.6b", 3, {"dtype": "q4", "device": "cuda", **GPU})]
 

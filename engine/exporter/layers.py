@@ -75,6 +75,8 @@ def export_repeated(model: StreamingLlama, trace: Callable[[], ExportedProgram],
     try:
         return repeat(program, model, kinds, traced)
     except NotRepeatable:
+        if strict:
+            raise
         return trace()
 
 
@@ -239,7 +241,8 @@ def repeat(program: ExportedProgram, model: StreamingLlama, kinds: list[Hashable
 
         for i, (x, y) in enumerate(zip(first.nodes, seg.nodes)):
             if x.op != y.op or x.target != y.target:
-                raise NotRepeatable(f"layers {first.layer} and {seg.layer} differ at node {i}")
+                raise NotRepeatable(f"layers {first.layer} and {seg.layer} differ at node {i}: {x.format_node()} and "
+                                    f"{y.format_node()}")
             same((x.args, x.kwargs), (y.args, y.kwargs), (), i)
         first.compared = True
     for k, s in template.items():
