@@ -1,5 +1,5 @@
 """A model's programs traced through a few of its layers, the rest copied from those: torch.export's trace grows with
-depth (at a Llama 3.2 1B's widths, 0.6 s a layer of a build's 10 s export), a copy of a traced layer's nodes costs
+depth (at a Llama 3.2 1B's widths, 0.4 s a layer of a build's 9 s export), a copy of a traced layer's nodes costs
 milliseconds.
 
 Layers of one kind (every attribute of the block alike but its place in the cache, `Attention.index`) trace to the
