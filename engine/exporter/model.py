@@ -44,14 +44,17 @@ from ..arch import Family, family
 from ..config import ATTEND_STEP, BuildSettings, ModelConfig, auto_kv_dtype
 from ..devices import TABLE
 from ..shapes import call_shapes
-from .kernels import (attend_one_dispatch, attend_rows, attend_split_slots, first_blocks, first_slots, query_keys,
-                      query_keys_rows, rms_norm_one_dispatch, softmax_over_slots, weighted_values, weighted_values_rows)
+from .kernels import (attend_one_dispatch, attend_rows, attend_split_slots, first_blocks, first_slots, layer_of,
+                      query_keys, query_keys_rows, rms_norm_one_dispatch, softmax_over_slots, weighted_values,
+                      weighted_values_rows)
 from .kernels.attention_rows import attend_plan
 from .linear import Linear, Piece
 
 # The KV cache buffers' element type per --kv-dtype. bfloat16 is kept as its bits in int16: turbine 3.9 cannot make
 # a bfloat16 global (it goes through numpy, which has no such type), so the graph bitcasts on every write and read.
 KV_STORAGE = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.int16}
+# Models narrower than this read their layer of the cache in decode with the layer as a value (Attention.write_cache).
+LAYER_VALUE_BELOW = 2048
 EMPTY_SLOT = 2**62  # slot_pos of an empty slot: later than any token, so masked for every query
 
 
@@ -142,6 +145,8 @@ class Attention(nn.Module):
         # Prefill's attention scores and output as custom ops (kernels.query_keys_rows, weighted_values_rows);
         # elsewhere torch matmuls, IREE's choice.
         self.rows_ops = path == "ops"
+        # There, decode reads a narrow model's layer of the cache with the layer as a value (write_cache).
+        self.layer_value = self.rows_ops and cfg.dim < LAYER_VALUE_BELOW
         # There, with no soft cap and a head size its stack fits, the whole attention as one op (kernels.attend_rows).
         self.one_op = (self.rows_ops and cfg.attn_softcap is None and attend_plan(cfg.head_dim) is not None
                        and not own_ring)
@@ -327,11 +332,17 @@ class Attention(nn.Module):
             return cache[i, 0], cache[i, 1]  # place (attend_rows, attend_one_dispatch)
         if self.split and step.single:  # float32 as stored, in blocks read in place (attend_split_slots)
             return first_blocks(cache[i, 0], step.cache_pos), first_blocks(cache[i, 1], step.cache_pos)
+        # A narrow model's decode on a CPU reads its layer with the layer as a value (kernels.layer_of): one executable
+        # for every layer's attention, where the constant offset made two a layer. The default model's decode (576
+        # wide, bound by its dispatches) took 14-27 % less time so; a 1B's (2048) and an 8B's took 2-5 % more
+        # (bench/decode_ab.py, Zen 5, 2026-12-07), so wider models keep the constant.
+        layer = ((lambda which: layer_of(cache, i)[which]) if step.single and self.layer_value
+                 else (lambda which: cache[i, which]))
         # One query reads the keys as blocks (kernels.first_blocks), where the device takes them.
-        keys = (first_blocks if step.single and self.key_blocks else first_slots)(cache[i, 0], step.cache_pos)
+        keys = (first_blocks if step.single and self.key_blocks else first_slots)(layer(0), step.cache_pos)
         if self.rows_ops and not step.single:  # prefill's ops widen what they read: the keys' slice as stored, and
             return keys, cache[i, 1]  # the layer's values read in place
-        return from_kv(keys), from_kv(first_slots(cache[i, 1], step.cache_pos))
+        return from_kv(keys), from_kv(first_slots(layer(1), step.cache_pos))
 
 
 def flat_rows(buffer: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

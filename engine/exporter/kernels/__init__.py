@@ -23,11 +23,11 @@ from .i8_products import i8_linear, i8_linear_scaled
 from .norms import rms_norm_one_dispatch
 from .plan import KernelPlan, lowering, lowering_for
 from .q4_products import q4_linear, q4_linear_parts
-from .slices import first_blocks, first_slots
+from .slices import first_blocks, first_slots, layer_of
 from .tiles import tile_q8, tileable, tiled_rows, untile_q8
 
 __all__ = ["KernelPlan", "lowering", "lowering_for", "q4_linear", "q4_linear_parts", "i8_linear", "i8_linear_scaled",
            "f16_linear",
            "query_keys", "weighted_values", "weighted_values_rows", "query_keys_rows", "attend_rows",
            "attend_one_dispatch", "attend_split_slots", "softmax_over_slots", "first_slots", "first_blocks",
-           "tileable", "tile_q8", "untile_q8", "tiled_rows", "rms_norm_one_dispatch"]
+           "layer_of", "tileable", "tile_q8", "untile_q8", "tiled_rows", "rms_norm_one_dispatch"]

@@ -27,6 +27,24 @@ def first_slots(kv: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return _ops()["slots"](kv, like)
 
 
+def layer_of(t: torch.Tensor, layer: int) -> torch.Tensor:
+    """t[layer] (t: a buffer of every layer's rows, the cache) with the layer as a value IREE does not fold: a constant
+    offset went into every dispatch that read the slice, so each layer had executables of its own for them; as a
+    value it is an operand of one shared executable."""
+    return _ops()["layer"](t, layer)
+
+
+_LAYER_OF = r"""
+module {{
+util.func private @{name}(%t: tensor<{l}x{rest}x{e}>) -> tensor<{rest}x{e}> {{
+  %c = arith.constant {layer} : index
+  %i = util.optimization_barrier %c : index
+  %r = tensor.extract_slice %t[%i{zeros}] [1, {sizes}] [1{ones}] : tensor<{l}x{rest}x{e}> to tensor<{rest}x{e}>
+  util.return %r : tensor<{rest}x{e}>
+}}
+}}
+"""
+
 _FIRST_BLOCKS = r"""
 module {{
 util.func private @{name}(%t: tensor<{h}x{s}x{d}x{e}>, %like: tensor<?x{le}>) -> tensor<{h}x?x{step}x{d}x{e}> {{
@@ -99,4 +117,24 @@ def register(kit: Kit) -> dict:
         def generate(self, ksel: KernelSelection, kb: KernelBuilder) -> None:
             generate_slice(kb, True)
 
-    return {"slots": first_slots, "blocks": first_blocks}
+    @CustomOp.register(library=library)
+    class layer_of(CustomOp):
+        signature = "layer_of(Tensor t, int layer) -> (Tensor)"
+
+        def select(self, ksel: KernelSelection) -> None:
+            t = ksel.arg_tensor(0)
+            t.specialize_all_dims()
+            ksel.attr_int(1)
+            ksel.return_new_tensor(list(t.t.shape[1:]), dtype=t.t.dtype)
+
+        def eager_execute(self, t, layer):
+            return t[layer].clone()
+
+        def generate(self, ksel: KernelSelection, kb: KernelBuilder) -> None:
+            (l, *rest), e = shape(kb, 0), kit.element_type(kb, 0)
+            layer, dims = ksel.arg_descs[1].v, "x".join(map(str, rest))
+            name = f"eddy_layer_of_{l}x{dims}x{e}_{layer}"
+            emit(kb, name, _LAYER_OF.format(name=name, l=l, rest=dims, e=e, layer=layer, zeros=", 0" * len(rest),
+                                            sizes=", ".join(map(str, rest)), ones=", 1" * len(rest)))
+
+    return {"slots": first_slots, "blocks": first_blocks, "layer": layer_of}
