@@ -40,7 +40,7 @@ def _expected(x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     scores_rows = x["q_rows"] @ kc.unsqueeze(1).transpose(2, 3)
     attend = torch.softmax(scores_rows + x["rows_mask"], -1) @ vc.unsqueeze(1)
     return {
-        "slots": kc, "blocks": kc.unflatten(1, (-1, 16)),
+        "slots": kc, "blocks": kc.unflatten(1, (-1, 16)), "layer_of": v,
         "query_keys": x["q"] @ kc.transpose(1, 2) + x["mask"],
         "query_blocks": x["q"] @ kc.transpose(1, 2) + x["mask"],
         "weighted_values": x["probs"] @ vc,
@@ -73,6 +73,8 @@ def _programs(gpu: bool) -> dict:
     decode = {
         "slots": lambda m, x: k.first_slots(m.keys, x["like"]),
         "blocks": lambda m, x: k.first_blocks(m.keys, x["like"]),
+        # A layer of a buffer of layers, the layer as a value (a narrow model's decode reads its cache so).
+        "layer_of": lambda m, x: k.layer_of(torch.stack([m.keys, m.values]), 1),
         # Decode's ops take keys and values widened to float32, as the model gives them (model.from_kv).
         "query_keys": lambda m, x: k.query_keys(x["q"], k.first_slots(m.keys, x["like"]).float(), x["mask"]),
         "query_blocks": lambda m, x: k.query_keys(x["q"], k.first_blocks(m.keys, x["like"]).float(), x["mask"]),
