@@ -334,7 +334,7 @@ class Attention(nn.Module):
             return first_blocks(cache[i, 0], step.cache_pos), first_blocks(cache[i, 1], step.cache_pos)
         # A narrow model's decode on a CPU reads its layer with the layer as a value (kernels.layer_of): one executable
         # for every layer's attention, where the constant offset made two a layer. The default model's decode (576
-        # wide, bound by its dispatches) took 14-27 % less time so; a 1B's (2048) and an 8B's took 2-5 % more
+        # wide, bound by its dispatches) ran 1.14-1.29x as fast so, a 1B's (2048) and an 8B's 0.95-0.98x
         # (bench/decode_ab.py, Zen 5, 2026-12-07), so wider models keep the constant.
         layer = ((lambda which: layer_of(cache, i)[which]) if step.single and self.layer_value
                  else (lambda which: cache[i, which]))
