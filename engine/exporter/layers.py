@@ -5,7 +5,7 @@ milliseconds.
 Layers of one kind (every attribute of the block alike but its place in the cache, `Attention.index`) trace to the
 same nodes in the same order; what differs is which parameters they read, the buffer versions and residual stream
 they take from the layer before, and the literals that are their index. The trace runs each kind's first two layers
-(StreamingLlama.traced_layers); the two are compared node by node to find those literals, and every other layer is
+(the model's `layers` swapped for just those); the two are compared node by node to find those literals, and every other layer is
 the first's nodes with its own parameters and index. The program that results is the one a trace of every layer
 gives, node for node (tests/test_repeated_layers.py compares the MLIR), and anything it cannot match is refused
 (NotRepeatable): the caller then traces every layer.
@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import re
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Hashable
+from typing import Any, Callable, Hashable, Iterator
 
 import torch
 from torch import fx
@@ -67,11 +67,11 @@ def export_repeated(model: StreamingLlama, trace: Callable[[], ExportedProgram],
     # Only the traced layers' parameters are the trace's: lifting and faking every layer's, for each program, was
     # a third of an 8B's trace.
     layers = model.layers
-    model.layers, model.traced_layers = _Some(layers, traced), traced
+    model.layers = _Some(layers, traced)
     try:
         program = trace()
     finally:
-        model.layers, model.traced_layers = layers, None
+        model.layers = layers
     try:
         return repeat(program, model, kinds, traced)
     except NotRepeatable:
@@ -81,19 +81,15 @@ def export_repeated(model: StreamingLlama, trace: Callable[[], ExportedProgram],
 
 
 class _Some(torch.nn.Module):
-    """Some of a model's layers under their own numbers (their parameters keep their names)."""
+    """Some of a model's layers under their own numbers (their parameters keep their names), run in that order."""
 
     def __init__(self, layers: torch.nn.ModuleList, keep: tuple[int, ...]) -> None:
         super().__init__()
-        self.count = len(layers)
         for i in keep:
             self.add_module(str(i), layers[i])
 
-    def __getitem__(self, i: int) -> torch.nn.Module:
-        return self._modules[str(i)]
-
-    def __len__(self) -> int:
-        return self.count
+    def __iter__(self) -> Iterator[torch.nn.Module]:
+        return iter(self._modules.values())
 
 
 def _layer(node: fx.Node) -> int | None:
@@ -154,7 +150,7 @@ def repeat(program: ExportedProgram, model: StreamingLlama, kinds: list[Hashable
         chain.append(node)
         for v in chain:
             version_of[v] = spec.target
-    for s, seg in enumerate(segments):
+    for seg in segments:
         for n in seg.nodes:
             if n in version_of:
                 seg.versions.setdefault(version_of[n], []).append(n)

@@ -447,8 +447,6 @@ class StreamingLlama(nn.Module):
         local = [i for i in range(cfg.n_layers) if own[i]]
         self.layers = nn.ModuleList(
             Block(cfg, settings, i, (local if own[i] else shared).index(i), own[i]) for i in range(cfg.n_layers))
-        # The layers a call runs, when not all of them: a trace of a few, which engine/exporter/layers.py repeats.
-        self.traced_layers: tuple[int, ...] | None = None
         self.sink_tables = [cfg.rope_table(i) for i in shared]  # each shared layer's RoPE table (shift_sinks)
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, fam.norm_offset, one_dispatch=one_dispatch_norms(cfg, settings))
         self.output = None if cfg.tie_embeddings else Linear(cfg.vocab_size, cfg.dim, head, matrix_units=units)
@@ -528,8 +526,8 @@ class StreamingLlama(nn.Module):
                     flat_rows(self.cache, slots) if flat else None,
                     flat_rows(self.ring_cache, ring_slots) if flat and ring else None)
         self.shift_sinks(shift)
-        for i in range(len(self.layers)) if self.traced_layers is None else self.traced_layers:
-            x = self.layers[i](x, step)
+        for block in self.layers:  # all, or a trace's few (engine/exporter/layers.py)
+            x = block(x, step)
         return self.norm(x)
 
     def padding(self, slots: torch.Tensor) -> torch.Tensor:
