@@ -2,7 +2,7 @@
 """A quantised type's product alone, in each form this CPU runs: the generic one and the hand-written ones
 (engine/exporter/kernels/dot_products.py; prefill_products.py for many rows), alternated, as iree-benchmark-module times them.
 
-    python bench/decode_product.py [--dtype q4|q6|q8] [--rows 57344] [--cols 4096] [--tokens 1] [--rounds 3] [--json FILE]
+    python bench/decode_product.py [--dtype q4|q8] [--rows 57344] [--cols 4096] [--tokens 1] [--rounds 3] [--json FILE]
 
 --tokens is the rows of x: 1 is decode's matrix-vector product, more a prefill chunk's (iree-benchmark-module's
 time then includes uploading x; the weights are uploaded in every case).
@@ -40,8 +40,6 @@ def weights(dtype: str, rows: int, cols: int) -> list:
     from engine.exporter.linear import Linear
 
     lin = Linear(rows, cols, dtype)
-    if dtype == "q6":
-        return [lin.weight, lin.scale, lin.units]
     return list(lin.q4_tensors()) if dtype == "q4" else [lin.weight]
 
 
@@ -51,11 +49,11 @@ def compiled(dtype: str, form: str | None, rows: int, cols: int, folder: Path, t
     import iree.turbine.aot as aot
     import torch
 
-    from engine.exporter.kernels import i8_linear, lowering_for, q4_linear, q6_linear
+    from engine.exporter.kernels import i8_linear, lowering_for, q4_linear
 
     class Product(torch.nn.Module):
         def forward(self, x, *w):
-            return {"q4": q4_linear, "q6": q6_linear}.get(dtype, i8_linear)(x, *w)
+            return q4_linear(x, *w) if dtype == "q4" else i8_linear(x, *w)
 
     fxb = aot.FxProgramsBuilder(Product())
 
@@ -87,7 +85,7 @@ def timed(vmfb: Path, dtype: str, rows: int, cols: int, tokens: int = 1) -> floa
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dtype", choices=("q4", "q6", "q8"), default="q4")
+    p.add_argument("--dtype", choices=("q4", "q8"), default="q4")
     p.add_argument("--rows", type=int, default=4 * 14336)
     p.add_argument("--cols", type=int, default=4096)
     p.add_argument("--tokens", type=int, default=1, help="rows of x: 1 is decode's product, more prefill's")
@@ -95,7 +93,7 @@ def main() -> int:
     p.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "decode_product.json")
     a = p.parse_args()
 
-    forms = [None, *host_dot_forms()] if a.dtype != "q6" else host_dot_forms()  # q6 has no generic form
+    forms = [None, *host_dot_forms()]
     megabytes = sum(t.numel() * t.element_size() for t in weights(a.dtype, a.rows, a.cols)) / 1e6
     times: dict[str, list[float]] = {str(f): [] for f in forms}
     bandwidths = []

@@ -32,12 +32,6 @@ TILE_ROWS = 32
 # q4's tiles are of 16 rows: one AVX-512 register of int32 sums in its hand-written decode product
 # (engine/exporter/kernels/dot_products.py), whose layout groups a tile's codes in blocks of 16 rows x 4 positions.
 Q4_TILE_ROWS = 16
-# A q4 build's LM head in 6 bits where the products are written by hand (engine/exporter/q6.py, GGUF's Q6_K): a
-# factor per Q6_SUB weights, a unit per Q6_SUPER, and a tile's group of 32 positions in Q6_GROUP_BYTES (six blocks
-# of 16 rows x 4 positions).
-Q6_SUB = 16
-Q6_SUPER = 256
-Q6_GROUP_BYTES = 6 * 64
 # A multiplied q4 matrix's group numbers are 8-bit factors of three float16 units per super-block of groups along a
 # row (engine/exporter/q4.py): at most Q4_SUPER_GROUPS (Q4_K's 256 weights, 4.69 bits a weight instead of float16
 # numbers' 5) in a row narrower than Q4_WIDE_GROUPS groups (2048 weights), at most Q4_WIDE_SUPER_GROUPS (1024

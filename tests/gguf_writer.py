@@ -21,11 +21,10 @@ def llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def write_gguf(path: Path, family: str, cfg: dict[str, Any], sd: dict[str, Any], quant: str | None = None,
-               tokenizer: bool = False, blocks: dict[str, tuple[np.ndarray, str]] | None = None) -> Path:
+               tokenizer: bool = False) -> Path:
     """`quant` (a GGML type the gguf package quantises, e.g. "Q4_0"): the matrices stored in it, as llama.cpp's
     quantiser does; norms and biases stay float32. `tokenizer`: one Eddy can build with (add_tokenizer), not a
-    stand-in list of tokens. `blocks`: tensors (HF names) stored as the given raw blocks of a GGML type instead
-    (one the gguf package does not quantise, e.g. Q6_K)."""
+    stand-in list of tokens."""
     import gguf
 
     arch = GGUF_ARCH[family]
@@ -53,10 +52,7 @@ def write_gguf(path: Path, family: str, cfg: dict[str, Any], sd: dict[str, Any],
             arr = llamacpp_permute(arr, cfg["num_key_value_heads"])
         if family.startswith("gemma") and base.endswith("norm"):
             arr = arr + 1  # llama.cpp's Gemma converter stores (1 + w) norms with the 1 added
-        if hf_name in (blocks or {}):
-            raw, qtype_name = blocks[hf_name]
-            w.add_tensor(f"{gname}.{suffix}", raw, raw_dtype=gguf.GGMLQuantizationType[qtype_name])
-        elif quant and quantisable(arr):
+        if quant and quantisable(arr):
             qtype = gguf.GGMLQuantizationType[quant]
             w.add_tensor(f"{gname}.{suffix}", quantise_rows(arr, qtype), raw_dtype=qtype)
         else:
@@ -160,25 +156,3 @@ def finish(w: Any, path: Path) -> Path:
     w.write_tensors_to_file()
     w.close()
     return path
-
-
-def q6_k_blocks(arr: np.ndarray) -> np.ndarray:
-    """A matrix as Q6_K blocks, uint8 [rows, row bytes] (the gguf package does not quantise Q6_K): Eddy's q6
-    quantiser's codes, factors and units (engine/exporter/q6.py) laid out as ggml's block_q6_K, the inverse of
-    engine/checkpoint/gguf_q6.py's reading. llama.cpp's 4-bit files keep their LM head so."""
-    import torch
-
-    from engine.exporter.q6 import quantise_q6
-
-    q = quantise_q6(torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)))
-    rows = arr.shape[0]
-    codes = q["weight"].numpy().reshape(rows, -1, 2, 4, 32)  # [block, half, quarter of 32 positions, l]
-    n = codes.shape[1]
-    ql = np.empty((rows, n, 2, 2, 32), dtype=np.uint8)
-    for byte in range(2):  # ql byte l: quarters 0 and 2; byte l + 32: quarters 1 and 3
-        ql[:, :, :, byte] = (codes[:, :, :, byte] & 15) | ((codes[:, :, :, byte + 2] & 15) << 4)
-    qh = sum((codes[:, :, :, quarter] >> 4) << (2 * quarter) for quarter in range(4)).astype(np.uint8)
-    factors = q["scale"].numpy().reshape(rows, n, 16).view(np.uint8)
-    units = q["units"].numpy().reshape(rows, n, 1).view(np.uint8)
-    return np.concatenate([ql.reshape(rows, n, 128), qh.reshape(rows, n, 64), factors, units],
-                          axis=-1).reshape(rows, -1)

@@ -4,7 +4,7 @@ layers (a local and a global one where the family has both), random weights from
 
 Per family: the f32 build's logits of a prefill, decode steps and a second turn within 1e-4 of transformers' own
 model on the same weights; the default quantised builds, q8 from the folder and q4 from a 4-bit GGUF (Q4_1,
-written with the gguf package; the LM head in Q6_K, as llama.cpp writes it), build and run a turn whose logits follow transformers' on the weights they hold.
+written with the gguf package), build and run a turn whose logits follow transformers' on the weights they hold.
 One build per family and type, deleted with the checkpoints once the family's tests are done (together they are
 gigabytes). A build keeps about one core busy (tracing, writing weights, much of iree-compile), so a family's three
 builds run at once, beside the references, each from when its checkpoint is written: on 2 cores the module took
@@ -22,16 +22,12 @@ import numpy as np
 import pytest
 
 from conftest import FAMILIES
-from gguf.constants import GGMLQuantizationType
-from gguf.quants import dequantize
-from gguf_writer import as_stored, q6_k_blocks, quantisable, write_gguf
+from gguf_writer import as_stored, quantisable, write_gguf
 
 TOL = 1e-4
 # The 4-bit GGUF's type: Q4_1, whose codes and numbers Eddy's q4 keeps as they are. (Q4_0's are dequantised and
 # quantised again, which took a two-layer Mistral's logits to a cosine of 0.935 with the file's own.)
 QUANT = "Q4_1"
-# The LM head's tensor, by whether it is tied to the embedding.
-HEAD = {True: "model.embed_tokens.weight", False: "lm_head.weight"}
 LAYERS = 2
 # A first turn of 20 tokens, 10 decode steps, then a second turn of 30.
 FIRST, STEPS, SECOND = 20, 10, 30
@@ -86,17 +82,9 @@ def real(request, tmp_path_factory, tiny) -> RealCase:
         source = resolve_model(str(folder))
         # The same weights with every matrix as the Q4_1 file holds it (the gguf package's own codes); a Q4_1
         # GGUF's codes and numbers are what Eddy's q4 keeps, so the q4 build is held to what the file says.
-        # The LM head in Q6_K where its width is whole 256s, as llama.cpp's 4-bit types keep it (a q4 build keeps
-        # its codes, on a CPU with hand-written products).
-        held = read_config(source)
-        head = HEAD[held["tie_word_embeddings"]] if held["hidden_size"] % 256 == 0 else None
-        state = {k: as_stored(v.numpy(), QUANT) if quantisable(v.numpy()) and k != head else v.numpy()
+        state = {k: as_stored(v.numpy(), QUANT) if quantisable(v.numpy()) else v.numpy()
                  for k, v in load_state_dict(source).items()}
-        blocks = {}
-        if head is not None:
-            blocks[head] = (q6_k_blocks(state[head]), "Q6_K")
-            state[head] = dequantize(blocks[head][0], GGMLQuantizationType.Q6_K).reshape(state[head].shape)
-        gguf = write_gguf(work / "q4.gguf", family, held, state, quant=QUANT, tokenizer=True, blocks=blocks)
+        gguf = write_gguf(work / "q4.gguf", family, read_config(source), state, quant=QUANT, tokenizer=True)
         builds["q4"] = pool.submit(_build, gguf, "q4")
         # A GGUF does not list its local and global layers: its readers (llama.cpp's and Eddy's) take the
         # family's pattern, under which a cut Gemma 3's two layers are both local. The reference is the model

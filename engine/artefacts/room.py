@@ -48,8 +48,8 @@ def matrix_bytes(rows: int, cols: int, dtype: str) -> int:
 
 
 def weights_bytes(cfg: ModelConfig, settings: BuildSettings) -> int:
-    """Bytes of weights.irpa's tensors: each matrix in the build's dtype (the LM head of a q4 build counted in q8,
-    which a CPU's q6 head is under: the estimate errs large), norms and biases in float32."""
+    """Bytes of weights.irpa's tensors: each matrix in the build's dtype (the LM head of a q4 build in q8),
+    norms and biases in float32."""
     dtype = settings.dtype
     head = "q8" if dtype == "q4" else dtype
 

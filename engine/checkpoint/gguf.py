@@ -224,15 +224,12 @@ def read_gguf(path: Path) -> _GGUFInfo:
 
 
 def main_code_bits(info: _GGUFInfo) -> float:
-    """Bits a weight of the type that holds most of the layers' matrix weights (Q4_K_M: Q4_K's 4.5, beside its
-    Q6_K tensors; the default model's Q4_1: 5.0, beside its Q8_0 embedding). The embedding and LM head, which
-    quantisers keep wider, are left out where there are layers: in a model of few layers and a large vocabulary
-    (a 1B's 128k x 2048 head in Q6_K beside two layers) they would outweigh them."""
+    """Bits a weight of the type that holds most of the file's matrix weights (Q4_K_M: Q4_K's 4.5, beside its
+    Q6_K tensors; the default model's Q4_1: 5.0, beside its Q8_0 embedding)."""
     weights: dict[int, int] = {}
     bits: dict[int, float] = {}
-    layers = any(name.startswith("blk.") for name in info.tensors)
-    for name, t in info.tensors.items():
-        if len(t.shape) >= 2 and (name.startswith("blk.") or not layers):
+    for t in info.tensors.values():
+        if len(t.shape) >= 2:
             n = math.prod(t.shape)
             weights[t.ggml_type] = weights.get(t.ggml_type, 0) + n
             bits[t.ggml_type] = 8 * t.nbytes / n
@@ -447,12 +444,10 @@ DEQUANT_ROWS = 2048
 
 def gguf_tensors(source: "ModelSource", cfg: dict[str, Any]
                  ) -> tuple[dict[str, tuple[int, ...]], Callable[[str], "torch.Tensor"],
-                            Callable[[str], "dict[str, torch.Tensor] | None"],
                             Callable[[str], "dict[str, torch.Tensor] | None"], Callable[[str], "GGUFRows | None"]]:
     """The weights' HF names and shapes from the header, a reader of one tensor by HF name (float32, with what
     llama.cpp's converter did to each family's tensors undone), a reader of a matrix's 4-bit codes as q4
-    rows where its type keeps them (engine/checkpoint/gguf_q4.py; None otherwise), one of a Q6_K matrix's codes
-    as q6 rows (None otherwise), and one of a matrix as
+    rows where its type keeps them (engine/checkpoint/gguf_q4.py; None otherwise), and one of a matrix as
     GGUFRows, read a block of rows at a time (None for a permuted one). Each read opens the file and reads just
     the bytes it needs (no mapping of the whole file that would stay resident)."""
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -495,16 +490,6 @@ def gguf_tensors(source: "ModelSource", cfg: dict[str, Any]
             rows[k] = torch.from_numpy(np.ascontiguousarray(_undo_permute(v, hf_name, cfg, fam)))
         return rows
 
-    def read_q6(hf_name: str) -> "dict[str, torch.Tensor] | None":
-        import torch
-
-        from .gguf_q6 import q6_rows
-
-        gname, t = where[hf_name]
-        if GGMLQuantizationType(t.ggml_type).name != "Q6_K" or len(t.shape) != 2 or _permuted_heads(hf_name, cfg, fam):
-            return None
-        return {k: torch.from_numpy(v) for k, v in q6_rows(_read_raw(source, info.path, gname, t)).items()}
-
     def read_rows(hf_name: str) -> GGUFRows | None:
         gname, t = where[hf_name]
         if len(t.shape) != 2 or _permuted_heads(hf_name, cfg, fam):
@@ -512,7 +497,7 @@ def gguf_tensors(source: "ModelSource", cfg: dict[str, Any]
         return GGUFRows(source, info.path, gname, t)
 
     # numpy order is ggml's reversed.
-    return {name: tuple(reversed(t.shape)) for name, (_, t) in where.items()}, read, read_q4, read_q6, read_rows
+    return {name: tuple(reversed(t.shape)) for name, (_, t) in where.items()}, read, read_q4, read_rows
 
 
 def _read_raw(source: "ModelSource", path: Path, gname: str, t: _GGUFTensorInfo,

@@ -9,8 +9,7 @@ its block's d times a 6-bit factor, rounded to float16 (a relative 2^-11, far un
 that is multiplied then has its numbers split into 8-bit factors of a unit per super-block (q4.split_numbers), its
 codes still the file's.
 
-Q6_K is kept as q6 where a build takes q6 (a q4 build's LM head: gguf_q6.py); every other type (Q8_0, F16, ...)
-takes the float path (engine/checkpoint/gguf.py).
+Every other type (Q6_K, Q8_0, F16, ...) takes the float path (engine/checkpoint/gguf.py).
 """
 from __future__ import annotations
 

@@ -78,8 +78,6 @@ class CheckpointTensors:
     # A matrix's 4-bit codes ({"weight": q4.pair_q4's bytes, "scale", "offset"}, engine/exporter/q4.py) where the
     # checkpoint keeps them (a GGUF's Q4_0, Q4_1 and Q4_K), else None: a q4 build takes them as they are.
     read_q4: Callable[[str], "dict[str, torch.Tensor] | None"] = lambda name: None
-    # A Q6_K matrix's codes, factors and units as q6 rows (engine/exporter/q6.py), else None: a q6 head takes them.
-    read_q6: Callable[[str], "dict[str, torch.Tensor] | None"] = lambda name: None
     # A matrix as float32 rows read when sliced (gguf.GGUFRows) where the checkpoint can, else None: a build that
     # converts it a block of rows at a time never holds it whole in float32.
     read_rows: Callable[[str], "GGUFRows | None"] = lambda name: None
@@ -95,9 +93,9 @@ def open_tensors(source: ModelSource) -> CheckpointTensors:
     the tiny random models are made whole, being tiny)."""
     cfg = read_config(source)
     if source.kind == "gguf":
-        shapes, read, read_q4, read_q6, read_rows = gguf_tensors(source, cfg)
+        shapes, read, read_q4, read_rows = gguf_tensors(source, cfg)
         _check_shapes(source, cfg, shapes)
-        return CheckpointTensors(shapes, read, read_q4, read_q6, read_rows)
+        return CheckpointTensors(shapes, read, read_q4, read_rows)
     if source.kind == "hf":
         shapes, read = hf_tensors(source, cfg)
     elif source.kind == "tiny-random":

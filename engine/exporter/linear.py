@@ -10,11 +10,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import Q4_TILE_ROWS, TILE_ROWS, super_groups
-from ..config import Q6_GROUP_BYTES, Q6_SUPER
-from .kernels import (f16_linear, i8_linear, i8_linear_scaled, in_call, q4_linear, q4_linear_parts, q6_linear,
-                      tile_q8, tileable, tiled_rows)
+from .kernels import (f16_linear, i8_linear, i8_linear_scaled, q4_linear, q4_linear_parts, tile_q8, tileable,
+                      tiled_rows)
 from .q4 import Q4_GROUP, dequantise_q4, pack_q4, packable, quantise_q4, tile_paired, unpair_q4
-from .q6 import dequantise_tiled_q6, packable_q6, quantise_q6, tile_q6, tiled_rows_q6
 
 TORCH_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 
@@ -27,8 +25,7 @@ def fixed_rows(x: torch.Tensor) -> bool:
 
 class Linear(nn.Module):
     """A weight matrix [out, in] stored in the build's type: f32, f16, bf16, q8 (int8 with a per-row scale) or q4
-    (4-bit codes in groups with a scale and an offset each: engine/exporter/q4.py); or, a q4 build's LM head, q6
-    (engine/exporter/q6.py).
+    (4-bit codes in groups with a scale and an offset each: engine/exporter/q4.py).
 
     Stored weights are widened inside the graph: IREE fuses the widening into the matrix-vector products, so
     decode reads 2 (16-bit), 1 (q8) or about 0.59 (q4: half a byte, 2 bytes per 32 and 6 per 256) bytes per weight while
@@ -61,12 +58,6 @@ class Linear(nn.Module):
                 self.scale = _frozen(torch.empty(tiles, groups, Q4_TILE_ROWS, dtype=torch.int8))
                 self.offset = _frozen(torch.empty(tiles, groups, Q4_TILE_ROWS, dtype=torch.int8))
                 self.units = _frozen(torch.empty(tiles, supers, 3, Q4_TILE_ROWS, dtype=torch.float16))
-        elif dtype == "q6":
-            groups = in_features // Q4_GROUP
-            tiles = out_features // Q4_TILE_ROWS
-            self.weight = _frozen(torch.empty(tiles, groups, Q6_GROUP_BYTES, dtype=torch.int8))
-            self.scale = _frozen(torch.empty(tiles, groups, 2, Q4_TILE_ROWS, dtype=torch.int8))
-            self.units = _frozen(torch.empty(tiles, in_features // Q6_SUPER, Q4_TILE_ROWS, dtype=torch.float16))
         else:
             stored = torch.int8 if dtype == "q8" else TORCH_DTYPES[dtype]
             tiles = (out_features // TILE_ROWS, in_features // 4, TILE_ROWS * 4)
@@ -79,12 +70,6 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.dtype == "q4":
             y = q4_linear(x, *self.q4_tensors())
-        elif self.dtype == "q6":
-            q6 = (self.weight, self.scale, self.units)
-            # One row (decode's, a prefill's last) by hand; perplexity's many widen the matrix in the call, as q8's
-            # do (in_call: not once at load, into a float32 copy kept for the module's life).
-            one = isinstance(x.shape[0], int) and x.shape[0] == 1
-            y = q6_linear(x, *q6) if one else F.linear(x, dequantise_tiled_q6(*map(in_call, q6)))
         elif self.rounds_x(x):
             y = f16_linear(x, self.weight)
         elif self.in_tiles and self.scale is not None and fixed_rows(x):  # a GPU build's prefill: one dispatch
@@ -118,8 +103,6 @@ class Linear(nn.Module):
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows as float32 (the embedding lookup of a tied matrix)."""
-        if self.dtype == "q6":
-            return tiled_rows_q6(self.weight, self.scale, self.units, ids)
         if self.dtype == "q4":
             assert not self.tiled, "a tiled q4 matrix has no whole rows to look up"
             return dequantise_q4(*(F.embedding(ids, t) for t in (self.weight, self.scale, self.offset)))
@@ -131,30 +114,17 @@ def _frozen(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t, requires_grad=False)
 
 
-def head_dtype(dtype: str, dot_form: str | None) -> str:
-    """A build's LM head type: the build's, but a q4 build's in 6 bits where its products are written by hand
-    (`dot_form`), else 8, as llama.cpp's 4-bit types keep theirs in Q6_K: every logit goes through it."""
-    if dtype != "q4":
-        return dtype
-    return "q6" if dot_form else "q8"
-
-
 def matrix_dtype(dtype: str, in_features: int, out_features: int | None = None) -> str:
     """The type a matrix is stored in: the build's, except that q4 needs whole groups along a row (and, for a
-    matrix that is multiplied, `out_features` in whole tiles of rows), and q6 (a multiplied matrix) whole
-    super-blocks and tiles; a matrix without them is stored in q8 instead (no family Eddy knows has such a q4
-    matrix; the default model's head, 576 wide, is one for q6)."""
-    if dtype == "q4" and not packable(in_features, out_features):
-        return "q8"
-    if dtype == "q6" and (out_features is None or not packable_q6(in_features, out_features)):
-        return "q8"
-    return dtype
+    matrix that is multiplied, `out_features` in whole tiles of rows), and a matrix without them (no family Eddy
+    knows has one) is stored in q8 instead."""
+    return "q8" if dtype == "q4" and not packable(in_features, out_features) else dtype
 
 
 def in_tiles(dtype: str, out_features: int, in_features: int, multiplied: bool) -> bool:
     """Whether a matrix (of its stored type) is stored in tiles of rows: a quantised one that is multiplied, if
     it makes whole tiles (q4's always do: matrix_dtype)."""
-    return multiplied and (dtype in ("q4", "q6") or dtype == "q8" and tileable(out_features, in_features))
+    return multiplied and (dtype == "q4" or dtype == "q8" and tileable(out_features, in_features))
 
 
 # Rows converted at a time by stored_matrix: its float32 temporaries stay a few MB whatever the matrix (a
@@ -176,8 +146,6 @@ def stored_matrix(w: torch.Tensor, dtype: str, tiled: bool = False) -> dict[str,
     out = converted_rows(w, dtype, paired=tiles and dtype == "q4")
     if not tiles:
         return out
-    if dtype == "q6":
-        return tile_q6(out)
     return tile_paired(out) if dtype == "q4" else {**out, "weight": tile_q8(out["weight"])}
 
 
@@ -200,8 +168,6 @@ def converted_rows(w: torch.Tensor, dtype: str, paired: bool = False) -> dict[st
 def _convert_rows(block: torch.Tensor, dtype: str, paired: bool) -> dict[str, torch.Tensor]:
     if dtype == "q4":
         return quantise_q4(block, paired)
-    if dtype == "q6":
-        return quantise_q6(block)
     if dtype != "q8":
         return {"weight": block.to(TORCH_DTYPES[dtype])}
     s = (block.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
@@ -224,9 +190,6 @@ class Piece:
         checkpoint's own floating type, which converts to the same bytes; for a q4 matrix, also q4 rows as a
         GGUF's 4-bit blocks give them, CheckpointTensors.read_q4; for a quantised matrix of one source, also rows
         read when sliced, CheckpointTensors.read_rows)."""
-        if self.dtype == "q6" and len(tensors) == 1 and isinstance(tensors[0], dict):
-            # A GGUF's Q6_K blocks as rows (CheckpointTensors.read_q6): tiled by moving bits.
-            return {f"{self.module}.{name}": t for name, t in tile_q6(tensors[0]).items()}
         if any(isinstance(t, dict) for t in tensors):
             # A GGUF's 4-bit blocks in pair_q4's bytes (CheckpointTensors.read_q4), beside any float source of
             # the same piece: all taken to those bytes, joined by rows, then tiled by moving bytes.

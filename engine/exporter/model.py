@@ -42,13 +42,13 @@ from torch import nn
 
 from ..arch import Family, family
 from ..config import ATTEND_STEP, BuildSettings, ModelConfig, auto_kv_dtype
-from ..devices import TABLE, dot_form
+from ..devices import TABLE
 from ..shapes import call_shapes
 from .kernels import (attend_one_dispatch, attend_rows, attend_split_slots, first_blocks, first_slots, layer_of,
                       query_keys, query_keys_rows, rms_norm_one_dispatch, softmax_over_slots, weighted_values,
                       weighted_values_rows)
 from .kernels.attention_rows import attend_plan
-from .linear import Linear, Piece, head_dtype
+from .linear import Linear, Piece
 
 # The KV cache buffers' element type per --kv-dtype. bfloat16 is kept as its bits in int16: turbine 3.9 cannot make
 # a bfloat16 global (it goes through numpy, which has no such type), so the graph bitcasts on every write and read.
@@ -434,7 +434,8 @@ class StreamingLlama(nn.Module):
         self.cfg, self.settings = cfg, settings
         self.family = fam = family(cfg.arch)
         self.embed_scale = cfg.dim ** 0.5 if fam.embed_scale else None
-        head = head_dtype(settings.dtype, dot_form(settings.device, settings.target_cpu))
+        # Like llama.cpp's 4-bit types, q4 keeps the LM head in 8 bits: every logit goes through it.
+        head = "q8" if settings.dtype == "q4" else settings.dtype
         units = TABLE[settings.device].matrix_units
         self.tok_embeddings = (Linear(cfg.vocab_size, cfg.dim, head, matrix_units=units) if cfg.tie_embeddings
                                else Linear(cfg.vocab_size, cfg.dim, settings.dtype, lookup=True))

@@ -32,11 +32,11 @@ def archive_entries(model: StreamingLlama) -> list[Entry]:
 
 
 def _source(tensors: "CheckpointTensors", name: str, piece: "Piece"):
-    """A piece's source tensor: for a q4 or q6 matrix a GGUF's codes as they are, where the file has them; for a
+    """A piece's source tensor: for a q4 matrix a GGUF's 4-bit codes as they are, where the file has them; for a
     quantised matrix of one source, its rows read a block at a time as stored_matrix converts them
     (CheckpointTensors.read_rows), where the file can; else the whole tensor."""
-    kept = {"q4": tensors.read_q4, "q6": tensors.read_q6}.get(piece.dtype, lambda name: None)(name)
-    if kept is None and piece.kind == "matrix" and piece.dtype in ("q4", "q6", "q8") and len(piece.sources) == 1:
+    kept = tensors.read_q4(name) if piece.dtype == "q4" else None
+    if kept is None and piece.kind == "matrix" and piece.dtype in ("q4", "q8") and len(piece.sources) == 1:
         kept = tensors.read_rows(name)
     return kept if kept is not None else tensors.read_stored(name)
 

@@ -37,7 +37,7 @@ saturates), so it takes |w| and q with w's sign (`vpsignb`), llama.cpp's trick, 
 """
 from __future__ import annotations
 
-from ...config import Q4_GROUP, Q6_GROUP_BYTES, Q6_SUPER, super_groups
+from ...config import Q4_GROUP, super_groups
 from ...config import Q4_TILE_ROWS as Q4_TILE
 from ...config import TILE_ROWS as Q8_TILE
 
@@ -394,14 +394,12 @@ def q4_prefetch(tiles: int, groups: int) -> str:
     return "".join(f"\n          {line}" for line in lines)
 
 
-def _executable(name: str, tiles: int, k: int, bindings: str, subspans: str, tile: str,
-                quantise: str | None = None) -> str:
+def _executable(name: str, tiles: int, k: int, bindings: str, subspans: str, tile: str) -> str:
     groups = k // Q4_GROUP
     per_workgroup = tiles_per_workgroup(tiles)
     return _EXECUTABLE.format(
         name=name, workgroups=-(-tiles // per_workgroup), groups=groups, nb=tiles, per_workgroup=per_workgroup, k=k,
-        bindings=bindings, offsets=index_constants(), subspans=subspans,
-        quantise=quantise or _quantise_x(k, groups), tile=tile)
+        bindings=bindings, offsets=index_constants(), subspans=subspans, quantise=_quantise_x(k, groups), tile=tile)
 
 
 def q4_executable(form: str, name: str, tiles: int, k: int) -> str:
@@ -449,174 +447,3 @@ def q8_call(name: str, tiles: int, k: int, x: str, w: str, out: str) -> str:
     """The `flow.dispatch` of q8_executable @name, binding `out` (tensor<tiles x 32 x f32>)."""
     return (f"{out} = flow.dispatch @{name}::@{name}({x}, {w}) : (tensor<{k}xf32>, "
             f"tensor<{tiles}x{k // 4}x{Q8_QUAD_BYTES}xi8>) -> tensor<{tiles}x32xf32>")
-
-
-# q6 (`q6_executable`, the layout in engine/exporter/q6.py): q4's blocks give each code's low 4 bits, blocks 4 and 5
-# its top 2, joined into a byte 0-63 that `vpdpbusd` takes as it takes q4's codes. A group's positions 0-15 and
-# 16-31 have factors of their own, so their sums are kept apart (positions 0-15 are every block's low nibbles).
-# Per group, in integers: sum_half f_half (sum(code q) - 32 sum(q)), at most 2 x 127 x 16 x 32 x 127 < 2^24, so
-# exact in float32 too; then times x's scale, and a super-block's sum times its unit. _quantise_x_halves keeps
-# 32 sum(q) of each half of x's group.
-def _q6_codes(h: int, w: str, tops: tuple[str, str], width: int, name: str) -> str:
-    """%`name`lo, %`name`hi: set h's codes (positions 4h + j and 16 + 4h + j of the group) as bytes, from its
-    q4-style block `w` and the top-bit blocks `tops` (blocks 4 and 5; vector<`width`xi8>)."""
-    v = f"vector<{width}xi8>"
-    lines = [f"%{name}l4 = arith.andi {w}, %q6m15_{width} : {v}",
-             f"%{name}s4 = arith.shrui {w}, %q6s4_{width} : {v}",
-             f"%{name}h4 = arith.andi %{name}s4, %q6m15_{width} : {v}"]
-    for half, low, t in (("lo", f"%{name}l4", tops[0]), ("hi", f"%{name}h4", tops[1])):
-        shifted = t if h == 0 else f"%{name}{half}t"
-        if h:
-            lines.append(f"%{name}{half}t = arith.shrui {t}, %q6s{2 * h}_{width} : {v}")
-        lines += [f"%{name}{half}m = arith.andi {shifted}, %q6m3_{width} : {v}",
-                  f"%{name}{half}u = arith.shli %{name}{half}m, %q6s4_{width} : {v}",
-                  f"%{name}{half} = arith.ori {low}, %{name}{half}u : {v}"]
-    return "".join(f"\n          {line}" for line in lines)
-
-
-def _q6_constants(width: int) -> str:
-    v = f"vector<{width}xi8>"
-    return "".join(f"\n      %q6{n}_{width} = arith.constant dense<{value}> : {v}"
-                   for n, value in (("m15", 15), ("m3", 3), ("s2", 2), ("s4", 4), ("s6", 6)))
-
-
-def _q6_vnni() -> tuple[str, str, str]:
-    """One group of one q6 tile (%b, %c): its body and the values holding the 16 rows' integer sums of positions
-    0-15 and 16-31."""
-    block = f"memref<{{nb}}x{{groups}}x{Q6_GROUP_BYTES}xi8>"
-    lines = [f"""
-          %t4 = vector.load %q[%b, %c, %o4q] : {block}, vector<64xi8>
-          %t5 = vector.load %q[%b, %c, %o5q] : {block}, vector<64xi8>"""]
-    acc = {"lo": "%zi", "hi": "%zi"}
-    for h in range(4):
-        lines.append(f"""
-          %w{h} = vector.load %q[%b, %c, %o{h}] : {block}, vector<64xi8>""" + _q6_codes(h, f"%w{h}", ("%t4", "%t5"), 64, f"k{h}")
-                     + _x_bytes(f"xl{h}", h, 16) + _x_bytes(f"xh{h}", h + 4, 16))
-        for half, x in (("lo", f"%xl{h}"), ("hi", f"%xh{h}")):
-            lines.append(f"""
-          %p{half}{h} = llvm.call_intrinsic "llvm.x86.avx512.vpdpbusd.512"({acc[half]}, %k{h}{half}, {x}) : (vector<16xi32>, vector<64xi8>, vector<64xi8>) -> vector<16xi32>""")
-            acc[half] = f"%p{half}{h}"
-    return "".join(lines), acc["lo"], acc["hi"]
-
-
-def _q6_avx2() -> tuple[str, str, str]:
-    """_q6_vnni in two ymm halves of 8 rows: `vpmaddubsw` (pairs, at most 2 x 63 x 127) summed two sets at a time
-    in 16 bits (under 2^15), then `vpmaddwd` into int32."""
-    block = f"memref<{{nb}}x{{groups}}x{Q6_GROUP_BYTES}xi8>"
-    lines = [_x_bytes(f"xl{h}", h, 8) + _x_bytes(f"xh{h}", h + 4, 8) for h in range(4)]
-    sums: dict[str, list[str]] = {"lo": [], "hi": []}
-    for r in range(2):
-        lines.append(f"""
-          %t4_{r} = vector.load %q[%b, %c, %o4h{r}q] : {block}, vector<32xi8>
-          %t5_{r} = vector.load %q[%b, %c, %o5h{r}q] : {block}, vector<32xi8>""")
-        prods: dict[str, list[str]] = {"lo": [], "hi": []}
-        for h in range(4):
-            name = f"k{h}_{r}_"
-            lines.append(f"""
-          %w{h}_{r} = vector.load %q[%b, %c, %o{h}h{r}] : {block}, vector<32xi8>"""
-                         + _q6_codes(h, f"%w{h}_{r}", (f"%t4_{r}", f"%t5_{r}"), 32, name))
-            for half, x in (("lo", f"%xl{h}"), ("hi", f"%xh{h}")):
-                lines.append(f"""
-          %m{half}{h}_{r} = llvm.call_intrinsic "llvm.x86.avx2.pmadd.ub.sw"(%{name}{half}, {x}) : (vector<32xi8>, vector<32xi8>) -> vector<16xi16>""")
-                prods[half].append(f"%m{half}{h}_{r}")
-        for half in ("lo", "hi"):
-            p = prods[half]
-            for pair in range(2):
-                lines.append(f"""
-          %a{half}{pair}_{r} = arith.addi {p[2 * pair]}, {p[2 * pair + 1]} : vector<16xi16>
-          %d{half}{pair}_{r} = llvm.call_intrinsic "llvm.x86.avx2.pmadd.wd"(%a{half}{pair}_{r}, %ones16) : (vector<16xi16>, vector<16xi16>) -> vector<8xi32>""")
-            lines.append(f"""
-          %e{half}_{r} = arith.addi %d{half}0_{r}, %d{half}1_{r} : vector<8xi32>""")
-            sums[half].append(f"%e{half}_{r}")
-    for half in ("lo", "hi"):
-        lines.append(f"""
-          %i{half} = vector.shuffle {sums[half][0]}, {sums[half][1]} [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15] : vector<8xi32>, vector<8xi32>""")
-    return "".join(lines), "%ilo", "%ihi"
-
-
-_Q6_GROUPS = {"vnni": _q6_vnni, "avx2": _q6_avx2}
-
-
-def _quantise_x_halves(k: int, groups: int) -> str:
-    """_quantise_x's %xq and %xd, and %xs [groups x 2] i32: 32 sum(q) over each half of the group."""
-    return f"""
-      %c32i = arith.constant 32 : i32
-      %xq = memref.alloca() : memref<{groups}x8xi32>
-      %xd = memref.alloca() : memref<{groups}xf32>
-      %xs = memref.alloca() : memref<{groups}x2xi32>
-      scf.for %c = %c0 to %cg step %c1 {{{quantise_group(f"memref<{k}xf32>")}
-        vector.store %q32, %xq[%c, %c0] : memref<{groups}x8xi32>, vector<8xi32>
-        memref.store %dx, %xd[%c] : memref<{groups}xf32>
-        %qlo = vector.shuffle %qi, %qi [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15] : vector<32xi32>, vector<32xi32>
-        %slo = vector.reduction <add>, %qlo : vector<16xi32> into i32
-        %shi = arith.subi %sum, %slo : i32
-        %blo = arith.muli %slo, %c32i : i32
-        %bhi = arith.muli %shi, %c32i : i32
-        memref.store %blo, %xs[%c, %c0] : memref<{groups}x2xi32>
-        memref.store %bhi, %xs[%c, %c1] : memref<{groups}x2xi32>
-      }}"""
-
-
-_Q6_TILE = """
-        %acc = scf.for %sb = %c0 to %csup step %c1 iter_args(%as = %zv) -> vector<16xf32> {{
-        %uh = vector.load %u[%b, %sb, %c0] : memref<{nb}x{supers}x16xf16>, vector<16xf16>
-        %uf = arith.extf %uh : vector<16xf16> to vector<16xf32>
-        %cs0 = arith.muli %sb, %cper : index
-        %cs1 = arith.addi %cs0, %cper : index
-        %gs = scf.for %c = %cs0 to %cs1 step %c1 iter_args(%af = %zv) -> vector<16xf32> {{{group}
-          %bl = memref.load %xs[%c, %c0] : memref<{groups}x2xi32>
-          %bh = memref.load %xs[%c, %c1] : memref<{groups}x2xi32>
-          %blv = vector.broadcast %bl : i32 to vector<16xi32>
-          %bhv = vector.broadcast %bh : i32 to vector<16xi32>
-          %il0 = arith.subi {lo}, %blv : vector<16xi32>
-          %ih0 = arith.subi {hi}, %bhv : vector<16xi32>
-          %fl8 = vector.load %f[%b, %c, %c0, %c0] : memref<{nb}x{groups}x2x16xi8>, vector<16xi8>
-          %fh8 = vector.load %f[%b, %c, %c1, %c0] : memref<{nb}x{groups}x2x16xi8>, vector<16xi8>
-          %fl = arith.extsi %fl8 : vector<16xi8> to vector<16xi32>
-          %fh = arith.extsi %fh8 : vector<16xi8> to vector<16xi32>
-          %pl = arith.muli %il0, %fl : vector<16xi32>
-          %ph = arith.muli %ih0, %fh : vector<16xi32>
-          %ps = arith.addi %pl, %ph : vector<16xi32>
-          %pf = arith.sitofp %ps : vector<16xi32> to vector<16xf32>
-          %dxs = memref.load %xd[%c] : memref<{groups}xf32>
-          %dxv = vector.broadcast %dxs : f32 to vector<16xf32>
-          %a1 = math.fma %pf, %dxv, %af : vector<16xf32>
-          scf.yield %a1 : vector<16xf32>
-        }}
-        %s1 = math.fma %gs, %uf, %as : vector<16xf32>
-        scf.yield %s1 : vector<16xf32>
-        }}
-        vector.store %acc, %o[%b, %c0] : memref<{nb}x16xf32>, vector<16xf32>"""
-
-
-def q6_types(tiles: int, k: int) -> str:
-    """The tensor types of a q6 product's weights: codes, factors, units (engine/exporter/q6.py's tiled layout)."""
-    groups = k // Q4_GROUP
-    return (f"tensor<{tiles}x{groups}x{Q6_GROUP_BYTES}xi8>, tensor<{tiles}x{groups}x2x16xi8>, "
-            f"tensor<{tiles}x{k // Q6_SUPER}x16xf16>")
-
-
-def q6_executable(form: str, name: str, tiles: int, k: int) -> str:
-    """The `stream.executable` @name computing out [tiles x 16] f32 from x [k] f32 and a q6 matrix (q6_types)."""
-    groups, supers = k // Q4_GROUP, k // Q6_SUPER
-    body, lo, hi = _Q6_GROUPS[form]()
-    width = 64 if form == "vnni" else 32
-    offsets = [("o4q", 256), ("o5q", 320)] + [(f"o{t}h{r}q", 256 + 64 * (t - 4) + 32 * r) for t in (4, 5)
-                                              for r in range(2)]
-    subspans = _q6_constants(width) + "".join(f"\n      %{n} = arith.constant {v} : index" for n, v in offsets) + f"""
-      %cper = arith.constant {Q6_SUPER // Q4_GROUP} : index
-      %csup = arith.constant {supers} : index
-      %q = stream.binding.subspan %qb[%c0] : !stream.binding -> memref<{tiles}x{groups}x{Q6_GROUP_BYTES}xi8>
-      %f = stream.binding.subspan %fb[%c0] : !stream.binding -> memref<{tiles}x{groups}x2x16xi8>
-      %u = stream.binding.subspan %ub[%c0] : !stream.binding -> memref<{tiles}x{supers}x16xf16>
-      %o = stream.binding.subspan %ob[%c0] : !stream.binding -> memref<{tiles}x16xf32>"""
-    tile = _Q6_TILE.format(nb=tiles, groups=groups, supers=supers, group=body.format(nb=tiles, groups=groups),
-                           lo=lo, hi=hi)
-    return _executable(name, tiles, k, "%qb: !stream.binding, %fb: !stream.binding, %ub: !stream.binding",
-                       subspans, tile, _quantise_x_halves(k, groups))
-
-
-def q6_call(name: str, tiles: int, k: int, x: str, weights: tuple[str, str, str], out: str) -> str:
-    """The `flow.dispatch` of q6_executable @name, binding `out` (tensor<tiles x 16 x f32>)."""
-    return (f"{out} = flow.dispatch @{name}::@{name}({x}, {', '.join(weights)}) : (tensor<{k}xf32>, "
-            f"{q6_types(tiles, k)}) -> tensor<{tiles}x16xf32>")

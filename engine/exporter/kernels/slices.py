@@ -1,6 +1,5 @@
 """`first_slots` / `first_blocks` as custom ops (needs torch and turbine at export): a layer's keys or values in
-the cache's first slots (what a call attends to: model.py), as a plain slice or in blocks of ATTEND_STEP slots;
-`layer_of`, a layer's rows with the layer as a value; `in_call`, a tensor as a value IREE does not precompute from."""
+the cache's first slots (what a call attends to: model.py), as a plain slice or in blocks of ATTEND_STEP slots."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -33,13 +32,6 @@ def layer_of(t: torch.Tensor, layer: int) -> torch.Tensor:
     offset went into every dispatch that read the slice, so each layer had executables of its own for them; as a
     value it is an operand of one shared executable."""
     return _ops()["layer"](t, layer)
-
-
-def in_call(t: torch.Tensor) -> torch.Tensor:
-    """t, as a value IREE does not precompute from: what is made of parameters alone IREE otherwise hoists into
-    the module's initialiser, which for a q6 LM head widened to float32 (perplexity's product) was a 1 GB global
-    made at every load of a 1B (2.5 s of opening it)."""
-    return _ops()["in_call"](t)
 
 
 _LAYER_OF = r"""
@@ -75,16 +67,6 @@ util.func private @{name}(%t: tensor<{h}x{s}x{d}x{e}>, %like: tensor<?x{le}>) ->
   %n = util.assume.int %len<umin = {step}, umax = {s}, udiv = {step}> : index
   %r = tensor.extract_slice %t[0, 0, 0] [{h}, %n, {d}] [1, 1, 1] : tensor<{h}x{s}x{d}x{e}> to tensor<{h}x?x{d}x{e}>
   util.return %r : tensor<{h}x?x{d}x{e}>
-}}
-}}
-"""
-
-
-_IN_CALL = r"""
-module {{
-util.func private @{name}(%t: tensor<{dims}x{e}>) -> tensor<{dims}x{e}> {{
-  %r = util.optimization_barrier %t : tensor<{dims}x{e}>
-  util.return %r : tensor<{dims}x{e}>
 }}
 }}
 """
@@ -155,21 +137,4 @@ def register(kit: Kit) -> dict:
             emit(kb, name, _LAYER_OF.format(name=name, l=l, rest=dims, e=e, layer=layer, zeros=", 0" * len(rest),
                                             sizes=", ".join(map(str, rest)), ones=", 1" * len(rest)))
 
-    @CustomOp.register(library=library)
-    class in_call(CustomOp):
-        signature = "in_call(Tensor t) -> (Tensor)"
-
-        def select(self, ksel: KernelSelection) -> None:
-            t = ksel.arg_tensor(0)
-            t.specialize_all_dims()
-            ksel.return_new_tensor(list(t.t.shape), dtype=t.t.dtype)
-
-        def eager_execute(self, t):
-            return t.clone()
-
-        def generate(self, ksel: KernelSelection, kb: KernelBuilder) -> None:
-            dims, e = "x".join(map(str, shape(kb, 0))), kit.element_type(kb, 0)
-            name = f"eddy_in_call_{dims}x{e}"
-            emit(kb, name, _IN_CALL.format(name=name, dims=dims, e=e))
-
-    return {"slots": first_slots, "blocks": first_blocks, "layer": layer_of, "in_call": in_call}
+    return {"slots": first_slots, "blocks": first_blocks, "layer": layer_of}
