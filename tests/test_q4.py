@@ -390,3 +390,66 @@ def test_a_gpus_product_of_many_rows_is_float16_on_matrix_units_and_float32_else
         # float16's rounding shows where it is meant to, and is small.
         rel = np.abs(got - exact).max() / np.abs(exact).max()
         assert (1e-5 < rel < 1e-2) if half else rel < 1e-5, (program, rel)
+
+
+@pytest.mark.parametrize("form", [f for f in _host_forms() if f is not None])
+@pytest.mark.parametrize("tiles", [9, 36])
+def test_the_swiglu_down_product_is_its_activation_then_the_product(form, tiles, tmp_path):
+    """Decode's SwiGLU down product (kernels.q4_linear_swiglu: silu(gate) * up made inside the hand-written
+    product as it rounds x) in each form this CPU runs: the codes times silu(gate) * up rounded to int8 per group of
+    32, to float32 rounding, in one workgroup (9 tiles) and in two (36: dot_products.swiglu_tiles_per_workgroup)."""
+    import subprocess
+    import sys
+
+    import iree.runtime as rt
+    import iree.turbine.aot as aot
+
+    from engine.devices import compile_flags
+    from engine.exporter.kernels import lowering_for, q4_linear_swiglu
+    from engine.exporter.kernels.dot_products import swiglu_tiles_per_workgroup
+    from engine.exporter.linear import Linear, stored_matrix
+
+    out_f, in_f = tiles * 16, 12 * Q4_GROUP
+    assert -(-tiles // swiglu_tiles_per_workgroup(tiles)) == (1 if tiles == 9 else 2)
+    rng = np.random.RandomState(6)
+    w = torch.from_numpy(rng.standard_normal((out_f, in_f)).astype(np.float32))
+    lin = Linear(out_f, in_f, "q4")
+    for name, t in stored_matrix(w, "q4", tiled=True).items():
+        getattr(lin, name).data = t
+    gate_up = torch.from_numpy(3 * rng.standard_normal((1, 2 * in_f)).astype(np.float32))
+
+    class Down(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = lin
+
+        def forward(self, a):
+            return q4_linear_swiglu(a, *self.lin.q4_tensors())
+
+    fxb = aot.FxProgramsBuilder(Down())
+
+    @fxb.export_program(name="decode", args=(gate_up,), strict=False)
+    def decode(m, a):
+        return m(a)
+
+    with lowering_for("cpu", form):
+        mlir = str(aot.export(fxb).mlir_module)
+    assert f"eddy_q4_swiglu_{out_f}x{in_f}_{form}" in mlir and "math.exp" in mlir
+    (tmp_path / "m.mlir").write_text(mlir)
+    iree_compile = str(Path(sys.executable).with_name("iree-compile"))
+    subprocess.run([iree_compile, str(tmp_path / "m.mlir"), *compile_flags("cpu", "host"), "-o",
+                    str(tmp_path / "m.vmfb")], check=True, capture_output=True)
+    got = np.asarray(rt.load_vm_flatbuffer_file(str(tmp_path / "m.vmfb"), driver="local-task").decode(gate_up.numpy()))
+
+    rows = untile_q4(stored_matrix(w, "q4", tiled=True))
+    dense = dequantise_q4(*rows.values()).double()
+    x = torch.nn.functional.silu(gate_up[:, :in_f]) * gate_up[:, in_f:]
+    xg = x.reshape(-1, Q4_GROUP)
+    amax = xg.abs().amax(-1, keepdim=True)
+    dx = amax * torch.tensor(1 / 127, dtype=torch.float32)
+    q = torch.round(xg * torch.where(amax > 0, 127 / amax, torch.zeros_like(amax)))
+    want = (dense @ (q * dx).reshape(-1).double()).numpy()
+    exact = (dense @ x.reshape(-1).double()).numpy()
+    scale = np.abs(want).max()
+    assert np.abs(got[0] - want).max() < 1e-5 * scale
+    assert 1e-4 < np.abs(got[0] - exact).max() / scale < 2e-2

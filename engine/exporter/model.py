@@ -42,11 +42,11 @@ from torch import nn
 
 from ..arch import Family, family
 from ..config import ATTEND_STEP, BuildSettings, ModelConfig, auto_kv_dtype
-from ..devices import TABLE
+from ..devices import TABLE, dot_form
 from ..shapes import call_shapes
 from .kernels import (attend_one_dispatch, attend_rows, attend_split_slots, first_blocks, first_slots, layer_of,
-                      query_keys, query_keys_rows, rms_norm_one_dispatch, softmax_over_slots, weighted_values,
-                      weighted_values_rows)
+                      q4_linear_swiglu, query_keys, query_keys_rows, rms_norm_one_dispatch, softmax_over_slots,
+                      weighted_values, weighted_values_rows)
 from .kernels.attention_rows import attend_plan
 from .linear import Linear, Piece
 
@@ -384,17 +384,24 @@ ACTIVATIONS = {"silu": F.silu, "gelu_tanh": gelu_tanh}
 
 
 class FeedForward(nn.Module):
-    """The gated MLP: down(act(gate) * up), SwiGLU or GeGLU."""
+    """The gated MLP: down(act(gate) * up), SwiGLU or GeGLU. `by_hand`: the products are written by hand (an x86
+    CPU's dot form), where a q4 SwiGLU's decode makes silu(gate) * up inside the down product's dispatch
+    (kernels.q4_linear_swiglu): one dispatch a layer fewer, of a step's ~15 a layer (the default model's decode is
+    bound by its dispatches, not its bytes: docs/BENCHMARKS.md)."""
 
-    def __init__(self, cfg: ModelConfig, fam: Family, dtype: str, matrix_units: bool = False) -> None:
+    def __init__(self, cfg: ModelConfig, fam: Family, dtype: str, matrix_units: bool = False,
+                 by_hand: bool = False) -> None:
         super().__init__()
         self.intermediate = cfg.intermediate
         self.act = ACTIVATIONS[fam.activation]
         self.w_gate_up = Linear(2 * cfg.intermediate, cfg.dim, dtype, matrix_units=matrix_units)
         self.w_down = Linear(cfg.dim, cfg.intermediate, dtype, matrix_units=matrix_units)
+        self.swiglu_by_hand = by_hand and fam.activation == "silu" and self.w_down.dtype == "q4"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.w_gate_up(x)
+        if self.swiglu_by_hand and isinstance(x.shape[0], int) and x.shape[0] == 1:
+            return q4_linear_swiglu(gate_up, *self.w_down.q4_tensors())
         gate, up = gate_up[:, : self.intermediate], gate_up[:, self.intermediate :]
         return self.w_down(self.act(gate) * up)
 
@@ -417,7 +424,8 @@ class Block(nn.Module):
         self.attention_norm, self.post_attention_norm = norm("attn"), norm("post_attn")
         self.attention = Attention(cfg, settings, layer, index, own_ring)
         self.ffn_norm, self.post_ffn_norm = norm("ffn"), norm("post_ffn")
-        self.feed_forward = FeedForward(cfg, fam, settings.dtype, TABLE[settings.device].matrix_units)
+        self.feed_forward = FeedForward(cfg, fam, settings.dtype, TABLE[settings.device].matrix_units,
+                                        dot_form(settings.device, settings.target_cpu) is not None)
 
     def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         h = self.attention(self.attention_norm(x, self.attention.wqkv.rounds_x(x)), step)

@@ -13,7 +13,8 @@ calls it.
 
 Each workgroup first quantises x (symmetric, per group: dx = max|x| / 127, llama.cpp's Q8_1) into its stack: no
 extra dispatch per product (fewer, larger workgroups, which quantise x fewer times, were no faster on the default
-model).
+model). q4's product of SwiGLU's down matrix can take gate | up instead and make silu(gate) * up as it quantises
+(`swiglu`), in fewer workgroups (swiglu_tiles_per_workgroup): the activation's own dispatch goes.
 
 q4 (`q4_executable`). Layout (engine/exporter/q4.py, `tile_q4`): tiles of Q4_TILE_ROWS = 16 rows (one zmm of int32,
 two ymm); per group of 32 positions four 64-byte blocks, block h's byte 4r + j holding row r's codes at positions
@@ -59,15 +60,45 @@ def tiles_per_workgroup(tiles: int) -> int:
     return max(1, tiles // WORKGROUPS)
 
 
-def quantise_group(x_type: str) -> str:
+# Tiles a workgroup of the SwiGLU down product takes at least: each workgroup makes the whole of silu(gate) * up
+# (an exp and a division a weight of x) before its rows, so it needs rows enough to outweigh that. The default
+# model's decode, 36 tiles: 16 workgroups made it 0.936x as fast as a dispatch of its own for the activation, 4
+# 1.043x, 2 1.062x and 1.089x (bench/decode_ab.py, 20-32 pairs, Zen 5: docs/BENCHMARKS.md).
+SWIGLU_MIN_TILES = 16
+
+
+def swiglu_tiles_per_workgroup(tiles: int) -> int:
+    """Tiles each workgroup of the SwiGLU down product computes: as few workgroups as give each SWIGLU_MIN_TILES,
+    a power of two (an even share for two or more threads), at most WORKGROUPS."""
+    workgroups = 1
+    while workgroups * 2 <= min(WORKGROUPS, tiles // SWIGLU_MIN_TILES):
+        workgroups *= 2
+    return -(-tiles // workgroups)
+
+
+def quantise_group(x_type: str, swiglu: int = 0) -> str:
     """Body that quantises group %c of %x (`x_type`, k floats) into %q32 (vector<8xi32>: its 32 int8), %dx (its
     scale, max|x| / 127) and %dxs (dx * sum q), rounding to nearest even: the one definition of x's rounding,
     decode's and prefill's alike (engine/exporter/kernels/prefill_products.py). `maximumf`, not `maxnumf`: |x| holds no NaN
     that the latter's extra compares would skip, and without them the quantising dispatch of 512 rows x 576 took
-    0.15 ms instead of 0.20."""
-    return f"""
+    0.15 ms instead of 0.20.
+
+    `swiglu` (k): x is SwiGLU's gate and up, [2k], and the group is silu(gate) * up (x / (1 + exp(-x)), as torch's
+    silu), made here so that the down product needs no dispatch of its own for it."""
+    if not swiglu:
+        return f"""
         %p = arith.muli %c, %c32 : index
         %v = vector.load %x[%p] : {x_type}, vector<32xf32>""" + quantise_vector("v", "")
+    return f"""
+        %p = arith.muli %c, %c32 : index
+        %g = vector.load %x[%p] : {x_type}, vector<32xf32>
+        %pu = arith.addi %p, %cup : index
+        %up = vector.load %x[%pu] : {x_type}, vector<32xf32>
+        %ng = arith.negf %g : vector<32xf32>
+        %eg = math.exp %ng : vector<32xf32>
+        %dg = arith.addf %eg, %ones32 : vector<32xf32>
+        %sg = arith.divf %g, %dg : vector<32xf32>
+        %v = arith.mulf %sg, %up : vector<32xf32>""" + quantise_vector("v", "")
 
 
 def quantise_vector(v: str, n: str) -> str:
@@ -91,14 +122,17 @@ def quantise_vector(v: str, n: str) -> str:
         %dxs{n} = arith.mulf %dx{n}, %sumf{n} : f32"""
 
 
-def _quantise_x(k: int, groups: int) -> str:
+def _quantise_x(k: int, groups: int, swiglu: bool = False) -> str:
     """Body that quantises %x [k] into %xq [groups x 8] i32 (the group's 32 int8), %xd [groups] (dx) and %xm
-    [groups] (dx * sum q)."""
-    return f"""
+    [groups] (dx * sum q); with `swiglu`, silu(gate) * up of %x [2k] (quantise_group)."""
+    constants = f"""
+      %cup = arith.constant {k} : index
+      %ones32 = arith.constant dense<1.0> : vector<32xf32>""" if swiglu else ""
+    return constants + f"""
       %xq = memref.alloca() : memref<{groups}x8xi32>
       %xd = memref.alloca() : memref<{groups}xf32>
       %xm = memref.alloca() : memref<{groups}xf32>
-      scf.for %c = %c0 to %cg step %c1 {{{quantise_group(f"memref<{k}xf32>")}
+      scf.for %c = %c0 to %cg step %c1 {{{quantise_group(f"memref<{2 * k if swiglu else k}xf32>", swiglu and k)}
         vector.store %q32, %xq[%c, %c0] : memref<{groups}x8xi32>, vector<8xi32>
         memref.store %dx, %xd[%c] : memref<{groups}xf32>
         memref.store %dxs, %xm[%c] : memref<{groups}xf32>
@@ -230,7 +264,7 @@ stream.executable private @{name} {{
       %four32 = arith.constant dense<4> : vector<32xi8>
       %ones16 = arith.constant dense<1> : vector<16xi16>
 {offsets}
-      %x = stream.binding.subspan %xb[%c0] : !stream.binding -> memref<{k}xf32>
+      %x = stream.binding.subspan %xb[%c0] : !stream.binding -> memref<{xk}xf32>
 {subspans}
 {quantise}
       %wg = stream.dispatch.workgroup.id[0] : index
@@ -394,17 +428,19 @@ def q4_prefetch(tiles: int, groups: int) -> str:
     return "".join(f"\n          {line}" for line in lines)
 
 
-def _executable(name: str, tiles: int, k: int, bindings: str, subspans: str, tile: str) -> str:
+def _executable(name: str, tiles: int, k: int, bindings: str, subspans: str, tile: str, swiglu: bool = False) -> str:
     groups = k // Q4_GROUP
-    per_workgroup = tiles_per_workgroup(tiles)
+    per_workgroup = tiles_per_workgroup(tiles) if not swiglu else swiglu_tiles_per_workgroup(tiles)
     return _EXECUTABLE.format(
         name=name, workgroups=-(-tiles // per_workgroup), groups=groups, nb=tiles, per_workgroup=per_workgroup, k=k,
-        bindings=bindings, offsets=index_constants(), subspans=subspans, quantise=_quantise_x(k, groups), tile=tile)
+        xk=2 * k if swiglu else k, bindings=bindings, offsets=index_constants(), subspans=subspans,
+        quantise=_quantise_x(k, groups, swiglu), tile=tile)
 
 
-def q4_executable(form: str, name: str, tiles: int, k: int) -> str:
+def q4_executable(form: str, name: str, tiles: int, k: int, swiglu: bool = False) -> str:
     """The `stream.executable` @name (export and function both named so) computing out [tiles x 16] f32 from
-    x [k] f32, the codes [tiles x groups x Q4_GROUP_BYTES] i8 and the group numbers (q4_number_types)."""
+    x [k] f32, the codes [tiles x groups x Q4_GROUP_BYTES] i8 and the group numbers (q4_number_types); with
+    `swiglu`, from silu(gate) * up of x [2k] = gate | up (the FFN's down product)."""
     groups = k // Q4_GROUP
     body, isum = _Q4_GROUPS[form]()
     subspans = f"""
@@ -414,14 +450,16 @@ def q4_executable(form: str, name: str, tiles: int, k: int) -> str:
     tile = _Q4_TILE.format(nb=tiles, groups=groups, group=body.format(nb=tiles, groups=groups), isum=isum,
                            prefetch=q4_prefetch(tiles, groups), units=q4_super_units(tiles, groups, "        "),
                            factors=q4_group_factors(tiles, groups, "          "))
-    return _executable(name, tiles, k, f"%qb: !stream.binding, {Q4_NUMBER_BINDINGS}", subspans, tile)
+    return _executable(name, tiles, k, f"%qb: !stream.binding, {Q4_NUMBER_BINDINGS}", subspans, tile, swiglu)
 
 
-def q4_call(name: str, tiles: int, k: int, x: str, q: str, numbers: tuple[str, ...], out: str) -> str:
+def q4_call(name: str, tiles: int, k: int, x: str, q: str, numbers: tuple[str, ...], out: str,
+            swiglu: bool = False) -> str:
     """The `flow.dispatch` of q4_executable @name, binding `out` (tensor<tiles x 16 x f32>); `numbers`: the
-    values of the matrix's group numbers (q4.Q4_NUMBERS' order)."""
+    values of the matrix's group numbers (q4.Q4_NUMBERS' order); `swiglu`: x is gate | up, [2k]."""
     groups = k // Q4_GROUP
-    return (f"{out} = flow.dispatch @{name}::@{name}({x}, {q}, {', '.join(numbers)}) : (tensor<{k}xf32>, "
+    xk = 2 * k if swiglu else k
+    return (f"{out} = flow.dispatch @{name}::@{name}({x}, {q}, {', '.join(numbers)}) : (tensor<{xk}xf32>, "
             f"tensor<{tiles}x{groups}x{Q4_GROUP_BYTES}xi8>, {q4_number_types(tiles, groups)}) "
             f"-> tensor<{tiles}x16xf32>")
 

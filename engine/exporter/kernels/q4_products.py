@@ -1,8 +1,9 @@
-"""q4's matrix products as custom ops (needs torch and turbine at export): 4-bit codes with group scales and
-offsets in the tiled layout (engine/exporter/q4.py). `q4_linear` and prefill's `q4_linear_parts` (q, k and v in
-three outputs). Forms by the rows multiplied and the plan (plan.py): on an x86 CPU both written by hand with
-integer dot products (dot_products.py for one row, prefill_products.py for many); otherwise one generic, which on
-a cpu carries an llvm-cpu lowering that keeps a row per vector lane, and off it reads the codes a byte at a time.
+"""q4's matrix products as custom ops (needs torch and turbine at export): 4-bit codes with group scales and offsets in
+the tiled layout (engine/exporter/q4.py). `q4_linear`, prefill's `q4_linear_parts` (q, k and v in three outputs) and
+decode's `q4_linear_swiglu` (SwiGLU's down product, its activation made inside it: x86 only). Forms by the rows
+multiplied and the plan (plan.py): on an x86 CPU written by hand with integer dot products (dot_products.py for
+one row, prefill_products.py for many); otherwise one generic, which on a cpu carries an llvm-cpu lowering that
+keeps a row per vector lane, and off it reads the codes a byte at a time.
 """
 from __future__ import annotations
 
@@ -24,6 +25,13 @@ def q4_linear(x: torch.Tensor, packed: torch.Tensor, *numbers: torch.Tensor) -> 
     custom op in an export, plain torch otherwise."""
     lead = x.shape[:-1]
     return _ops()["q4"](x.reshape(-1, x.shape[-1]), packed, *numbers).reshape(*lead, packed.shape[0] * Q4_TILE)
+
+
+def q4_linear_swiglu(gate_up: torch.Tensor, packed: torch.Tensor, *numbers: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up @ W.T for decode's one row gate_up [1, 2 x in] = gate | up and a tiled q4 matrix W [out, in]:
+    SwiGLU's down product, the activation made inside the product's hand-written dispatch as it rounds x
+    (dot_products.quantise_group), where it was a dispatch of its own (an x86 CPU's decode only)."""
+    return _ops()["q4_swiglu"](gate_up, packed, *numbers)
 
 
 def q4_linear_parts(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
@@ -368,8 +376,10 @@ def register(kit: Kit) -> dict:
                 results=", ".join(f"%s{i}" for i in range(len(outs))))
         emit(kb, name, asm)
 
-    def q4_sizes(kb: KernelBuilder) -> tuple[dict, int, int]:
-        (_, k), (nb, groups, gb) = shape(kb, 0), shape(kb, 1)
+    def q4_sizes(kb: KernelBuilder, k: int | None = None) -> tuple[dict, int, int]:
+        """The template sizes of a q4 product whose x is k wide (default: argument 0's width)."""
+        (_, width), (nb, groups, gb) = shape(kb, 0), shape(kb, 1)
+        k = width if k is None else k
         per = super_groups(groups)
         return (dict(nb=nb, n=nb * Q4_TILE, k=k, gb=gb, gc=2 * gb, gw=gb // 4, t=Q4_TILE, groups=groups,
                      g=k // groups, per=per, supers=groups // per), nb, k)
@@ -425,6 +435,32 @@ def register(kit: Kit) -> dict:
                 slices=slices, results="%p0, %p1, %p2", result_types=", ".join(types), **sizes), rows))
 
     @CustomOp.register(library=library)
+    class mv_q4_swiglu(CustomOp):
+        signature = "mv_q4_swiglu(Tensor a, Tensor qs, Tensor d, Tensor m, Tensor u) -> (Tensor)"
+
+        def select(self, ksel: KernelSelection) -> None:
+            select(ksel, 5, Q4_TILE)
+
+        def eager_execute(self, a, qs, d, m, u):
+            k = a.shape[1] // 2
+            return (torch.nn.functional.silu(a[:, :k]) * a[:, k:]) @ dense_q4(qs, d, m, u).T
+
+        def generate(self, ksel: KernelSelection, kb: KernelBuilder) -> None:
+            (rows, k2), (nb, groups, gb) = shape(kb, 0), shape(kb, 1)
+            form = active().dot_form
+            if rows != 1 or form is None:
+                raise NotImplementedError(f"the SwiGLU down product is decode's by hand only (asked: {rows} rows, "
+                                          f"dot form {form})")
+            sizes, _, k = q4_sizes(kb, k2 // 2)
+            name = f"eddy_mv_q4_swiglu_{nb * Q4_TILE}x{k}_{form}"
+            exe = f"eddy_q4_swiglu_{nb * Q4_TILE}x{k}_{form}"
+            emit(kb, name, MV_X86.format(
+                name=name, args=_Q4_ARGS.format(**sizes), executable=dot_products.q4_executable(
+                    form, exe, nb, k, swiglu=True),
+                call=dot_products.q4_call(exe, nb, k, "%a1", "%qs", Q4_ARG_NAMES, "%r", swiglu=True),
+                **{**sizes, "k": k2}))
+
+    @CustomOp.register(library=library)
     class mmt_q4(CustomOp):
         signature = "mmt_q4(Tensor a, Tensor qs, Tensor d, Tensor m, Tensor u) -> (Tensor)"
 
@@ -461,4 +497,4 @@ def register(kit: Kit) -> dict:
                     emit(kb, name, _MV_Q4_BYTES.format(name=name, **sizes))
 
 
-    return {"q4": mmt_q4, "q4_parts": mmt_q4_parts}
+    return {"q4": mmt_q4, "q4_parts": mmt_q4_parts, "q4_swiglu": mv_q4_swiglu}
