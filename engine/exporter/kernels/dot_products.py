@@ -132,7 +132,7 @@ def _quantise_x(k: int, groups: int, swiglu: bool = False) -> str:
       %xq = memref.alloca() : memref<{groups}x8xi32>
       %xd = memref.alloca() : memref<{groups}xf32>
       %xm = memref.alloca() : memref<{groups}xf32>
-      scf.for %c = %c0 to %cg step %c1 {{{quantise_group(f"memref<{2 * k if swiglu else k}xf32>", swiglu and k)}
+      scf.for %c = %c0 to %cg step %c1 {{{quantise_group(f"memref<{2 * k if swiglu else k}xf32>", k if swiglu else 0)}
         vector.store %q32, %xq[%c, %c0] : memref<{groups}x8xi32>, vector<8xi32>
         memref.store %dx, %xd[%c] : memref<{groups}xf32>
         memref.store %dxs, %xm[%c] : memref<{groups}xf32>
