@@ -339,7 +339,7 @@ def test_an_abandoned_non_streaming_request_frees_the_engine_within_a_second(gua
     def abandon() -> float:
         """Sends a long non-streaming request, leaves once it runs; the seconds until the engine is free."""
         sock = socket.create_connection(("127.0.0.1", guarded.port), timeout=30)
-        body = _chat(max_tokens=30000, temperature=0.8)
+        body = _chat(max_tokens=30000, temperature=0.8, seed=7)  # one sample path: a random EOS ends it early
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer test-key\r\n"
                      b"Content-Type: application/json\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
         deadline = time.monotonic() + 30
