@@ -185,6 +185,15 @@ def test_decode_gets_the_vectorised_product_on_cpu_and_prefill_the_widening_one(
     assert f"@eddy_mm_{op}" in prefill and "compilation_info" not in prefill
 
 
+def rounded(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, k] in groups of 32 rounded to int8 as the kernels do it, in float32: (q, dx) per group."""
+    xg = x.reshape(len(x), -1, Q4_GROUP).float()
+    amax = xg.abs().amax(-1)
+    dx = amax * torch.tensor(1 / 127, dtype=torch.float32)
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    return torch.round(xg * inv.unsqueeze(-1)), dx
+
+
 def _host_forms() -> list[str | None]:
     """The decode forms this machine can run: the generic one, and each hand-written one whose instructions it has."""
     from engine.devices import host_dot_forms
@@ -269,14 +278,6 @@ def test_each_product_form_is_the_codes_times_x_quantised_per_group(dtype, form,
     # q4's products multiply by the tiled numbers (split into factors and units), which untile_q4 joins.
     rows = untile_q4(stored_matrix(w, dtype, tiled=True)) if dtype == "q4" else stored_matrix(w, dtype)
     dense = dequantise_q4(*rows.values()) if dtype == "q4" else rows["weight"].float() * rows["scale"].unsqueeze(1)
-
-    def rounded(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [rows, k] in groups of 32 rounded to int8 as the kernels do it, in float32: (q, dx) per group."""
-        xg = x.reshape(len(x), -1, Q4_GROUP).float()
-        amax = xg.abs().amax(-1)
-        dx = amax * torch.tensor(1 / 127, dtype=torch.float32)
-        inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
-        return torch.round(xg * inv.unsqueeze(-1)), dx
 
     def times_codes(q: torch.Tensor, dx: torch.Tensor) -> torch.Tensor:
         q, dx = q.double(), dx.double()
@@ -444,11 +445,8 @@ def test_the_swiglu_down_product_is_its_activation_then_the_product(form, tiles,
     rows = untile_q4(stored_matrix(w, "q4", tiled=True))
     dense = dequantise_q4(*rows.values()).double()
     x = torch.nn.functional.silu(gate_up[:, :in_f]) * gate_up[:, in_f:]
-    xg = x.reshape(-1, Q4_GROUP)
-    amax = xg.abs().amax(-1, keepdim=True)
-    dx = amax * torch.tensor(1 / 127, dtype=torch.float32)
-    q = torch.round(xg * torch.where(amax > 0, 127 / amax, torch.zeros_like(amax)))
-    want = (dense @ (q * dx).reshape(-1).double()).numpy()
+    q, dx = rounded(x)
+    want = (dense @ (q * dx.unsqueeze(-1)).reshape(-1).double()).numpy()
     exact = (dense @ x.reshape(-1).double()).numpy()
     scale = np.abs(want).max()
     assert np.abs(got[0] - want).max() < 1e-5 * scale

@@ -5,10 +5,10 @@ milliseconds.
 Layers of one kind (every attribute of the block alike but its place in the cache, `Attention.index`) trace to the
 same nodes in the same order; what differs is which parameters they read, the buffer versions and residual stream
 they take from the layer before, and the literals that are their index. The trace runs each kind's first two layers
-(the model's `layers` swapped for just those); the two are compared node by node to find those literals, and every other layer is
-the first's nodes with its own parameters and index. The program that results is the one a trace of every layer
-gives, node for node (tests/test_repeated_layers.py compares the MLIR), and anything it cannot match is refused
-(NotRepeatable): the caller then traces every layer.
+(the model's `layers` swapped for just those); the two are compared node by node to find those literals, and every
+other layer is the first's nodes with its own parameters and index. The program that results is the one a trace of
+every layer gives, node for node (tests/test_repeated_layers.py compares the MLIR), and anything it cannot match is
+refused (NotRepeatable): the caller then traces every layer.
 """
 from __future__ import annotations
 

@@ -407,7 +407,9 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, settings: BuildSettings, layer: int, index: int, own_ring: bool) -> None:
+    def __init__(self, cfg: ModelConfig, settings: BuildSettings, layer: int, index: int, own_ring: bool,
+                 by_hand: bool = False) -> None:
+        """`by_hand`: the build's products are written by hand (devices.dot_form: an x86 CPU's), FeedForward's."""
         super().__init__()
         fam = family(cfg.arch)
 
@@ -424,8 +426,7 @@ class Block(nn.Module):
         self.attention_norm, self.post_attention_norm = norm("attn"), norm("post_attn")
         self.attention = Attention(cfg, settings, layer, index, own_ring)
         self.ffn_norm, self.post_ffn_norm = norm("ffn"), norm("post_ffn")
-        self.feed_forward = FeedForward(cfg, fam, settings.dtype, TABLE[settings.device].matrix_units,
-                                        dot_form(settings.device, settings.target_cpu) is not None)
+        self.feed_forward = FeedForward(cfg, fam, settings.dtype, TABLE[settings.device].matrix_units, by_hand)
 
     def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         h = self.attention(self.attention_norm(x, self.attention.wqkv.rounds_x(x)), step)
@@ -453,8 +454,10 @@ class StreamingLlama(nn.Module):
         own = [bool(ring) and i in cfg.local_layers for i in range(cfg.n_layers)]
         shared = [i for i in range(cfg.n_layers) if not own[i]]
         local = [i for i in range(cfg.n_layers) if own[i]]
+        by_hand = dot_form(settings.device, settings.target_cpu) is not None  # read from the CPU once, not a layer
         self.layers = nn.ModuleList(
-            Block(cfg, settings, i, (local if own[i] else shared).index(i), own[i]) for i in range(cfg.n_layers))
+            Block(cfg, settings, i, (local if own[i] else shared).index(i), own[i], by_hand)
+            for i in range(cfg.n_layers))
         self.sink_tables = [cfg.rope_table(i) for i in shared]  # each shared layer's RoPE table (shift_sinks)
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, fam.norm_offset, one_dispatch=one_dispatch_norms(cfg, settings))
         self.output = None if cfg.tie_embeddings else Linear(cfg.vocab_size, cfg.dim, head, matrix_units=units)
