@@ -26,9 +26,12 @@ def untile_q8(t: torch.Tensor) -> torch.Tensor:
 
 
 def tiled_rows(tiled: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Rows `ids` [n] of a tiled q8 matrix (tile_q8), as [n, in] (a tied embedding's lookup): the tile of each,
-    then its row."""
+    """Rows `ids` [n] of a tiled q8 matrix (tile_q8), as [n, in] (a tied embedding's lookup, decode's refined logits):
+    each row's bytes picked out of its tile by one gather. Taking each row's whole tile first and then the row copied
+    32 rows for each: 4 MB for 64 ids of a 1B's head, 5 ms where this takes 0.17."""
     tiles, quads, _ = tiled.shape
-    tile = torch.nn.functional.embedding(torch.div(ids, TILE, rounding_mode="floor"), tiled.reshape(tiles, -1))
-    row = torch.remainder(ids, TILE).reshape(-1, 1, 1, 1).expand(-1, quads, 1, 4)
-    return torch.gather(tile.reshape(-1, quads, TILE, 4), 2, row).reshape(-1, quads * 4)
+    # Each row's 4 bytes at each step: [tiles x steps x TILE, 4], row r of tile t at step q being (t x steps + q) x
+    # TILE + r. An embedding lookup, where advanced indexing over a dynamic count failed to lower in IREE.
+    tile, row = torch.div(ids, TILE, rounding_mode="floor").reshape(-1, 1), torch.remainder(ids, TILE).reshape(-1, 1)
+    at = (tile * quads + torch.arange(quads).reshape(1, -1)) * TILE + row
+    return torch.nn.functional.embedding(at, tiled.reshape(-1, 4)).reshape(-1, quads * 4)
