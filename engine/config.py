@@ -61,6 +61,13 @@ PIN_SLOTS = 128
 # empty slots read): the slot count is a dynamic dimension of the module, and blocks of a fixed size give IREE a
 # static innermost dimension to vectorise the softmax along (engine/exporter/model.py). The cache has whole blocks.
 ATTEND_STEP = 16
+# A head of at least this many weights (vocabulary x width) is read by a q4 decode in 4 bits (a 1B's 8-bit head was a
+# third of its step's bytes), and the REFINED_ROWS likeliest logits made again from its 8-bit rows by a second call
+# (engine/exporter/model.py, coarse_head). Under it a step's bytes are mostly its layers' and the second call costs
+# more than it saves (the default model's head is 28M).
+COARSE_HEAD_WEIGHTS = 64 << 20
+# Enough for every sampler setting that truncates (top-k up to 64, and top-p / min-p in all but flat distributions).
+REFINED_ROWS = 64
 ROPE_TYPES = ("default", "linear", "llama3")  # what engine/run/rope.py computes
 
 
@@ -153,6 +160,13 @@ class ModelConfig:
                 and len(self.local_layers) < self.n_layers):
             return self.local_window
         return 0
+
+    def coarse_head(self, settings: "BuildSettings") -> bool:
+        """Whether decode's logits come from a 4-bit copy of the head, the likeliest then made again from the 8-bit
+        head's rows (engine/exporter/model.py, StreamingLlama.refine): a q4 build on a CPU whose head is big enough
+        that its bytes matter (COARSE_HEAD_WEIGHTS) and makes whole q4 groups and tiles."""
+        return (settings.dtype == "q4" and settings.device == "cpu" and self.dim % Q4_GROUP == 0
+                and self.vocab_size % Q4_TILE_ROWS == 0 and self.vocab_size * self.dim >= COARSE_HEAD_WEIGHTS)
 
     def prefill_bound(self, settings: "BuildSettings") -> int:
         """Most tokens one prefill call may feed: a call never wraps a ring onto tokens it still reads."""

@@ -166,6 +166,37 @@ def test_the_default_quantised_build_runs_a_turn(real: RealCase, dtype: str) -> 
         assert cosine > FOLLOWS[dtype], (real.checkpoint, dtype, i, cosine)
 
 
+def test_q4_decode_has_its_likeliest_logits_from_the_8_bit_head(real: RealCase) -> None:
+    """Every family's smallest head is big enough that a q4 build's decode reads a 4-bit copy of it and has the
+    REFINED_ROWS likeliest logits made again from the 8-bit head's rows (engine/exporter/model.py, coarse_head).
+    Those are the 8-bit head's own (its logits for every token, by refine, follow prefill's product of it), the best
+    token among them; the rest follow the 8-bit head as 4 bits do."""
+    from engine.config import REFINED_ROWS
+
+    eng = _open(real, real.gguf, "q4")
+    assert eng.module.refines
+    eng.reset()
+    eng.prefill(real.ids[:FIRST])
+    before = eng.snapshot()
+    got = eng.decode(real.ids[FIRST])
+    vocab = eng.cfg.vocab_size
+    every = np.arange(-(-vocab // REFINED_ROWS) * REFINED_ROWS) % vocab  # whole calls of refine
+    head = np.concatenate([eng.module.refine(ids) for ids in every.reshape(-1, REFINED_ROWS)])[:vocab]
+    eng.restore(before)
+    # Prefill's product of the 8-bit head rounds x to 8 bits (kernels/prefill_products.py), refine does not: rows
+    # taken from the wrong place score near 0 here.
+    assert _cosine(head, eng.prefill([real.ids[FIRST]])) > 0.999
+    refined = np.flatnonzero(np.isclose(got, head, rtol=1e-6, atol=1e-6))
+    assert refined.size >= REFINED_ROWS
+    assert set(np.argsort(-head)[:10]) <= set(refined), real.checkpoint
+    assert got.argmax() == head.argmax()
+    assert _cosine(got, head) > 0.99
+
+
+def _cosine(a: np.ndarray, b: np.ndarray) -> float:
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
 @pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
 def test_prefill_attention_keeps_within_the_stack_limit_at_every_real_head_size(head_dim: int) -> None:
     """IREE refuses a CPU dispatch whose stack allocations pass 32 kB, on every CPU level (it counts the

@@ -95,14 +95,14 @@ def test_top_k_candidates_are_the_k_largest(k, case):
     """The sampler's top-k (a floor from the blocks' maxima, then a partition of what clears it) takes the same
     values as a partition of every logit: with masked (-inf) logits, with ties at the k-th, with a vocab too short
     for the floor."""
-    from engine.run.sampling import _top_k
+    from engine.run.sampling import largest
 
     logits = random_logits(k, n=300 if case == "short" else VOCAB + 17)
     if case == "masked":
         logits[np.random.default_rng(k).integers(0, logits.size, logits.size // 2)] = -np.inf
     if case == "ties":
         logits = np.round(logits)
-    got = _top_k(logits, k)
+    got = largest(logits, k)
     assert got.size == k == np.unique(got).size
     assert np.array_equal(np.sort(logits[got]), np.sort(logits[np.argpartition(logits, -k)[-k:]]))
 

@@ -48,8 +48,8 @@ def matrix_bytes(rows: int, cols: int, dtype: str) -> int:
 
 
 def weights_bytes(cfg: ModelConfig, settings: BuildSettings) -> int:
-    """Bytes of weights.irpa's tensors: each matrix in the build's dtype (the LM head of a q4 build in q8),
-    norms and biases in float32."""
+    """Bytes of weights.irpa's tensors: each matrix in the build's dtype (the LM head of a q4 build in q8, and in q4
+    too where decode reads a 4-bit copy of it: ModelConfig.coarse_head), norms and biases in float32."""
     dtype = settings.dtype
     head = "q8" if dtype == "q4" else dtype
 
@@ -66,7 +66,8 @@ def weights_bytes(cfg: ModelConfig, settings: BuildSettings) -> int:
     if fam.qk_norm:
         layer += 2 * cfg.head_dim * NORM_BYTES
     embeddings = matrix_bytes(cfg.vocab_size, cfg.dim, head) + (
-        0 if cfg.tie_embeddings else matrix(cfg.vocab_size, cfg.dim))
+        0 if cfg.tie_embeddings else matrix(cfg.vocab_size, cfg.dim)) + (
+        matrix(cfg.vocab_size, cfg.dim) if cfg.coarse_head(settings) else 0)
     return embeddings + cfg.dim * NORM_BYTES + cfg.n_layers * layer
 
 

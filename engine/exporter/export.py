@@ -19,7 +19,7 @@ import torch
 import iree.turbine.aot as aot
 from iree.turbine.aot.compiled_module import ExportTargetDef
 
-from ..config import ATTEND_STEP, BuildSettings, ModelConfig
+from ..config import ATTEND_STEP, REFINED_ROWS, BuildSettings, ModelConfig
 from ..devices import TABLE, compile_flags, dot_form
 from ..errors import ArtefactError, BuildCancelled
 from ..paths import artefacts_root, cache_dir
@@ -82,6 +82,11 @@ class _Decode(_Entry):
 class _Score(_Entry):
     def forward(self, targets):
         return self.root.score(targets)
+
+
+class _Refine(_Entry):
+    def forward(self, ids):
+        return self.root.refine(ids)
 
 
 class _Reset(_Entry):
@@ -148,6 +153,8 @@ def _export_module(model: StreamingLlama, trace: Callable[..., None]) -> "aot.Ex
             trace(fxb, score_name(n), _Score(model), (torch.zeros(n, dtype=torch.int64),), one_pass=one_pass)
     else:
         _trace_dynamic(fxb, model, trace)
+    if model.coarse_head is not None:
+        trace(fxb, "refine", _Refine(model), (torch.zeros(REFINED_ROWS, dtype=torch.int64),), one_pass=one_pass)
     trace(fxb, "reset", _Reset(model), (), one_pass=one_pass)
     trace(fxb, "snapshot", _Snapshot(model), (), one_pass=one_pass)
     trace(fxb, "restore", _Restore(model), tuple(torch.zeros_like(b) for b in model.state()), one_pass=one_pass)

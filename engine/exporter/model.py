@@ -461,6 +461,9 @@ class StreamingLlama(nn.Module):
         self.sink_tables = [cfg.rope_table(i) for i in shared]  # each shared layer's RoPE table (shift_sinks)
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, fam.norm_offset, one_dispatch=one_dispatch_norms(cfg, settings))
         self.output = None if cfg.tie_embeddings else Linear(cfg.vocab_size, cfg.dim, head, matrix_units=units)
+        # Decode's logits from a 4-bit copy of the head (the 8-bit head was a third of a 1B decode step's bytes); the
+        # host has the likeliest made again from the 8-bit head's rows (refine), so sampling sees 8-bit logits.
+        self.coarse_head = Linear(cfg.vocab_size, cfg.dim, "q4") if cfg.coarse_head(settings) else None
         # One cache global for all shared layers (and one ring for the local ones): with many per-layer globals a
         # zero-splat initialiser gave wrong logits in IREE. Their type is the build's kv_dtype (values are written
         # rounded to it and read back widened to float32), the sinks' original keys' too: they hold the keys as the
@@ -482,7 +485,7 @@ class StreamingLlama(nn.Module):
                              persistent=False)
         # The last prefill call's final hidden rows, which `score` turns into log-probabilities: scoring is then a
         # small program over them, not a third copy of the whole model in the module (tracing and compiling that
-        # copy was a third of a new model's build).
+        # copy was a third of a new model's build). A decode with a coarse head leaves its row first, for refine.
         self.register_buffer("scored", torch.zeros(cfg.prefill_bound(settings), cfg.dim), persistent=False)
 
     @classmethod
@@ -571,7 +574,9 @@ class StreamingLlama(nn.Module):
                               to_kv(shifted.transpose(1, 2), self.cache))
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
-        logits = (self.tok_embeddings if self.output is None else self.output)(x)
+        return self.capped((self.tok_embeddings if self.output is None else self.output)(x))
+
+    def capped(self, logits: torch.Tensor) -> torch.Tensor:
         cap = self.cfg.final_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
@@ -588,7 +593,17 @@ class StreamingLlama(nn.Module):
 
     def decode(self, tokens, slots, rope, shift, slot_pos, token_pos) -> torch.Tensor:
         """prefill for exactly one token, with single-query attention."""
-        return self.head(self.hidden(tokens, slots, rope, shift, slot_pos, token_pos, single=True))
+        x = self.hidden(tokens, slots, rope, shift, slot_pos, token_pos, single=True)
+        if self.coarse_head is None:
+            return self.head(x)
+        self.scored.narrow(0, 0, 1).copy_(x)  # what refine multiplies
+        return self.capped(self.coarse_head(x))
+
+    def refine(self, ids: torch.Tensor) -> torch.Tensor:
+        """The logits of tokens `ids` [REFINED_ROWS] after the last decode, from the 8-bit head's rows: the head's
+        own numbers for them, where decode's came from its 4-bit copy (coarse_head)."""
+        rows = (self.tok_embeddings if self.output is None else self.output).rows(ids)
+        return self.capped((rows * self.scored.narrow(0, 0, 1)).sum(-1))
 
     def score(self, targets) -> torch.Tensor:
         """log p(targets[i] | the last prefill call's tokens up to i) for each of its n tokens [n] (perplexity)."""
@@ -630,6 +645,8 @@ class StreamingLlama(nn.Module):
         out = [Piece("tok_embeddings", ("model.embed_tokens.weight",), "matrix")]
         if self.output is not None:
             out.append(Piece("output", ("lm_head.weight",), "matrix"))
+        if self.coarse_head is not None:  # from the head's own checkpoint tensor, the last piece
+            out.append(Piece("coarse_head", out[-1].sources, "matrix"))
         out.append(Piece("norm", ("model.norm.weight",), "norm"))
         for i, block in enumerate(self.layers):
             p, m = f"model.layers.{i}.", f"layers.{i}."

@@ -13,7 +13,8 @@ import numpy as np
 import iree.runtime as rt
 
 from . import rope
-from ..config import ATTEND_STEP, BuildSettings, ModelConfig
+from .sampling import largest
+from ..config import ATTEND_STEP, REFINED_ROWS, BuildSettings, ModelConfig
 from ..events import CacheStats
 from ..devices import driver
 from ..errors import ArtefactError, DeviceError
@@ -50,6 +51,8 @@ class CompiledModule:
             functions = self._functions = self.context.modules.module
             # One prefill, decode and score of dynamic shapes (a CPU build), or one per call shape (engine/shapes.py).
             self.fixed = "prefill" not in main.function_names
+            # decode's logits come from a 4-bit copy of the head, the likeliest made again by refine (model.py).
+            self.refines = "refine" in main.function_names
             self._programs: dict[str, object] = {}  # looked up once each
             self._reset = functions["reset"]
             self._snapshot, self._restore = functions["snapshot"], functions["restore"]
@@ -102,6 +105,10 @@ class CompiledModule:
         out = self._host(self._program("decode", args)(*args))
         self._count(args[-1])
         return out
+
+    def refine(self, ids: np.ndarray) -> np.ndarray:
+        """The 8-bit head's logits of tokens `ids` [REFINED_ROWS] after the last decode."""
+        return self._host(self._function("refine")(ids))
 
     def _host(self, result: rt.DeviceArray) -> np.ndarray:
         """A call's result as an array of its own. On vulkan through a staging buffer: iree.runtime's to_host()
@@ -304,7 +311,11 @@ class StreamingEngine:
         """Appends one token; returns the logits after it [vocab]."""
         if self.position < self.sinks:  # a sink: the module's decode does not keep sink keys (Attention.write_cache)
             return self.prefill([token])
-        return self.module.decode(*self._inputs(np.array([token], dtype=np.int64)))[0]
+        logits = self.module.decode(*self._inputs(np.array([token], dtype=np.int64)))[0]
+        if self.module.refines:  # the likeliest from the 8-bit head, the rest as its 4-bit copy gave them
+            ids = largest(logits, REFINED_ROWS)
+            logits[ids] = self.module.refine(ids)
+        return logits
 
     def score(self, ids: Sequence[int], targets: Sequence[int]) -> np.ndarray:
         """Appends tokens; returns log p(targets[i]) after each [n]."""

@@ -102,7 +102,7 @@ class Sampler:
 
         ids: np.ndarray | None = None  # None: every token is a candidate
         if 0 < p.top_k < logits.size:
-            ids = _top_k(logits, p.top_k)
+            ids = largest(logits, p.top_k)
             logits = logits[ids]
         probs = _softmax(logits, p.temperature)
         if p.top_p < 1:
@@ -137,11 +137,11 @@ class Sampler:
         return out
 
 
-# Logits per block in _top_k's first pass.
+# Logits per block in largest's first pass.
 _TOP_K_BLOCK = 64
 
 
-def _top_k(logits: np.ndarray, k: int) -> np.ndarray:
+def largest(logits: np.ndarray, k: int) -> np.ndarray:
     """Indices of the k largest logits, in no particular order. The k-th largest of the blocks' maxima is a floor
     under the k largest (those k maxima are k logits at or above it), so only the logits at or above it are
     partitioned: ~0.05 ms for 49k logits and k = 40, where a partition of them all took ~0.4 ms a token."""
